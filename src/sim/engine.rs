@@ -1,0 +1,493 @@
+//! The simulated GPU: one scheduler loop doing continuous batching over a paged KV cache.
+//!
+//! Each step decodes one token for every running sequence and prefills prompt chunks within a
+//! token budget; it lasts `base + per_seq * b + prefill_tokens / prefill_rate` (divided by the
+//! time scale). Sequences wait FCFS for a slot (`max_num_seqs`) and for KV blocks; when a
+//! growing sequence finds no free block, the most recently admitted one is preempted and will
+//! be recomputed, as vLLM does. A sequence whose receiver is gone (client left) is freed at the
+//! next step.
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+
+use super::SimError;
+use super::metrics::{EngineStats, FinishedReason};
+use super::profile::ProfileSpec;
+use super::tokenizer::{Generator, Stop};
+
+/// A step that starts this much later than planned (a stalled process, a busy machine) is
+/// re-anchored to now instead of being caught up token by token.
+const MAX_LAG: Duration = Duration::from_millis(500);
+/// How often an idle engine looks for clients that left while their sequence was stalled.
+const IDLE_TICK: Duration = Duration::from_millis(50);
+
+/// Fixed engine parameters.
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    /// The replica's physics.
+    pub spec: ProfileSpec,
+    /// Most sequences in a batch (`--max-num-seqs`).
+    pub max_num_seqs: usize,
+    /// Token budget of one step, decode and prefill together (`--max-num-batched-tokens`).
+    pub max_num_batched_tokens: u32,
+    /// KV blocks in the cache.
+    pub num_blocks: u64,
+    /// Tokens per KV block.
+    pub block_size: u32,
+    /// Context limit; generation stops there.
+    pub max_model_len: u32,
+    /// Every delay is divided by this.
+    pub time_scale: f64,
+}
+
+/// One request as the engine sees it.
+#[derive(Debug)]
+pub struct SeqParams {
+    /// Prompt tokens after the chat template.
+    pub prompt_tokens: u32,
+    /// Tokens to generate at most (already capped by the context limit).
+    pub max_tokens: u32,
+    /// Sampler and detokenizer.
+    pub generator: Generator,
+    /// Fault: cut the stream after this many tokens.
+    pub crash_after: Option<u32>,
+    /// Fault: stop producing after this many tokens.
+    pub stall_after: Option<u32>,
+    /// Fault: the sequence may not be scheduled before this wall-clock delay.
+    pub first_token_delay: Duration,
+}
+
+/// Why a sequence ended, with its exact usage.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Finish {
+    /// `stop` or `length`.
+    pub reason: FinishedReason,
+    /// The stop string that matched, if any.
+    pub stop: Option<String>,
+    /// Prompt tokens.
+    pub prompt_tokens: u32,
+    /// Generated tokens, including the one that hit a stop string.
+    pub completion_tokens: u32,
+}
+
+/// What a sequence's receiver gets.
+#[derive(Debug)]
+pub enum SeqEvent {
+    /// One generated token's text (possibly empty); the last one carries `finish`.
+    Token {
+        /// Text that may be sent now.
+        delta: String,
+        /// Set on the final token.
+        finish: Option<Finish>,
+    },
+    /// The engine died under this sequence: the connection must be cut.
+    Crashed,
+}
+
+enum Command {
+    Add(Box<Seq>),
+    CrashAll,
+}
+
+/// Cloneable access to a running engine.
+#[derive(Debug, Clone)]
+pub struct EngineHandle {
+    tx: mpsc::UnboundedSender<Command>,
+    stats: Arc<Mutex<EngineStats>>,
+}
+
+impl EngineHandle {
+    /// Starts the scheduler loop on the current runtime.
+    pub fn spawn(cfg: EngineConfig) -> (Self, tokio::task::JoinHandle<()>) {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let stats = Arc::new(Mutex::new(EngineStats::new(cfg.num_blocks)));
+        let engine = Engine {
+            free_blocks: cfg.num_blocks,
+            cfg,
+            waiting: VecDeque::new(),
+            deferred: Vec::new(),
+            running: Vec::new(),
+            stats: stats.clone(),
+        };
+        let task = tokio::spawn(engine.run(rx));
+        (Self { tx, stats }, task)
+    }
+
+    /// Queues a request; its events arrive on the returned receiver. Dropping the receiver
+    /// aborts the sequence and frees its blocks.
+    pub fn submit(&self, params: SeqParams) -> Result<mpsc::UnboundedReceiver<SeqEvent>, SimError> {
+        let (events, rx) = mpsc::unbounded_channel();
+        let now = Instant::now();
+        let not_before =
+            (!params.first_token_delay.is_zero()).then(|| now + params.first_token_delay);
+        let seq = Seq {
+            params,
+            events,
+            arrived: now,
+            not_before,
+            generated: 0,
+            computed: 0,
+            blocks: 0,
+            scheduled_at: None,
+            last_token_at: None,
+            stalled: false,
+            prompt_counted: false,
+        };
+        self.tx
+            .send(Command::Add(Box::new(seq)))
+            .map_err(|_| SimError::EngineStopped)?;
+        Ok(rx)
+    }
+
+    /// Kills every sequence as a crashing engine would.
+    pub fn crash_all(&self) {
+        let _ = self.tx.send(Command::CrashAll);
+    }
+
+    /// A copy of the statistics.
+    pub fn stats(&self) -> EngineStats {
+        self.stats
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+}
+
+#[derive(Debug)]
+struct Seq {
+    params: SeqParams,
+    events: mpsc::UnboundedSender<SeqEvent>,
+    arrived: Instant,
+    not_before: Option<Instant>,
+    generated: u32,
+    /// Tokens whose KV has been computed in the current residency (prefill progress).
+    computed: u32,
+    blocks: u64,
+    scheduled_at: Option<Instant>,
+    last_token_at: Option<Instant>,
+    stalled: bool,
+    prompt_counted: bool,
+}
+
+impl Seq {
+    fn context(&self) -> u32 {
+        self.params.prompt_tokens + self.generated
+    }
+    fn prefilling(&self) -> bool {
+        self.computed < self.context()
+    }
+    fn decoding(&self) -> bool {
+        !self.stalled && !self.prefilling()
+    }
+}
+
+/// What one step does; indices point into `running`, which does not change in between.
+struct Plan {
+    decode: Vec<usize>,
+    prefill: Vec<(usize, u32)>,
+    duration: Duration,
+}
+
+struct Engine {
+    cfg: EngineConfig,
+    free_blocks: u64,
+    waiting: VecDeque<Seq>,
+    /// Sequences held back by the slow-first-token fault (vLLM's "deferred" waiting reason).
+    deferred: Vec<Seq>,
+    /// Admitted sequences, in admission order (the last is preempted first).
+    running: Vec<Seq>,
+    stats: Arc<Mutex<EngineStats>>,
+}
+
+impl Engine {
+    async fn run(mut self, mut rx: mpsc::UnboundedReceiver<Command>) {
+        let mut clock: Option<Instant> = None;
+        loop {
+            loop {
+                match rx.try_recv() {
+                    Ok(cmd) => self.command(cmd),
+                    Err(mpsc::error::TryRecvError::Empty) => break,
+                    Err(mpsc::error::TryRecvError::Disconnected) => return,
+                }
+            }
+            self.reap_closed();
+            let now = Instant::now();
+            let plan = self.schedule(now);
+            self.publish_gauges();
+            let Some(plan) = plan else {
+                clock = None;
+                let wake = self.deferred.iter().filter_map(|s| s.not_before).min();
+                let tick = now + IDLE_TICK;
+                let until = wake.map_or(tick, |w| w.min(tick));
+                tokio::select! {
+                    cmd = rx.recv() => match cmd {
+                        Some(cmd) => self.command(cmd),
+                        None => return,
+                    },
+                    () = tokio::time::sleep_until(until) => {}
+                }
+                continue;
+            };
+            let start = match clock {
+                Some(t) if now.saturating_duration_since(t) < MAX_LAG => t,
+                _ => now,
+            };
+            let deadline = start + plan.duration.div_f64(self.cfg.time_scale);
+            if deadline <= Instant::now() {
+                tokio::task::yield_now().await;
+            } else {
+                tokio::time::sleep_until(deadline).await;
+            }
+            self.apply(plan, deadline);
+            clock = Some(deadline);
+        }
+    }
+
+    fn command(&mut self, cmd: Command) {
+        match cmd {
+            Command::Add(seq) => {
+                if seq.not_before.is_some() {
+                    self.deferred.push(*seq);
+                } else {
+                    self.waiting.push_back(*seq);
+                }
+            }
+            Command::CrashAll => {
+                let all = self
+                    .running
+                    .drain(..)
+                    .chain(self.waiting.drain(..))
+                    .chain(self.deferred.drain(..));
+                for seq in all {
+                    let _ = seq.events.send(SeqEvent::Crashed);
+                }
+                self.free_blocks = self.cfg.num_blocks;
+            }
+        }
+    }
+
+    fn blocks_for(&self, tokens: u32) -> u64 {
+        u64::from(tokens).div_ceil(u64::from(self.cfg.block_size))
+    }
+
+    /// Frees sequences whose client went away, wherever they are.
+    fn reap_closed(&mut self) {
+        let mut freed = 0;
+        self.running.retain(|s| {
+            let open = !s.events.is_closed();
+            if !open {
+                freed += s.blocks;
+            }
+            open
+        });
+        self.free_blocks += freed;
+        self.waiting.retain(|s| !s.events.is_closed());
+        self.deferred.retain(|s| !s.events.is_closed());
+    }
+
+    fn preempt(&mut self, idx: usize) {
+        let mut seq = self.running.remove(idx);
+        self.free_blocks += seq.blocks;
+        seq.blocks = 0;
+        seq.computed = 0;
+        self.waiting.push_front(seq);
+        self.lock_stats().preemptions += 1;
+    }
+
+    fn schedule(&mut self, now: Instant) -> Option<Plan> {
+        let (ready, later): (Vec<Seq>, Vec<Seq>) = self
+            .deferred
+            .drain(..)
+            .partition(|s| s.not_before.is_none_or(|t| t <= now));
+        self.deferred = later;
+        self.waiting.extend(ready);
+
+        // Room for the next token of every decoding sequence, preempting from the back.
+        let mut i = 0;
+        while i < self.running.len() {
+            if !self.running[i].decoding() {
+                i += 1;
+                continue;
+            }
+            let need = self.blocks_for(self.running[i].context() + 1);
+            let mut preempted_self = false;
+            while self.running[i].blocks < need && self.free_blocks < need - self.running[i].blocks
+            {
+                let victim = self.running.len() - 1;
+                self.preempt(victim);
+                if victim == i {
+                    preempted_self = true;
+                    break;
+                }
+            }
+            if preempted_self {
+                break;
+            }
+            let seq = &mut self.running[i];
+            if seq.blocks < need {
+                self.free_blocks -= need - seq.blocks;
+                seq.blocks = need;
+            }
+            i += 1;
+        }
+
+        let decode: Vec<usize> = (0..self.running.len())
+            .filter(|&i| self.running[i].decoding())
+            .collect();
+        let mut budget = self
+            .cfg
+            .max_num_batched_tokens
+            .saturating_sub(decode.len() as u32);
+
+        // Admit waiting sequences in order while a slot, their blocks and budget allow.
+        while let Some(front) = self.waiting.front() {
+            let need = self.blocks_for(front.context() + 1);
+            if self.running.len() >= self.cfg.max_num_seqs || need > self.free_blocks || budget == 0
+            {
+                break;
+            }
+            let Some(mut seq) = self.waiting.pop_front() else {
+                break;
+            };
+            self.free_blocks -= need;
+            seq.blocks = need;
+            seq.computed = 0;
+            seq.scheduled_at.get_or_insert(now);
+            self.running.push(seq);
+        }
+
+        let mut prefill = Vec::new();
+        for (i, seq) in self.running.iter().enumerate() {
+            if budget == 0 {
+                break;
+            }
+            if !seq.stalled && seq.prefilling() {
+                let chunk = (seq.context() - seq.computed).min(budget);
+                budget -= chunk;
+                prefill.push((i, chunk));
+            }
+        }
+        if decode.is_empty() && prefill.is_empty() {
+            return None;
+        }
+        let prefill_tokens: u64 = prefill.iter().map(|(_, c)| u64::from(*c)).sum();
+        let duration = self.cfg.spec.step_duration(decode.len(), prefill_tokens);
+        Some(Plan {
+            decode,
+            prefill,
+            duration,
+        })
+    }
+
+    fn apply(&mut self, plan: Plan, now: Instant) {
+        let mut done = vec![false; self.running.len()];
+        let stats = self.stats.clone();
+        let mut stats = stats.lock().unwrap_or_else(PoisonError::into_inner);
+        for (i, chunk) in plan.prefill {
+            let seq = &mut self.running[i];
+            seq.computed += chunk;
+            if !seq.prefilling() {
+                if !seq.prompt_counted {
+                    seq.prompt_counted = true;
+                    stats.prompt_tokens += u64::from(seq.params.prompt_tokens);
+                }
+                done[i] = self.produce(i, now, &mut stats);
+            }
+        }
+        for i in plan.decode {
+            let seq = &mut self.running[i];
+            seq.computed = seq.context();
+            done[i] = self.produce(i, now, &mut stats);
+        }
+        let mut idx = 0;
+        let mut freed = 0;
+        self.running.retain(|s| {
+            let keep = !done[idx];
+            idx += 1;
+            if !keep {
+                freed += s.blocks;
+            }
+            keep
+        });
+        self.free_blocks += freed;
+        stats.used_blocks = self.cfg.num_blocks - self.free_blocks;
+    }
+
+    /// Emits one token for `running[i]`; true when the sequence is over.
+    fn produce(&mut self, i: usize, now: Instant, stats: &mut EngineStats) -> bool {
+        let max_model_len = self.cfg.max_model_len;
+        let seq = &mut self.running[i];
+        if seq.params.crash_after.is_some_and(|n| seq.generated >= n) {
+            let _ = seq.events.send(SeqEvent::Crashed);
+            return true;
+        }
+        if seq.params.stall_after.is_some_and(|n| seq.generated >= n) {
+            seq.stalled = true;
+            return false;
+        }
+        let (mut delta, stop) = seq.params.generator.next_token();
+        seq.generated += 1;
+        stats.generation_tokens += 1;
+        if seq.generated == 1 {
+            stats
+                .ttft
+                .observe(now.duration_since(seq.arrived).as_secs_f64());
+            let queued = seq
+                .scheduled_at
+                .map_or(Duration::ZERO, |t| t.duration_since(seq.arrived));
+            stats.queue_time.observe(queued.as_secs_f64());
+        } else if let Some(last) = seq.last_token_at {
+            stats.itl.observe(now.duration_since(last).as_secs_f64());
+        }
+        seq.last_token_at = Some(now);
+        let reason = match &stop {
+            Some(Stop::String(_)) => Some(FinishedReason::Stop),
+            None if seq.generated >= seq.params.max_tokens || seq.context() >= max_model_len => {
+                delta.push_str(&seq.params.generator.flush());
+                Some(FinishedReason::Length)
+            }
+            None => None,
+        };
+        let finish = reason.map(|reason| Finish {
+            reason,
+            stop: stop.map(|Stop::String(s)| s),
+            prompt_tokens: seq.params.prompt_tokens,
+            completion_tokens: seq.generated,
+        });
+        let over = finish.is_some();
+        if let Some(f) = &finish {
+            stats.finished(f.reason);
+            stats
+                .e2e
+                .observe(now.duration_since(seq.arrived).as_secs_f64());
+            stats
+                .request_prompt_tokens
+                .observe(f64::from(f.prompt_tokens));
+            stats
+                .request_generation_tokens
+                .observe(f64::from(f.completion_tokens));
+        }
+        // A failed send means the client left: the sequence is aborted like in vLLM, which
+        // does not count aborts as successes.
+        seq.events.send(SeqEvent::Token { delta, finish }).is_err() || over
+    }
+
+    fn publish_gauges(&self) {
+        let mut stats = self.lock_stats();
+        stats.running = self.running.len() as u64;
+        stats.waiting_capacity = self.waiting.len() as u64;
+        stats.waiting_deferred = self.deferred.len() as u64;
+        stats.used_blocks = self.cfg.num_blocks - self.free_blocks;
+    }
+
+    fn lock_stats(&self) -> std::sync::MutexGuard<'_, EngineStats> {
+        self.stats.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,253 @@
+//! `switchyard sim`: a stand-in for a GPU node running vLLM, faithful on the wire and in time.
+//!
+//! [`SimServer`] serves vLLM's OpenAI API, `/metrics`, `/health`, `/version` and `/tokenize`
+//! on one port, backed by a continuous-batching [`engine`] whose timing and KV capacity come
+//! from a [`Profile`]. Faults for drills are set by flag or through `/sim/faults`.
+
+mod engine;
+mod faults;
+mod http;
+mod metrics;
+mod profile;
+mod tokenizer;
+mod wire;
+
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+
+pub use engine::EngineConfig;
+pub use faults::FaultSpec;
+pub use metrics::EngineStats;
+pub use profile::{Profile, ProfileSpec};
+pub use tokenizer::{ChatMessage, SimTokenizer};
+
+/// Tokens per KV block, as vLLM's default on GPUs.
+pub const BLOCK_SIZE: u32 = 16;
+
+/// Failures of the simulator.
+#[derive(Debug, thiserror::Error)]
+pub enum SimError {
+    /// The request is malformed or impossible.
+    #[error("{0}")]
+    BadRequest(String),
+    /// The embedded tokenizer or template failed.
+    #[error("tokenizer: {0}")]
+    Tokenizer(String),
+    /// The engine loop is gone.
+    #[error("engine stopped")]
+    EngineStopped,
+    /// The configuration cannot describe a working engine.
+    #[error("invalid configuration: {0}")]
+    Config(String),
+    /// Binding or serving failed.
+    #[error("io: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+/// What happens when the exit fault fires.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ExitMode {
+    /// Exit the whole process with status 137, like a killed pod (the `sim` command).
+    Process,
+    /// Cut every stream and stop listening, leaving the process alive (embedded sims).
+    #[default]
+    Embedded,
+}
+
+/// Everything `switchyard sim` can be told.
+#[derive(Debug, Clone)]
+pub struct SimConfig {
+    /// Model name served, exactly as the server knows it.
+    pub model: String,
+    /// Model size and hardware.
+    pub profile: Profile,
+    /// Every delay is divided by this (tests run at 10–100).
+    pub time_scale: f64,
+    /// `--max-num-seqs`: most sequences in a batch.
+    pub max_num_seqs: usize,
+    /// `--max-model-len`; the profile's default when absent.
+    pub max_model_len: Option<u32>,
+    /// `--max-num-batched-tokens`: per-step token budget (chunked prefill).
+    pub max_num_batched_tokens: u32,
+    /// `--gpu-memory-utilization`.
+    pub gpu_memory_utilization: f64,
+    /// `--num-gpu-blocks-override`: a KV cache of exactly this many blocks.
+    pub num_gpu_blocks_override: Option<u64>,
+    /// Faults in force from the start.
+    pub faults: FaultSpec,
+    /// What the exit fault does.
+    pub exit_mode: ExitMode,
+}
+
+impl Default for SimConfig {
+    fn default() -> Self {
+        Self {
+            model: "llama-3.1-8b-instruct".into(),
+            profile: Profile::B8,
+            time_scale: 1.0,
+            max_num_seqs: 256,
+            max_model_len: None,
+            max_num_batched_tokens: 2048,
+            gpu_memory_utilization: 0.9,
+            num_gpu_blocks_override: None,
+            faults: FaultSpec::default(),
+            exit_mode: ExitMode::Embedded,
+        }
+    }
+}
+
+impl SimConfig {
+    /// The engine parameters this configuration implies, validated.
+    pub fn engine_config(&self) -> Result<EngineConfig, SimError> {
+        let spec = self.profile.spec();
+        if !(self.time_scale.is_finite() && self.time_scale > 0.0) {
+            return Err(SimError::Config(
+                "--time-scale must be a positive number".into(),
+            ));
+        }
+        if !(self.gpu_memory_utilization > 0.0 && self.gpu_memory_utilization <= 1.0) {
+            return Err(SimError::Config(
+                "--gpu-memory-utilization must be in (0, 1]".into(),
+            ));
+        }
+        if self.max_num_seqs == 0 || self.max_num_batched_tokens == 0 {
+            return Err(SimError::Config(
+                "--max-num-seqs and --max-num-batched-tokens must be > 0".into(),
+            ));
+        }
+        let max_model_len = self.max_model_len.unwrap_or(spec.max_model_len);
+        let num_blocks = self
+            .num_gpu_blocks_override
+            .unwrap_or_else(|| spec.num_gpu_blocks(self.gpu_memory_utilization, BLOCK_SIZE));
+        let kv_tokens = num_blocks * u64::from(BLOCK_SIZE);
+        if kv_tokens < u64::from(max_model_len) {
+            return Err(SimError::Config(format!(
+                "max_model_len {max_model_len} is larger than the KV cache ({kv_tokens} tokens)"
+            )));
+        }
+        Ok(EngineConfig {
+            spec,
+            max_num_seqs: self.max_num_seqs,
+            max_num_batched_tokens: self.max_num_batched_tokens,
+            num_blocks,
+            block_size: BLOCK_SIZE,
+            max_model_len,
+            time_scale: self.time_scale,
+        })
+    }
+}
+
+/// A running simulator.
+#[derive(Debug)]
+pub struct SimServer {
+    addr: SocketAddr,
+    state: Arc<http::AppState>,
+    server: tokio::task::JoinHandle<()>,
+    engine_task: tokio::task::JoinHandle<()>,
+}
+
+impl SimServer {
+    /// Starts a simulator on a free loopback port.
+    pub async fn start(config: SimConfig) -> Result<Self, SimError> {
+        Self::bind(config, SocketAddr::from(([127, 0, 0, 1], 0))).await
+    }
+
+    /// Starts a simulator on `addr`.
+    pub async fn bind(config: SimConfig, addr: SocketAddr) -> Result<Self, SimError> {
+        let listener = TcpListener::bind(addr).await?;
+        Self::serve(config, listener)
+    }
+
+    /// Starts a simulator on an already bound listener.
+    pub fn serve(config: SimConfig, listener: TcpListener) -> Result<Self, SimError> {
+        let engine_cfg = config.engine_config()?;
+        let tokenizer = SimTokenizer::load()?;
+        let addr = listener.local_addr()?;
+        let started_unix = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.as_secs_f64())
+            .unwrap_or(0.0);
+        let cache_info = metrics::CacheInfo {
+            model: config.model.clone(),
+            block_size: engine_cfg.block_size,
+            num_gpu_blocks: engine_cfg.num_blocks,
+            gpu_memory_utilization: config.gpu_memory_utilization,
+            max_model_len: engine_cfg.max_model_len,
+            kv_cache_memory_bytes: engine_cfg.num_blocks
+                * u64::from(engine_cfg.block_size)
+                * engine_cfg.spec.kv_bytes_per_token(),
+            started_unix,
+        };
+        let mut faults = faults::Faults::default();
+        faults.merge(&config.faults, config.time_scale);
+        let (engine, engine_task) = engine::EngineHandle::spawn(engine_cfg.clone());
+        let shutdown = CancellationToken::new();
+        let state = Arc::new(http::AppState {
+            model: config.model.clone(),
+            max_model_len: engine_cfg.max_model_len,
+            time_scale: config.time_scale,
+            created_unix: started_unix as u64,
+            tokenizer,
+            engine,
+            faults: Mutex::new(faults),
+            cache_info,
+            exit_mode: config.exit_mode,
+            shutdown: shutdown.clone(),
+        });
+        if let Some(ms) = config.faults.exit_after_ms {
+            http::schedule_exit(state.clone(), ms);
+        }
+        let app = http::router(state.clone());
+        let server = tokio::spawn(async move {
+            let serve =
+                axum::serve(listener, app).with_graceful_shutdown(shutdown.cancelled_owned());
+            if let Err(e) = serve.await {
+                tracing::error!(error = %e, "simulator server failed");
+            }
+        });
+        tracing::info!(%addr, model = %config.model, profile = %config.profile, "simulator listening");
+        Ok(Self {
+            addr,
+            state,
+            server,
+            engine_task,
+        })
+    }
+
+    /// Socket address it listens on.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// `http://127.0.0.1:PORT` (append `/v1` for an OpenAI base URL).
+    pub fn base_url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// The engine's statistics right now (what `/metrics` shows).
+    pub fn stats(&self) -> EngineStats {
+        self.state.engine.stats()
+    }
+
+    /// Sets faults as `POST /sim/faults` does.
+    pub fn set_faults(&self, spec: &FaultSpec) {
+        http::apply_faults(&self.state, spec);
+    }
+
+    /// Resolves when the simulator stopped serving (the exit fault, or [`SimServer::shutdown`]).
+    pub async fn stopped(&self) {
+        self.state.shutdown.cancelled().await;
+    }
+
+    /// Cuts every stream and stops the server and the engine.
+    pub async fn shutdown(self) {
+        self.state.engine.crash_all();
+        self.state.shutdown.cancel();
+        let _ = tokio::time::timeout(std::time::Duration::from_secs(5), self.server).await;
+        self.engine_task.abort();
+    }
+}

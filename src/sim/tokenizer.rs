@@ -1,0 +1,369 @@
+//! The simulator's tokenizer, chat template and text generator.
+//!
+//! Prompt tokens are counted exactly: messages go through the model's chat template and a real
+//! byte-level BPE (`assets/tokenizer.json`, made by `scripts/gen-tokenizer.py`, the same recipe
+//! as the tiny model behind the vLLM captures). Output is sampled from the vocabulary with a
+//! seeded RNG and detokenized incrementally, so split UTF-8 shows up as empty deltas, as in vLLM.
+
+use std::sync::Arc;
+
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use serde::Deserialize;
+use tokenizers::Tokenizer;
+
+use super::SimError;
+
+const TOKENIZER_JSON: &[u8] = include_bytes!("assets/tokenizer.json");
+const CHAT_TEMPLATE: &str = include_str!("assets/chat_template.jinja");
+const BOS_TOKEN: &str = "<s>";
+/// Ids below this are the special tokens (`<unk>`, `<s>`, `</s>`, role markers): never sampled.
+const FIRST_TEXT_TOKEN: u32 = 7;
+
+/// One chat message as OpenAI clients send it; `content` is a string or a list of parts.
+#[derive(Debug, Clone, Deserialize)]
+pub struct ChatMessage {
+    /// `system`, `user`, `assistant`, `tool`.
+    pub role: String,
+    /// Text, an array of `{type, text}` parts, or null.
+    #[serde(default)]
+    pub content: serde_json::Value,
+}
+
+impl ChatMessage {
+    /// The message's text: a string as is, text parts concatenated, anything else empty.
+    fn text(&self) -> String {
+        match &self.content {
+            serde_json::Value::String(s) => s.clone(),
+            serde_json::Value::Array(parts) => parts
+                .iter()
+                .filter_map(|p| p.get("text").and_then(|t| t.as_str()))
+                .collect(),
+            _ => String::new(),
+        }
+    }
+}
+
+/// Tokenizer, chat template and the per-token byte table used to detokenize output.
+#[derive(Debug)]
+pub struct SimTokenizer {
+    tokenizer: Tokenizer,
+    env: minijinja::Environment<'static>,
+    /// The raw bytes each token id stands for (byte-level BPE), indexed by id.
+    token_bytes: Vec<Vec<u8>>,
+}
+
+impl SimTokenizer {
+    /// Loads the embedded tokenizer and chat template.
+    pub fn load() -> Result<Arc<Self>, SimError> {
+        let tokenizer = Tokenizer::from_bytes(TOKENIZER_JSON)
+            .map_err(|e| SimError::Tokenizer(e.to_string()))?;
+        let mut env = minijinja::Environment::new();
+        env.add_template("chat", CHAT_TEMPLATE)
+            .map_err(|e| SimError::Tokenizer(e.to_string()))?;
+        let decoder = byte_decoder();
+        let vocab = tokenizer.get_vocab_size(true);
+        let mut token_bytes = Vec::with_capacity(vocab);
+        for id in 0..vocab as u32 {
+            let piece = tokenizer.id_to_token(id).unwrap_or_default();
+            let bytes = if id < FIRST_TEXT_TOKEN {
+                Vec::new()
+            } else {
+                piece.chars().filter_map(|c| decoder(c)).collect()
+            };
+            token_bytes.push(bytes);
+        }
+        Ok(Arc::new(Self {
+            tokenizer,
+            env,
+            token_bytes,
+        }))
+    }
+
+    /// Renders the chat template with the generation prompt, as vLLM does for a chat request.
+    pub fn render_chat(&self, messages: &[ChatMessage]) -> Result<String, SimError> {
+        let msgs: Vec<_> = messages
+            .iter()
+            .map(|m| minijinja::context! { role => m.role.as_str(), content => m.text() })
+            .collect();
+        let tmpl = self
+            .env
+            .get_template("chat")
+            .map_err(|e| SimError::Tokenizer(e.to_string()))?;
+        tmpl.render(minijinja::context! {
+            messages => msgs,
+            bos_token => BOS_TOKEN,
+            add_generation_prompt => true,
+        })
+        .map_err(|e| SimError::BadRequest(format!("chat template: {e}")))
+    }
+
+    /// Token ids of a rendered prompt (special tokens in the text are recognised).
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>, SimError> {
+        let enc = self
+            .tokenizer
+            .encode(text, false)
+            .map_err(|e| SimError::Tokenizer(e.to_string()))?;
+        Ok(enc.get_ids().to_vec())
+    }
+
+    /// Exact prompt token count of a chat request.
+    pub fn count_chat(&self, messages: &[ChatMessage]) -> Result<u32, SimError> {
+        let ids = self.encode(&self.render_chat(messages)?)?;
+        Ok(u32::try_from(ids.len()).unwrap_or(u32::MAX))
+    }
+
+    /// The token's string form as the tokenizer stores it (for `/tokenize`).
+    pub fn token_str(&self, id: u32) -> Option<String> {
+        self.tokenizer.id_to_token(id)
+    }
+
+    fn vocab_size(&self) -> u32 {
+        u32::try_from(self.token_bytes.len()).unwrap_or(u32::MAX)
+    }
+}
+
+/// Inverse of GPT-2's byte-to-unicode table used by byte-level BPE: printable bytes map to
+/// themselves, the other 68 bytes to U+0100 onwards, in order.
+fn byte_decoder() -> impl Fn(char) -> Option<u8> {
+    let mut table = [0u8; 324];
+    let mut filled = [false; 324];
+    let printable = |b: u8| matches!(b, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF);
+    let mut next = 256usize;
+    for b in 0..=255u8 {
+        let cp = if printable(b) {
+            usize::from(b)
+        } else {
+            next += 1;
+            next - 1
+        };
+        table[cp] = b;
+        filled[cp] = true;
+    }
+    move |c: char| {
+        let cp = c as usize;
+        (cp < table.len() && filled[cp]).then(|| table[cp])
+    }
+}
+
+/// How a sequence's text generation ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Stop {
+    /// A stop string matched; the output is cut before it.
+    String(String),
+}
+
+/// Samples a sequence's tokens and turns them into text deltas, holding back bytes that do
+/// not yet form UTF-8 and the tail that could still become a stop string.
+#[derive(Debug)]
+pub struct Generator {
+    tok: Arc<SimTokenizer>,
+    rng: ChaCha8Rng,
+    pending: Vec<u8>,
+    text: String,
+    emitted: usize,
+    stops: Vec<String>,
+    holdback: usize,
+}
+
+impl Generator {
+    /// A generator whose output depends only on `seed` and the stop strings.
+    pub fn new(tok: Arc<SimTokenizer>, seed: u64, stops: Vec<String>) -> Self {
+        let stops: Vec<String> = stops.into_iter().filter(|s| !s.is_empty()).collect();
+        let holdback = stops.iter().map(|s| s.chars().count()).max().unwrap_or(1) - 1;
+        Self {
+            tok,
+            rng: ChaCha8Rng::seed_from_u64(seed),
+            pending: Vec::new(),
+            text: String::new(),
+            emitted: 0,
+            stops,
+            holdback,
+        }
+    }
+
+    /// Samples the next token and returns the text that may be sent now, and the stop string
+    /// if one matched (then the returned delta ends right before it).
+    pub fn next_token(&mut self) -> (String, Option<Stop>) {
+        let id = self
+            .rng
+            .random_range(FIRST_TEXT_TOKEN..self.tok.vocab_size().max(FIRST_TEXT_TOKEN + 1));
+        if let Some(bytes) = self.tok.token_bytes.get(id as usize) {
+            self.pending.extend_from_slice(bytes);
+        }
+        let before = self.text.len();
+        self.drain_utf8();
+        if let Some((pos, stop)) = self.find_stop(before) {
+            let delta = self
+                .text
+                .get(self.emitted..pos)
+                .unwrap_or_default()
+                .to_owned();
+            self.text.truncate(pos);
+            self.emitted = pos;
+            return (delta, Some(Stop::String(stop)));
+        }
+        let safe = self.safe_end();
+        let delta = self
+            .text
+            .get(self.emitted..safe)
+            .unwrap_or_default()
+            .to_owned();
+        self.emitted = self.emitted.max(safe);
+        (delta, None)
+    }
+
+    /// Everything not yet sent, for the last token of a sequence that ends without a stop.
+    pub fn flush(&mut self) -> String {
+        if !self.pending.is_empty() {
+            let rest = String::from_utf8_lossy(&self.pending).into_owned();
+            self.text.push_str(&rest);
+            self.pending.clear();
+        }
+        let delta = self.text.get(self.emitted..).unwrap_or_default().to_owned();
+        self.emitted = self.text.len();
+        delta
+    }
+
+    /// Moves complete UTF-8 from `pending` into `text`; invalid bytes become U+FFFD and an
+    /// incomplete tail stays pending.
+    fn drain_utf8(&mut self) {
+        loop {
+            match std::str::from_utf8(&self.pending) {
+                Ok(s) => {
+                    self.text.push_str(s);
+                    self.pending.clear();
+                    return;
+                }
+                Err(e) => {
+                    let valid = e.valid_up_to();
+                    if let Ok(s) = std::str::from_utf8(&self.pending[..valid]) {
+                        self.text.push_str(s);
+                    }
+                    match e.error_len() {
+                        Some(bad) => {
+                            self.text.push('\u{FFFD}');
+                            self.pending.drain(..valid + bad);
+                        }
+                        None => {
+                            self.pending.drain(..valid);
+                            return;
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Earliest stop-string match that could involve text added since `before`.
+    fn find_stop(&self, before: usize) -> Option<(usize, String)> {
+        let mut best: Option<(usize, String)> = None;
+        for stop in &self.stops {
+            let mut from = before.saturating_sub(stop.len()).max(self.emitted);
+            while !self.text.is_char_boundary(from) {
+                from -= 1;
+            }
+            if let Some(off) = self.text[from..].find(stop.as_str()) {
+                let pos = from + off;
+                if best.as_ref().is_none_or(|(p, _)| pos < *p) {
+                    best = Some((pos, stop.clone()));
+                }
+            }
+        }
+        best
+    }
+
+    /// End of the text that can be sent without risking a partial stop string.
+    fn safe_end(&self) -> usize {
+        if self.holdback == 0 {
+            return self.text.len();
+        }
+        self.text
+            .char_indices()
+            .rev()
+            .nth(self.holdback - 1)
+            .map_or(self.emitted, |(i, _)| i)
+            .max(self.emitted)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    fn msg(role: &str, content: &str) -> ChatMessage {
+        ChatMessage {
+            role: role.into(),
+            content: serde_json::Value::String(content.into()),
+        }
+    }
+
+    #[test]
+    fn counts_like_the_real_engine_did_for_the_captured_requests() {
+        let tok = SimTokenizer::load().unwrap();
+        let two = [
+            msg("system", "You are a test model."),
+            msg("user", "Say hello in five words."),
+        ];
+        assert_eq!(
+            tok.count_chat(&two).unwrap(),
+            30,
+            "stream_chat_usage capture: prompt_tokens 30"
+        );
+        let one = [msg("user", "Say hello in five words.")];
+        assert_eq!(
+            tok.count_chat(&one).unwrap(),
+            18,
+            "stream_chat_stop capture: prompt_tokens 18"
+        );
+    }
+
+    #[test]
+    fn byte_table_round_trips_text() {
+        let tok = SimTokenizer::load().unwrap();
+        let text = "héllo wörld — ✓ tabs\tand\nnewlines";
+        let ids = tok.encode(text).unwrap();
+        let bytes: Vec<u8> = ids
+            .iter()
+            .flat_map(|&i| tok.token_bytes[i as usize].iter().copied())
+            .collect();
+        assert_eq!(String::from_utf8(bytes).unwrap(), text);
+    }
+
+    #[test]
+    fn same_seed_same_text_and_deltas_concatenate() {
+        let tok = SimTokenizer::load().unwrap();
+        let run = |seed| {
+            let mut g = Generator::new(tok.clone(), seed, vec![]);
+            let mut out: Vec<String> = (0..50).map(|_| g.next_token().0).collect();
+            out.push(g.flush());
+            out
+        };
+        assert_eq!(run(7), run(7));
+        assert_ne!(run(7), run(8));
+    }
+
+    #[test]
+    fn stop_string_cuts_output_before_it() {
+        let tok = SimTokenizer::load().unwrap();
+        let mut plain = Generator::new(tok.clone(), 1234, vec![]);
+        let full: String =
+            (0..40).map(|_| plain.next_token().0).collect::<String>() + &plain.flush();
+        let stop = full.chars().skip(10).take(3).collect::<String>();
+        let mut g = Generator::new(tok, 1234, vec![stop.clone()]);
+        let mut out = String::new();
+        let mut stopped = None;
+        for _ in 0..40 {
+            let (d, s) = g.next_token();
+            out.push_str(&d);
+            if s.is_some() {
+                stopped = s;
+                break;
+            }
+        }
+        assert_eq!(stopped, Some(Stop::String(stop.clone())));
+        let cut = full.find(&stop).unwrap();
+        assert_eq!(out, full[..cut]);
+    }
+}
