@@ -399,8 +399,6 @@ impl Engine {
             }
         }
         for i in plan.decode {
-            let seq = &mut self.running[i];
-            seq.computed = seq.context();
             done[i] = self.produce(i, now, &mut stats);
         }
         let mut idx = 0;
@@ -417,8 +415,16 @@ impl Engine {
         stats.used_blocks = self.cfg.num_blocks - self.free_blocks;
     }
 
-    /// Emits one token for `running[i]`; true when the sequence is over.
+    /// Emits one token for `running[i]`; true when the sequence is over. The new token's KV
+    /// is written by the step that produced it, so the sequence stays in decode.
     fn produce(&mut self, i: usize, now: Instant, stats: &mut EngineStats) -> bool {
+        let over = self.produce_token(i, now, stats);
+        let seq = &mut self.running[i];
+        seq.computed = seq.context();
+        over
+    }
+
+    fn produce_token(&mut self, i: usize, now: Instant, stats: &mut EngineStats) -> bool {
         let max_model_len = self.cfg.max_model_len;
         let seq = &mut self.running[i];
         if seq.params.crash_after.is_some_and(|n| seq.generated >= n) {
