@@ -220,7 +220,8 @@ fn init_tracing() {
     let json = std::env::var("SWITCHYARD_LOG_FORMAT").is_ok_and(|v| v == "json");
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr);
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()));
     if json {
         builder.json().init();
     } else {

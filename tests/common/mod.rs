@@ -1,0 +1,239 @@
+//! Test harness shared by the integration tests: simulators on port 0, a small SSE reader,
+//! and the throwaway Python environment with the real `openai` package.
+
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use switchyard::sim::{SimConfig, SimServer};
+
+/// The captures of the real vLLM server, copied into the repository.
+pub fn fixture(name: &str) -> String {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/vllm")
+        .join(name);
+    std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("fixture {}: {e}", path.display()))
+}
+
+/// A captured request body as JSON.
+pub fn fixture_json(name: &str) -> serde_json::Value {
+    serde_json::from_str(&fixture(name)).unwrap()
+}
+
+/// The `data:` payloads of a captured or received SSE body, in order.
+pub fn sse_data(body: &str) -> Vec<String> {
+    body.split("\n\n")
+        .filter_map(|ev| {
+            ev.lines()
+                .find_map(|l| l.strip_prefix("data: "))
+                .map(str::to_owned)
+        })
+        .collect()
+}
+
+/// Starts a simulator serving `model` with the captures' context limit (1,024 tokens).
+pub async fn tiny_sim(time_scale: f64) -> SimServer {
+    SimServer::start(SimConfig {
+        model: "tiny".into(),
+        time_scale,
+        max_model_len: Some(1024),
+        ..SimConfig::default()
+    })
+    .await
+    .unwrap()
+}
+
+pub fn http() -> reqwest::Client {
+    reqwest::Client::builder()
+        .pool_max_idle_per_host(0)
+        .build()
+        .unwrap()
+}
+
+/// A chat request of `prompt` as the single user message.
+pub fn chat_body(model: &str, prompt: &str, max_tokens: u32, stream: bool) -> serde_json::Value {
+    serde_json::json!({
+        "model": model,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "stream": stream,
+        "stream_options": {"include_usage": true},
+    })
+}
+
+/// One streamed response as the client saw it.
+#[derive(Debug, Default)]
+pub struct Streamed {
+    pub status: u16,
+    /// Arrival time of each non-empty content delta.
+    pub content_times: Vec<Instant>,
+    /// Content chunks, empty deltas included.
+    pub content_chunks: usize,
+    pub completion_tokens: Option<u64>,
+    pub prompt_tokens: Option<u64>,
+    pub done: bool,
+    /// The body ended with a transport error (a cut connection).
+    pub cut: bool,
+    pub sent: Option<Instant>,
+}
+
+impl Streamed {
+    /// (completion_tokens − 1) / (last − first content), as the load harness defines it.
+    pub fn per_stream_rate(&self) -> f64 {
+        let n = self
+            .completion_tokens
+            .unwrap_or(self.content_times.len() as u64);
+        let (first, last) = (
+            self.content_times[0],
+            self.content_times[self.content_times.len() - 1],
+        );
+        (n - 1) as f64 / last.duration_since(first).as_secs_f64()
+    }
+}
+
+/// Sends a streaming request and reads it to the end.
+pub async fn stream(client: &reqwest::Client, base: &str, body: &serde_json::Value) -> Streamed {
+    let mut out = Streamed {
+        sent: Some(Instant::now()),
+        ..Default::default()
+    };
+    let resp = client
+        .post(format!("{base}/v1/chat/completions"))
+        .json(body)
+        .send()
+        .await
+        .unwrap();
+    out.status = resp.status().as_u16();
+    let mut bytes = resp.bytes_stream();
+    let mut buf = String::new();
+    while let Some(chunk) = bytes.next().await {
+        let Ok(chunk) = chunk else {
+            out.cut = true;
+            break;
+        };
+        buf.push_str(&String::from_utf8_lossy(&chunk));
+        while let Some(end) = buf.find("\n\n") {
+            let event: String = buf.drain(..end + 2).collect();
+            let Some(data) = event.trim_end().strip_prefix("data: ") else {
+                continue;
+            };
+            if data == "[DONE]" {
+                out.done = true;
+                continue;
+            }
+            let v: serde_json::Value = serde_json::from_str(data).unwrap();
+            if let Some(c) = v["choices"][0]["delta"]["content"].as_str() {
+                if v["choices"][0]["delta"].get("role").is_none() {
+                    out.content_chunks += 1;
+                }
+                if !c.is_empty() {
+                    out.content_times.push(Instant::now());
+                }
+            }
+            if let Some(u) = v.get("usage").filter(|u| !u.is_null()) {
+                out.completion_tokens = u["completion_tokens"].as_u64();
+                out.prompt_tokens = u["prompt_tokens"].as_u64();
+            }
+        }
+    }
+    out
+}
+
+/// Reads one sample of the simulator's `/metrics` (labels ignored beyond the name).
+pub async fn metric(client: &reqwest::Client, base: &str, name: &str) -> f64 {
+    let page = client
+        .get(format!("{base}/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    page.lines()
+        .find(|l| l.starts_with(name) && l[name.len()..].starts_with('{'))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("metric {name} missing"))
+}
+
+/// Polls `cond` every 10 ms until it holds or `limit` passes; returns the time it took.
+pub async fn eventually<F, Fut>(limit: Duration, mut cond: F) -> Option<Duration>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let start = Instant::now();
+    while start.elapsed() < limit {
+        if cond().await {
+            return Some(start.elapsed());
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    None
+}
+
+/// The Python interpreter of a throwaway venv that has the real `openai` package.
+/// `scripts/test` prepares it; run on its own, a test makes it under `target/` (once, locked).
+pub fn python_with_openai() -> PathBuf {
+    if let Ok(p) = std::env::var("SWITCHYARD_TEST_PYTHON") {
+        return PathBuf::from(p);
+    }
+    let target = Path::new(env!("CARGO_MANIFEST_DIR")).join("target");
+    let venv = target.join("test-venv");
+    let python = venv.join("bin/python");
+    let ready = venv.join(".openai-ready");
+    let lock = target.join("test-venv.lock");
+    let deadline = Instant::now() + Duration::from_secs(600);
+    while !ready.exists() {
+        if std::fs::create_dir(&lock).is_ok() {
+            let ok = (python.exists()
+                || Command::new("python3")
+                    .args(["-m", "venv"])
+                    .arg(&venv)
+                    .status()
+                    .is_ok_and(|s| s.success()))
+                && Command::new(&python)
+                    .args(["-m", "pip", "install", "-q", "openai>=1.50"])
+                    .status()
+                    .is_ok_and(|s| s.success());
+            if ok {
+                std::fs::write(&ready, b"").unwrap();
+            }
+            let _ = std::fs::remove_dir(&lock);
+            assert!(ok, "could not prepare a venv with the openai package");
+        } else {
+            assert!(
+                Instant::now() < deadline,
+                "timed out waiting for another test to prepare the venv"
+            );
+            std::thread::sleep(Duration::from_millis(500));
+        }
+    }
+    python
+}
+
+/// Runs a Python test script with the `openai` package; panics with its output on failure.
+pub async fn run_python(script: &str, args: &[&str]) -> String {
+    let python = tokio::task::spawn_blocking(python_with_openai)
+        .await
+        .unwrap();
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/python")
+        .join(script);
+    let out = tokio::process::Command::new(python)
+        .arg(path)
+        .args(args)
+        .output()
+        .await
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "{script} failed\nstdout:\n{stdout}\nstderr:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    stdout
+}

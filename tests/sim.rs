@@ -1,0 +1,15 @@
+//! Integration tests of `switchyard sim` over HTTP: wire fidelity against the real vLLM
+//! captures, the Python `openai` SDK, time-scaled calibration, disconnects and faults.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod common;
+
+#[path = "sim/calibration.rs"]
+mod calibration;
+#[path = "sim/faults.rs"]
+mod faults;
+#[path = "sim/sdk.rs"]
+mod sdk;
+#[path = "sim/wire.rs"]
+mod wire;
