@@ -16,6 +16,7 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{SystemTime, UNIX_EPOCH};
 
+use axum::serve::ListenerExt;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
@@ -203,6 +204,13 @@ impl SimServer {
         }
         let app = http::router(state.clone());
         let server = tokio::spawn(async move {
+            // Like uvicorn, send each SSE event as soon as it is written: without TCP_NODELAY,
+            // Nagle's algorithm holds chunks on a kept-alive connection until the peer's ACK.
+            let listener = listener.tap_io(|tcp| {
+                if let Err(e) = tcp.set_nodelay(true) {
+                    tracing::warn!(error = %e, "could not set TCP_NODELAY");
+                }
+            });
             let serve =
                 axum::serve(listener, app).with_graceful_shutdown(shutdown.cancelled_owned());
             if let Err(e) = serve.await {

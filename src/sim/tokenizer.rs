@@ -69,7 +69,7 @@ impl SimTokenizer {
             let bytes = if id < FIRST_TEXT_TOKEN {
                 Vec::new()
             } else {
-                piece.chars().filter_map(|c| decoder(c)).collect()
+                piece.chars().filter_map(&decoder).collect()
             };
             token_bytes.push(bytes);
         }

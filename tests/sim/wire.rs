@@ -293,13 +293,13 @@ async fn models_health_and_version_match_the_captures() {
     sim.shutdown().await;
 }
 
-/// `# TYPE` of every family and the label names of every sample, from a metrics page.
-fn families(
-    page: &str,
-) -> (
-    std::collections::BTreeMap<String, (String, String)>,
-    std::collections::BTreeMap<String, Vec<String>>,
-) {
+/// Family name → (type, help).
+type Families = std::collections::BTreeMap<String, (String, String)>;
+/// Sample name → label names in order.
+type SampleLabels = std::collections::BTreeMap<String, Vec<String>>;
+
+/// `# TYPE` and `# HELP` of every family and the label names of every sample of a page.
+fn families(page: &str) -> (Families, SampleLabels) {
     let mut types = std::collections::BTreeMap::new();
     let mut helps = std::collections::BTreeMap::new();
     let mut labels = std::collections::BTreeMap::new();

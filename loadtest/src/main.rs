@@ -1,0 +1,199 @@
+//! Command line of switchyard-loadtest: parses arguments into a `RunConfig`,
+//! runs the scenario, prints the report to stdout and writes `--out` JSON.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::{Args, Parser, Subcommand};
+use switchyard_loadtest::{Limit, ModelWeight, RunConfig, parse_duration, parse_mix};
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "switchyard-loadtest",
+    version,
+    about = "Load harness for any OpenAI-compatible endpoint"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// N closed-loop workers sending streaming chat completions.
+    Run(RunArgs),
+}
+
+#[derive(Debug, Args)]
+struct RunArgs {
+    /// OpenAI base URL, e.g. http://127.0.0.1:8000/v1 (requests go to {url}/chat/completions).
+    #[arg(long)]
+    url: String,
+    /// API key, sent as `Authorization: Bearer KEY`.
+    #[arg(long, env = "OPENAI_API_KEY", hide_env_values = true)]
+    key: Option<String>,
+    /// Concurrent workers, each with one request in flight.
+    #[arg(long)]
+    streams: usize,
+    /// Stop starting requests after this long (90s, 2m, 500ms, plain seconds). Default 60s.
+    #[arg(long, value_parser = parse_duration, conflicts_with = "requests")]
+    duration: Option<Duration>,
+    /// Start exactly this many requests in total.
+    #[arg(long)]
+    requests: Option<u64>,
+    /// Target prompt size in the endpoint's tokens (calibrated with two probes).
+    #[arg(long)]
+    prompt_tokens: u32,
+    /// max_tokens of every request.
+    #[arg(long)]
+    max_tokens: u32,
+    /// Model for all workers.
+    #[arg(long, required_unless_present = "mix", conflicts_with = "mix")]
+    model: Option<String>,
+    /// Models with weights, e.g. small=140,medium=50,large=10; workers split by largest remainder.
+    #[arg(long, value_parser = |s: &str| parse_mix(s).map(Mix))]
+    mix: Option<Mix>,
+    /// Write the whole report as JSON here.
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// The target runs F times faster than real (simulator --time-scale); figures are converted back.
+    #[arg(long, default_value_t = 1.0)]
+    time_scale: f64,
+    /// Per-request deadline, send to end of stream.
+    #[arg(long, value_parser = parse_duration, default_value = "300s")]
+    timeout: Duration,
+    /// Skip calibration probes and assume this many prompt tokens per word.
+    #[arg(long)]
+    tokens_per_word: Option<f64>,
+    /// Do not draw the progress bar.
+    #[arg(long)]
+    no_progress: bool,
+}
+
+/// Wrapper so clap treats a parsed mix as one value, not a repeated option.
+#[derive(Debug, Clone)]
+struct Mix(Vec<ModelWeight>);
+
+impl RunArgs {
+    fn into_config(self) -> RunConfig {
+        let models = match (self.mix, self.model) {
+            (Some(Mix(mix)), _) => mix,
+            (None, Some(name)) => vec![ModelWeight { name, weight: 1 }],
+            (None, None) => Vec::new(),
+        };
+        let limit = match (self.requests, self.duration) {
+            (Some(n), _) => Limit::Requests(n),
+            (None, Some(d)) => Limit::Duration(d),
+            (None, None) => Limit::Duration(Duration::from_secs(60)),
+        };
+        RunConfig {
+            url: self.url,
+            api_key: self.key.filter(|k| !k.is_empty()),
+            streams: self.streams,
+            limit,
+            prompt_tokens: self.prompt_tokens,
+            max_tokens: self.max_tokens,
+            models,
+            time_scale: self.time_scale,
+            timeout: self.timeout,
+            tokens_per_word: self.tokens_per_word,
+            progress: !self.no_progress,
+        }
+    }
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match execute(cli).await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            // The cause chain is the message; a backtrace would bury it.
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn execute(cli: Cli) -> anyhow::Result<()> {
+    match cli.command {
+        Command::Run(args) => {
+            let out = args.out.clone();
+            let report = switchyard_loadtest::run(args.into_config()).await?;
+            if let Some(path) = out {
+                let json = serde_json::to_vec_pretty(&report).context("serializing report")?;
+                std::fs::write(&path, json)
+                    .with_context(|| format!("writing {}", path.display()))?;
+            }
+            let mut stdout = std::io::stdout().lock();
+            report.print(&mut stdout)?;
+            stdout.flush()?;
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+    use super::*;
+    use clap::CommandFactory;
+
+    fn parse(args: &[&str]) -> Result<RunConfig, clap::Error> {
+        let base = ["switchyard-loadtest", "run", "--url", "http://h:1/v1"];
+        let cli = Cli::try_parse_from(base.iter().chain(args))?;
+        let Command::Run(a) = cli.command;
+        Ok(a.into_config())
+    }
+
+    #[test]
+    fn cli_definition_is_consistent() {
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn run_arguments() {
+        let common = [
+            "--streams",
+            "200",
+            "--prompt-tokens",
+            "500",
+            "--max-tokens",
+            "64",
+        ];
+        let mix: Vec<&str> = common
+            .iter()
+            .copied()
+            .chain(["--mix", "small=140,medium=50,large=10", "--duration", "2m"])
+            .chain(["--time-scale", "20", "--timeout", "90s", "--no-progress"])
+            .collect();
+        let cfg = parse(&mix).unwrap();
+        assert_eq!(cfg.models.len(), 3);
+        assert_eq!(cfg.limit, Limit::Duration(Duration::from_secs(120)));
+        assert_eq!(cfg.timeout, Duration::from_secs(90));
+        assert_eq!(cfg.time_scale, 20.0);
+        assert!(!cfg.progress);
+        assert_eq!(
+            switchyard_loadtest::assign_workers(&cfg.models, cfg.streams),
+            vec![140, 50, 10]
+        );
+
+        let one: Vec<&str> = common
+            .iter()
+            .copied()
+            .chain(["--model", "m", "--requests", "10"])
+            .collect();
+        let cfg = parse(&one).unwrap();
+        assert_eq!(cfg.limit, Limit::Requests(10));
+        assert_eq!(cfg.models[0].name, "m");
+
+        let both: Vec<&str> = one.iter().copied().chain(["--mix", "a=1"]).collect();
+        assert!(parse(&both).is_err());
+        assert!(parse(&common).is_err(), "a model is required");
+        let dur_and_count: Vec<&str> = one.iter().copied().chain(["--duration", "5s"]).collect();
+        assert!(parse(&dur_and_count).is_err());
+    }
+}
