@@ -55,6 +55,9 @@ struct SimArgs {
     /// Use exactly this many KV blocks instead of the profile's arithmetic.
     #[arg(long)]
     num_gpu_blocks_override: Option<u64>,
+    /// Mean answer length of requests without max_tokens (they end at a drawn EOS).
+    #[arg(long, default_value_t = 256)]
+    natural_output_tokens: u32,
     /// Fault: cut every stream after this many tokens.
     #[arg(long)]
     fault_crash_after_tokens: Option<u32>,
@@ -86,6 +89,7 @@ impl SimArgs {
             max_num_batched_tokens: self.max_num_batched_tokens,
             gpu_memory_utilization: self.gpu_memory_utilization,
             num_gpu_blocks_override: self.num_gpu_blocks_override,
+            natural_output_tokens: self.natural_output_tokens,
             faults: FaultSpec {
                 crash_after_tokens: self.fault_crash_after_tokens,
                 stall_after_tokens: self.fault_stall_after_tokens,

@@ -19,9 +19,10 @@ use super::metrics::{EngineStats, FinishedReason};
 use super::profile::ProfileSpec;
 use super::tokenizer::{Generator, Stop};
 
-/// A step that starts this much later than planned (a stalled process, a busy machine) is
-/// re-anchored to now instead of being caught up token by token.
-const MAX_LAG: Duration = Duration::from_millis(500);
+/// Bounds on how far behind schedule the engine may run before it re-anchors to now instead
+/// of catching up (four steps, within these limits).
+const MIN_LAG: Duration = Duration::from_millis(5);
+const MAX_LAG: Duration = Duration::from_millis(200);
 /// How often an idle engine looks for clients that left while their sequence was stalled.
 const IDLE_TICK: Duration = Duration::from_millis(50);
 
@@ -51,6 +52,9 @@ pub struct SeqParams {
     pub prompt_tokens: u32,
     /// Tokens to generate at most (already capped by the context limit).
     pub max_tokens: u32,
+    /// The model "emits its end-of-sequence token" as this token (1-based), ending with
+    /// `finish_reason: stop` and no `stop_reason`, as a chat model does when it is done.
+    pub eos_at: Option<u32>,
     /// Sampler and detokenizer.
     pub generator: Generator,
     /// Fault: cut the stream after this many tokens.
@@ -122,8 +126,9 @@ impl EngineHandle {
     pub fn submit(&self, params: SeqParams) -> Result<mpsc::UnboundedReceiver<SeqEvent>, SimError> {
         let (events, rx) = mpsc::unbounded_channel();
         let now = Instant::now();
-        let not_before =
-            (!params.first_token_delay.is_zero()).then(|| now + params.first_token_delay);
+        let not_before = (!params.first_token_delay.is_zero())
+            .then(|| now.checked_add(params.first_token_delay))
+            .flatten();
         let seq = Seq {
             params,
             events,
@@ -190,6 +195,9 @@ struct Plan {
     decode: Vec<usize>,
     prefill: Vec<(usize, u32)>,
     duration: Duration,
+    /// Arrival of the newest sequence admitted in this step: the step cannot have started
+    /// before it, or its time to first token would be under-reported.
+    newest_arrival: Option<Instant>,
 }
 
 struct Engine {
@@ -232,11 +240,17 @@ impl Engine {
                 }
                 continue;
             };
+            // Chain steps back to back so timer granularity does not bend the average rate,
+            // but never catch up more than a few steps at once: a long stall (a busy machine)
+            // is re-anchored to now instead of replayed as a burst of tokens.
+            let scaled = plan.duration.div_f64(self.cfg.time_scale);
+            let max_lag = (scaled * 4).clamp(MIN_LAG, MAX_LAG);
             let start = match clock {
-                Some(t) if now.saturating_duration_since(t) < MAX_LAG => t,
+                Some(t) if now.saturating_duration_since(t) <= max_lag => t,
                 _ => now,
             };
-            let deadline = start + plan.duration.div_f64(self.cfg.time_scale);
+            let start = plan.newest_arrival.map_or(start, |a| start.max(a));
+            let deadline = start + scaled;
             if deadline <= Instant::now() {
                 tokio::task::yield_now().await;
             } else {
@@ -341,25 +355,9 @@ impl Engine {
         let mut budget = self
             .cfg
             .max_num_batched_tokens
-            .saturating_sub(decode.len() as u32);
+            .saturating_sub(u32::try_from(decode.len()).unwrap_or(u32::MAX));
 
-        // Admit waiting sequences in order while a slot, their blocks and budget allow.
-        while let Some(front) = self.waiting.front() {
-            let need = self.blocks_for(front.context() + 1);
-            if self.running.len() >= self.cfg.max_num_seqs || need > self.free_blocks || budget == 0
-            {
-                break;
-            }
-            let Some(mut seq) = self.waiting.pop_front() else {
-                break;
-            };
-            self.free_blocks -= need;
-            seq.blocks = need;
-            seq.computed = 0;
-            seq.scheduled_at.get_or_insert(now);
-            self.running.push(seq);
-        }
-
+        // Running sequences first: continue their prefills within the step's budget.
         let mut prefill = Vec::new();
         for (i, seq) in self.running.iter().enumerate() {
             if budget == 0 {
@@ -371,6 +369,31 @@ impl Engine {
                 prefill.push((i, chunk));
             }
         }
+
+        // Then admit waiting sequences in order while the budget, a slot and the blocks for
+        // their whole context allow; each starts its prefill in this step, so a burst of long
+        // prompts is admitted over several steps as in vLLM.
+        let mut newest_arrival = None;
+        while let Some(front) = self.waiting.front() {
+            let need = self.blocks_for(front.context().saturating_add(1));
+            if budget == 0 || self.running.len() >= self.cfg.max_num_seqs || need > self.free_blocks
+            {
+                break;
+            }
+            let Some(mut seq) = self.waiting.pop_front() else {
+                break;
+            };
+            self.free_blocks -= need;
+            seq.blocks = need;
+            seq.computed = 0;
+            seq.scheduled_at.get_or_insert(now);
+            newest_arrival = newest_arrival.max(Some(seq.arrived));
+            let chunk = seq.context().min(budget);
+            budget -= chunk;
+            prefill.push((self.running.len(), chunk));
+            self.running.push(seq);
+        }
+
         if decode.is_empty() && prefill.is_empty() {
             return None;
         }
@@ -380,6 +403,7 @@ impl Engine {
             decode,
             prefill,
             duration,
+            newest_arrival,
         })
     }
 
@@ -435,7 +459,13 @@ impl Engine {
             seq.stalled = true;
             return false;
         }
-        let (mut delta, stop) = seq.params.generator.next_token();
+        let eos = seq.params.eos_at == Some(seq.generated + 1);
+        let (mut delta, stop) = if eos {
+            // The end-of-sequence token has no text; what was held back goes out with it.
+            (seq.params.generator.flush(), None)
+        } else {
+            seq.params.generator.next_token()
+        };
         seq.generated += 1;
         stats.generation_tokens += 1;
         if seq.generated == 1 {
@@ -452,6 +482,7 @@ impl Engine {
         seq.last_token_at = Some(now);
         let reason = match &stop {
             Some(Stop::String(_)) => Some(FinishedReason::Stop),
+            None if eos => Some(FinishedReason::Stop),
             None if seq.generated >= seq.params.max_tokens || seq.context() >= max_model_len => {
                 delta.push_str(&seq.params.generator.flush());
                 Some(FinishedReason::Length)

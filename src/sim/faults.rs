@@ -62,7 +62,7 @@ impl Faults {
             self.slow_first_token_ms = spec.slow_first_token_ms;
         }
         if let Some(ms) = spec.load_delay_ms {
-            self.loading_until = Some(Instant::now() + scaled(ms, time_scale));
+            self.loading_until = Instant::now().checked_add(scaled(ms, time_scale));
         }
     }
 
@@ -81,8 +81,8 @@ impl Faults {
         }
     }
 
-    /// The faults in force, as the JSON `GET /sim/faults` returns.
-    pub fn snapshot(&self) -> FaultSpec {
+    /// The faults in force, as the JSON `GET /sim/faults` returns (engine milliseconds).
+    pub fn snapshot(&self, time_scale: f64) -> FaultSpec {
         FaultSpec {
             crash_after_tokens: self.crash_after_tokens,
             stall_after_tokens: self.stall_after_tokens,
@@ -91,15 +91,19 @@ impl Faults {
             load_delay_ms: self
                 .loading_until
                 .and_then(|t| t.checked_duration_since(Instant::now()))
-                .map(|d| d.as_millis() as u64),
+                .map(|d| (d.as_secs_f64() * 1000.0 * time_scale) as u64),
             exit_after_ms: None,
         }
     }
 }
 
-/// Engine milliseconds to wall-clock time under `--time-scale`.
+/// Longest delay a fault may ask for (a year); larger values are clamped.
+const MAX_DELAY: Duration = Duration::from_secs(365 * 24 * 3600);
+
+/// Engine milliseconds to wall-clock time under `--time-scale`, clamped to a year.
 pub fn scaled(ms: u64, time_scale: f64) -> Duration {
-    Duration::from_secs_f64(ms as f64 / 1000.0 / time_scale)
+    Duration::try_from_secs_f64(ms as f64 / 1000.0 / time_scale)
+        .map_or(MAX_DELAY, |d| d.min(MAX_DELAY))
 }
 
 #[cfg(test)]

@@ -30,6 +30,8 @@ use super::{ExitMode, SimError};
 #[derive(Debug)]
 pub struct AppState {
     pub model: String,
+    /// Mean answer length of requests that give no `max_tokens`.
+    pub natural_output_tokens: u32,
     pub max_model_len: u32,
     pub time_scale: f64,
     pub created_unix: u64,
@@ -39,9 +41,22 @@ pub struct AppState {
     pub cache_info: CacheInfo,
     pub exit_mode: ExitMode,
     pub shutdown: CancellationToken,
+    /// The pending exit fault, if one is armed.
+    pub exit_armed: Mutex<Option<CancellationToken>>,
 }
 
 impl AppState {
+    fn disarm_exit(&self) {
+        if let Some(armed) = self
+            .exit_armed
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take()
+        {
+            armed.cancel();
+        }
+    }
+
     fn faults(&self) -> MutexGuard<'_, Faults> {
         self.faults.lock().unwrap_or_else(PoisonError::into_inner)
     }
@@ -110,19 +125,22 @@ enum StopField {
     Many(Vec<String>),
 }
 
+/// `stream_options`; as in vLLM, `include_usage` defaults to true once the object is given.
 #[derive(Debug, Deserialize)]
 struct StreamOptions {
     #[serde(default)]
-    include_usage: bool,
+    include_usage: Option<bool>,
 }
 
 /// The fields of an OpenAI chat request the simulator acts on; the rest are ignored.
 #[derive(Debug, Deserialize)]
 struct ChatRequest {
-    model: String,
+    /// Optional in vLLM: the served model when absent.
+    #[serde(default)]
+    model: Option<String>,
     messages: Vec<ChatMessage>,
     #[serde(default)]
-    stream: bool,
+    stream: Option<bool>,
     #[serde(default)]
     stream_options: Option<StreamOptions>,
     #[serde(default)]
@@ -135,7 +153,14 @@ struct ChatRequest {
     seed: Option<u64>,
     #[serde(default)]
     n: Option<u32>,
+    /// vLLM's extension: never end at the end-of-sequence token.
+    #[serde(default)]
+    ignore_eos: Option<bool>,
 }
+
+/// Stop strings a request may carry; each is searched at every token.
+const MAX_STOPS: usize = 16;
+const MAX_STOP_CHARS: usize = 256;
 
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 
@@ -161,57 +186,96 @@ async fn chat_completions(State(state): State<Arc<AppState>>, body: Bytes) -> Re
 }
 
 async fn start_chat(state: &Arc<AppState>, body: &[u8]) -> Result<Response, ApiError> {
-    let (crash_after, stall_after, slow_first_token_ms) = {
-        let mut faults = state.faults();
-        if faults.loading() {
-            return Err(ApiError {
-                status: StatusCode::SERVICE_UNAVAILABLE,
-                kind: "ServiceUnavailableError",
-                param: None,
-                message: "The model is still loading.".into(),
-            });
-        }
-        if faults.take_http_500() {
-            return Err(ApiError {
-                status: StatusCode::INTERNAL_SERVER_ERROR,
-                kind: "InternalServerError",
-                param: None,
-                message: "Simulated engine failure (fault http_500).".into(),
-            });
-        }
-        (
-            faults.crash_after_tokens,
-            faults.stall_after_tokens,
-            faults.slow_first_token_ms,
-        )
-    };
-    let req: ChatRequest = serde_json::from_slice(body)
+    let faults = take_request_faults(state)?;
+    let mut req: ChatRequest = serde_json::from_slice(body)
         .map_err(|e| ApiError::bad_request(format!("Invalid request body: {e}"), None))?;
-    if req.model != state.model {
+    validate(state, &req)?;
+    let prompt_tokens = count_prompt(state, std::mem::take(&mut req.messages)).await?;
+    let stream = req.stream.unwrap_or(false);
+    let include_usage = req
+        .stream_options
+        .as_ref()
+        .is_some_and(|o| o.include_usage.unwrap_or(true));
+    let params = seq_params(state, req, prompt_tokens, faults)?;
+    let rx = state.engine.submit(params)?;
+    let out = Output {
+        id: completion_id(),
+        created: unix_now(),
+        model: state.model.clone(),
+    };
+    Ok(if stream {
+        stream_response(out, rx, include_usage)
+    } else {
+        collect_response(out, rx).await
+    })
+}
+
+/// Faults a new request inherits: (crash after, stall after, slow first token).
+type RequestFaults = (Option<u32>, Option<u32>, Option<u64>);
+
+/// Answers 503 while loading and 500 while the HTTP-500 fault lasts.
+fn take_request_faults(state: &AppState) -> Result<RequestFaults, ApiError> {
+    let mut faults = state.faults();
+    if faults.loading() {
+        return Err(ApiError {
+            status: StatusCode::SERVICE_UNAVAILABLE,
+            kind: "ServiceUnavailableError",
+            param: None,
+            message: "The model is still loading.".into(),
+        });
+    }
+    if faults.take_http_500() {
+        return Err(ApiError {
+            status: StatusCode::INTERNAL_SERVER_ERROR,
+            kind: "InternalServerError",
+            param: None,
+            message: "Simulated engine failure (fault http_500).".into(),
+        });
+    }
+    Ok((
+        faults.crash_after_tokens,
+        faults.stall_after_tokens,
+        faults.slow_first_token_ms,
+    ))
+}
+
+/// The checks vLLM makes before tokenizing.
+fn validate(state: &AppState, req: &ChatRequest) -> Result<(), ApiError> {
+    if let Some(model) = req.model.as_deref().filter(|m| *m != state.model) {
         return Err(ApiError {
             status: StatusCode::NOT_FOUND,
             kind: "NotFoundError",
             param: Some("model"),
             message: format!(
-                "The model `{}` does not exist. Valid aliases: {}.",
-                req.model, state.model
+                "The model `{model}` does not exist. Valid aliases: {}.",
+                state.model
             ),
         });
     }
     if req.n.is_some_and(|n| n != 1) {
         return Err(ApiError::bad_request(
-            "n > 1 is not supported by the simulator.",
+            "n must be 1: the simulator generates one choice.",
             Some("n"),
         ));
     }
+    if req.max_completion_tokens.or(req.max_tokens) == Some(0) {
+        return Err(ApiError::bad_request(
+            "max_tokens must be at least 1, got 0.",
+            Some("max_tokens"),
+        ));
+    }
+    Ok(())
+}
+
+/// Prompt tokens through the chat template, off the async threads; 400 past the context.
+async fn count_prompt(state: &AppState, messages: Vec<ChatMessage>) -> Result<u32, ApiError> {
     let max_model_len = state.max_model_len;
     let tokenizer = state.tokenizer.clone();
-    let messages = req.messages;
     let prompt_tokens = tokio::task::spawn_blocking(move || tokenizer.count_chat(&messages))
         .await
         .map_err(|e| ApiError::from(SimError::Tokenizer(e.to_string())))??;
     if prompt_tokens >= max_model_len {
-        let shown = prompt_tokens.min(max_model_len + 1);
+        let shown = prompt_tokens.min(max_model_len.saturating_add(1));
         return Err(ApiError::bad_request(
             format!(
                 "This model's maximum context length is {max_model_len} tokens. However, your prompt contains at least {shown} input tokens, which exceeds this limit even without any output tokens. Please reduce the length of the input prompt. (parameter=input_tokens, value={shown})"
@@ -219,49 +283,55 @@ async fn start_chat(state: &Arc<AppState>, body: &[u8]) -> Result<Response, ApiE
             Some("input_tokens"),
         ));
     }
-    let room = max_model_len - prompt_tokens;
-    let max_tokens = match req.max_completion_tokens.or(req.max_tokens) {
-        Some(0) => {
-            return Err(ApiError::bad_request(
-                "max_tokens must be at least 1, got 0.",
-                Some("max_tokens"),
-            ));
-        }
-        Some(m) => m.min(room),
-        None => room,
-    };
-    let id = completion_id();
+    Ok(prompt_tokens)
+}
+
+/// What the engine needs to run the request.
+fn seq_params(
+    state: &AppState,
+    req: ChatRequest,
+    prompt_tokens: u32,
+    (crash_after, stall_after, slow_first_token_ms): RequestFaults,
+) -> Result<SeqParams, ApiError> {
+    let room = state.max_model_len - prompt_tokens;
+    let requested = req.max_completion_tokens.or(req.max_tokens);
     let seed = req.seed.unwrap_or_else(|| {
         NEXT_ID
             .fetch_add(1, Ordering::Relaxed)
             .wrapping_mul(0x2545_F491_4F6C_DD1D)
     });
+    // Without max_tokens a chat model ends its answer itself: draw where, from the seed.
+    let eos_at = (requested.is_none() && !req.ignore_eos.unwrap_or(false))
+        .then(|| natural_length(seed, state.natural_output_tokens));
     let stops = match req.stop {
         None => Vec::new(),
         Some(StopField::One(s)) => vec![s],
         Some(StopField::Many(v)) => v,
     };
-    let params = SeqParams {
+    if stops.len() > MAX_STOPS || stops.iter().any(|s| s.chars().count() > MAX_STOP_CHARS) {
+        return Err(ApiError::bad_request(
+            format!("At most {MAX_STOPS} stop strings of at most {MAX_STOP_CHARS} characters."),
+            Some("stop"),
+        ));
+    }
+    Ok(SeqParams {
         prompt_tokens,
-        max_tokens,
+        max_tokens: requested.map_or(room, |m| m.min(room)),
+        eos_at,
         generator: Generator::new(state.tokenizer.clone(), seed, stops),
         crash_after,
         stall_after,
         first_token_delay: slow_first_token_ms
             .map_or(std::time::Duration::ZERO, |ms| scaled(ms, state.time_scale)),
-    };
-    let rx = state.engine.submit(params)?;
-    let include_usage = req.stream_options.is_some_and(|o| o.include_usage);
-    let out = Output {
-        id,
-        created: unix_now(),
-        model: state.model.clone(),
-    };
-    Ok(if req.stream {
-        stream_response(out, rx, include_usage)
-    } else {
-        collect_response(out, rx).await
     })
+}
+
+/// An answer length drawn uniformly from [mean/2, 3·mean/2], reproducible from the seed.
+fn natural_length(seed: u64, mean: u32) -> u32 {
+    use rand::{Rng, SeedableRng};
+    let mean = mean.max(2);
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed ^ 0x454F_535F_5345_4544);
+    rng.random_range(mean / 2..=mean.saturating_add(mean / 2))
 }
 
 /// Identity of one response, repeated in every chunk.
@@ -488,14 +558,14 @@ async fn metrics_page(State(state): State<Arc<AppState>>) -> Response {
 }
 
 async fn get_faults(State(state): State<Arc<AppState>>) -> Json<FaultSpec> {
-    Json(state.faults().snapshot())
+    Json(state.faults().snapshot(state.time_scale))
 }
 
 async fn post_faults(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
     match serde_json::from_slice::<FaultSpec>(&body) {
         Ok(spec) => {
             apply_faults(&state, &spec);
-            Json(state.faults().snapshot()).into_response()
+            Json(state.faults().snapshot(state.time_scale)).into_response()
         }
         Err(e) => ApiError::bad_request(format!("Invalid fault spec: {e}"), None).into_response(),
     }
@@ -503,6 +573,7 @@ async fn post_faults(State(state): State<Arc<AppState>>, body: Bytes) -> Respons
 
 async fn delete_faults(State(state): State<Arc<AppState>>) -> Json<FaultSpec> {
     *state.faults() = Faults::default();
+    state.disarm_exit();
     Json(FaultSpec::default())
 }
 
@@ -515,11 +586,23 @@ pub fn apply_faults(state: &Arc<AppState>, spec: &FaultSpec) {
     tracing::warn!(faults = ?spec, "simulator faults set");
 }
 
-/// Fires the exit fault after `ms` engine milliseconds.
+/// Fires the exit fault after `ms` engine milliseconds; a later call or `DELETE` disarms it.
 pub fn schedule_exit(state: Arc<AppState>, ms: u64) {
     let delay = scaled(ms, state.time_scale);
+    let armed = CancellationToken::new();
+    if let Some(previous) = state
+        .exit_armed
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .replace(armed.clone())
+    {
+        previous.cancel();
+    }
     tokio::spawn(async move {
-        tokio::time::sleep(delay).await;
+        tokio::select! {
+            () = armed.cancelled() => return,
+            () = tokio::time::sleep(delay) => {}
+        }
         tracing::warn!("simulator exit fault fired");
         match state.exit_mode {
             ExitMode::Process => std::process::exit(137),

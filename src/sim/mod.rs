@@ -28,6 +28,11 @@ pub use tokenizer::{ChatMessage, SimTokenizer};
 
 /// Tokens per KV block, as vLLM's default on GPUs.
 pub const BLOCK_SIZE: u32 = 16;
+/// Bounds that keep every duration and token count of the engine far from overflow.
+const MIN_TIME_SCALE: f64 = 0.001;
+const MAX_TIME_SCALE: f64 = 10_000.0;
+const MAX_MODEL_LEN: u32 = 1 << 24;
+const MAX_BLOCKS: u64 = 1 << 32;
 
 /// Failures of the simulator.
 #[derive(Debug, thiserror::Error)]
@@ -78,6 +83,9 @@ pub struct SimConfig {
     pub gpu_memory_utilization: f64,
     /// `--num-gpu-blocks-override`: a KV cache of exactly this many blocks.
     pub num_gpu_blocks_override: Option<u64>,
+    /// Mean answer length, in tokens, of requests that set no `max_tokens`: the simulated
+    /// model ends them at an end-of-sequence token drawn from the seed.
+    pub natural_output_tokens: u32,
     /// Faults in force from the start.
     pub faults: FaultSpec,
     /// What the exit fault does.
@@ -95,6 +103,7 @@ impl Default for SimConfig {
             max_num_batched_tokens: 2048,
             gpu_memory_utilization: 0.9,
             num_gpu_blocks_override: None,
+            natural_output_tokens: 256,
             faults: FaultSpec::default(),
             exit_mode: ExitMode::Embedded,
         }
@@ -105,25 +114,35 @@ impl SimConfig {
     /// The engine parameters this configuration implies, validated.
     pub fn engine_config(&self) -> Result<EngineConfig, SimError> {
         let spec = self.profile.spec();
-        if !(self.time_scale.is_finite() && self.time_scale > 0.0) {
-            return Err(SimError::Config(
-                "--time-scale must be a positive number".into(),
-            ));
+        if !(self.time_scale.is_finite()
+            && (MIN_TIME_SCALE..=MAX_TIME_SCALE).contains(&self.time_scale))
+        {
+            return Err(SimError::Config(format!(
+                "--time-scale must be between {MIN_TIME_SCALE} and {MAX_TIME_SCALE}"
+            )));
         }
         if !(self.gpu_memory_utilization > 0.0 && self.gpu_memory_utilization <= 1.0) {
             return Err(SimError::Config(
                 "--gpu-memory-utilization must be in (0, 1]".into(),
             ));
         }
-        if self.max_num_seqs == 0 || self.max_num_batched_tokens == 0 {
+        if self.max_num_seqs == 0 || (self.max_num_batched_tokens as usize) < self.max_num_seqs {
             return Err(SimError::Config(
-                "--max-num-seqs and --max-num-batched-tokens must be > 0".into(),
+                "--max-num-batched-tokens must be at least --max-num-seqs (and both > 0)".into(),
             ));
         }
         let max_model_len = self.max_model_len.unwrap_or(spec.max_model_len);
+        if !(2..=MAX_MODEL_LEN).contains(&max_model_len) {
+            return Err(SimError::Config(format!(
+                "--max-model-len must be between 2 and {MAX_MODEL_LEN}"
+            )));
+        }
         let num_blocks = self
             .num_gpu_blocks_override
             .unwrap_or_else(|| spec.num_gpu_blocks(self.gpu_memory_utilization, BLOCK_SIZE));
+        if num_blocks > MAX_BLOCKS {
+            return Err(SimError::Config(format!("at most {MAX_BLOCKS} KV blocks")));
+        }
         let kv_tokens = num_blocks * u64::from(BLOCK_SIZE);
         if kv_tokens < u64::from(max_model_len) {
             return Err(SimError::Config(format!(
@@ -189,6 +208,8 @@ impl SimServer {
         let shutdown = CancellationToken::new();
         let state = Arc::new(http::AppState {
             model: config.model.clone(),
+            natural_output_tokens: config.natural_output_tokens,
+            exit_armed: Mutex::new(None),
             max_model_len: engine_cfg.max_model_len,
             time_scale: config.time_scale,
             created_unix: started_unix as u64,

@@ -255,22 +255,18 @@ impl Generator {
         }
     }
 
-    /// Earliest stop-string match that could involve text added since `before`.
+    /// The first stop string, in the request's order, that matches text added since
+    /// `before` (vLLM checks them in order, so list order decides between two matches).
     fn find_stop(&self, before: usize) -> Option<(usize, String)> {
-        let mut best: Option<(usize, String)> = None;
-        for stop in &self.stops {
+        self.stops.iter().find_map(|stop| {
             let mut from = before.saturating_sub(stop.len()).max(self.emitted);
             while !self.text.is_char_boundary(from) {
                 from -= 1;
             }
-            if let Some(off) = self.text[from..].find(stop.as_str()) {
-                let pos = from + off;
-                if best.as_ref().is_none_or(|(p, _)| pos < *p) {
-                    best = Some((pos, stop.clone()));
-                }
-            }
-        }
-        best
+            self.text[from..]
+                .find(stop.as_str())
+                .map(|off| (from + off, stop.clone()))
+        })
     }
 
     /// End of the text that can be sent without risking a partial stop string.

@@ -65,9 +65,16 @@ async fn thirty_two_streams_decode_47_each_and_1500_in_total() {
 /// Sends `n` streams of a `prompt_tokens` prompt, waits until all are admitted or queued and
 /// returns (running, waiting) then, after checking every stream completes.
 async fn occupancy(n: usize, prompt_tokens: u32, max_tokens: u32) -> (f64, f64, f64) {
-    // Scale 4 leaves about a second between the last admission and the first completion,
-    // enough for a debug build to have tokenized and queued every request.
-    let sim = sim_8b(4.0).await;
+    // A step budget that prefills every waiting prompt at once makes the KV cache the only
+    // limit on admission (with vLLM's default of 2,048 a burst is admitted over many steps).
+    let sim = SimServer::start(SimConfig {
+        model: "small".into(),
+        time_scale: 10.0,
+        max_num_batched_tokens: 1 << 20,
+        ..SimConfig::default()
+    })
+    .await
+    .unwrap();
     let client = http();
     let base = sim.base_url();
     let body = chat_body("small", &prompt_of(prompt_tokens), max_tokens, true);

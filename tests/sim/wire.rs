@@ -400,3 +400,34 @@ async fn metrics_have_vllm_names_types_help_and_labels() {
     assert!((0.0..=1.0).contains(&kv), "a fraction, not a percentage");
     sim.shutdown().await;
 }
+
+#[tokio::test]
+async fn without_max_tokens_the_model_ends_its_answer_itself() {
+    let sim = tiny_sim(50.0).await;
+    let body = serde_json::json!({
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "hi"}],
+        "stream": true,
+        "stream_options": {},
+    });
+    let resp = http()
+        .post(format!("{}/v1/chat/completions", sim.base_url()))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    let events = parse_events(&resp.text().await.unwrap());
+    let usage = &events[events.len() - 2]["usage"];
+    let finish = &events[events.len() - 3]["choices"][0];
+    assert_eq!(
+        finish["finish_reason"], "stop",
+        "an end-of-sequence token, not the context limit"
+    );
+    assert!(finish["stop_reason"].is_null());
+    let n = usage["completion_tokens"].as_u64().unwrap();
+    assert!(
+        (128..=384).contains(&n),
+        "about --natural-output-tokens (256): {n}"
+    );
+    sim.shutdown().await;
+}

@@ -31,6 +31,7 @@ fn params(tok: &Arc<SimTokenizer>, prompt_tokens: u32, max_tokens: u32) -> SeqPa
     SeqParams {
         prompt_tokens,
         max_tokens,
+        eos_at: None,
         generator: Generator::new(tok.clone(), u64::from(prompt_tokens), vec![]),
         crash_after: None,
         stall_after: None,
@@ -127,7 +128,10 @@ async fn admit(
     max_tokens: u32,
 ) -> (u64, u64, u64, Vec<UnboundedReceiver<SeqEvent>>) {
     let tok = SimTokenizer::load().unwrap();
-    let (engine, _task) = EngineHandle::spawn(config(Profile::B8));
+    // A budget that prefills every prompt in one step: the KV cache is the only limit.
+    let mut cfg = config(Profile::B8);
+    cfg.max_num_batched_tokens = 1 << 20;
+    let (engine, _task) = EngineHandle::spawn(cfg);
     let rxs: Vec<_> = (0..n)
         .map(|_| engine.submit(params(&tok, prompt, max_tokens)).unwrap())
         .collect();
@@ -269,5 +273,32 @@ async fn generation_stops_at_the_context_limit() {
     assert_eq!(
         (f.completion_tokens, f.reason),
         (27, FinishedReason::Length)
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_burst_of_long_prompts_is_admitted_within_the_step_budget() {
+    let tok = SimTokenizer::load().unwrap();
+    let (engine, _task) = EngineHandle::spawn(config(Profile::B8));
+    let _rx: Vec<_> = (0..10)
+        .map(|_| engine.submit(params(&tok, 2000, 100)).unwrap())
+        .collect();
+    // The first step holds 2,048 prompt tokens: one whole prompt and the start of the next.
+    tokio::time::sleep(Duration::from_millis(1)).await;
+    let s = engine.stats();
+    assert_eq!((s.running, s.waiting_capacity), (2, 8));
+}
+
+#[tokio::test(start_paused = true)]
+async fn end_of_sequence_finishes_with_stop_and_no_stop_reason() {
+    let tok = SimTokenizer::load().unwrap();
+    let (engine, _task) = EngineHandle::spawn(config(Profile::B8));
+    let mut p = params(&tok, 32, 100);
+    p.eos_at = Some(9);
+    let t = collect(engine.submit(p).unwrap()).await;
+    let f = t.finish.unwrap();
+    assert_eq!(
+        (f.completion_tokens, f.reason, f.stop),
+        (9, FinishedReason::Stop, None)
     );
 }
