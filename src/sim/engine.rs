@@ -85,6 +85,8 @@ pub enum SeqEvent {
     Token {
         /// Text that may be sent now.
         delta: String,
+        /// Tokens generated so far, this one included (for continuous usage stats).
+        generated: u32,
         /// Set on the final token.
         finish: Option<Finish>,
     },
@@ -510,7 +512,15 @@ impl Engine {
         }
         // A failed send means the client left: the sequence is aborted like in vLLM, which
         // does not count aborts as successes.
-        seq.events.send(SeqEvent::Token { delta, finish }).is_err() || over
+        let generated = seq.generated;
+        seq.events
+            .send(SeqEvent::Token {
+                delta,
+                generated,
+                finish,
+            })
+            .is_err()
+            || over
     }
 
     fn publish_gauges(&self) {

@@ -23,7 +23,7 @@ use super::engine::{EngineHandle, Finish, SeqEvent, SeqParams};
 use super::faults::{FaultSpec, Faults, scaled};
 use super::metrics::{self, CacheInfo};
 use super::tokenizer::{ChatMessage, Generator, SimTokenizer};
-use super::wire::{self, ChunkHead};
+use super::wire::{self, ChunkHead, StreamUsage};
 use super::{ExitMode, SimError};
 
 /// Shared by every handler.
@@ -130,6 +130,9 @@ enum StopField {
 struct StreamOptions {
     #[serde(default)]
     include_usage: Option<bool>,
+    /// vLLM's extension: every chunk carries the usage so far.
+    #[serde(default)]
+    continuous_usage_stats: Option<bool>,
 }
 
 /// The fields of an OpenAI chat request the simulator acts on; the rest are ignored.
@@ -196,15 +199,26 @@ async fn start_chat(state: &Arc<AppState>, body: &[u8]) -> Result<Response, ApiE
         .stream_options
         .as_ref()
         .is_some_and(|o| o.include_usage.unwrap_or(true));
+    let continuous_usage = include_usage
+        && req
+            .stream_options
+            .as_ref()
+            .is_some_and(|o| o.continuous_usage_stats.unwrap_or(false));
     let params = seq_params(state, req, prompt_tokens, faults)?;
     let rx = state.engine.submit(params)?;
     let out = Output {
         id: completion_id(),
         created: unix_now(),
         model: state.model.clone(),
+        prompt_tokens,
+    };
+    let usage = match (include_usage, continuous_usage) {
+        (false, _) => UsageMode::None,
+        (true, false) => UsageMode::Final,
+        (true, true) => UsageMode::Continuous,
     };
     Ok(if stream {
-        stream_response(out, rx, include_usage)
+        stream_response(out, rx, usage)
     } else {
         collect_response(out, rx).await
     })
@@ -339,6 +353,18 @@ struct Output {
     id: String,
     created: u64,
     model: String,
+    prompt_tokens: u32,
+}
+
+/// Where usage appears in a stream.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum UsageMode {
+    /// Nowhere (no `include_usage`).
+    None,
+    /// In a last chunk with `choices: []`.
+    Final,
+    /// Also on every chunk, as running totals (`continuous_usage_stats`).
+    Continuous,
 }
 
 impl Output {
@@ -372,7 +398,7 @@ fn cut() -> std::io::Error {
 struct StreamState {
     out: Output,
     rx: mpsc::UnboundedReceiver<SeqEvent>,
-    include_usage: bool,
+    usage: UsageMode,
     pending: VecDeque<Bytes>,
     sent_role: bool,
     finished: bool,
@@ -381,12 +407,12 @@ struct StreamState {
 fn stream_response(
     out: Output,
     rx: mpsc::UnboundedReceiver<SeqEvent>,
-    include_usage: bool,
+    usage: UsageMode,
 ) -> Response {
     let st = StreamState {
         out,
         rx,
-        include_usage,
+        usage,
         pending: VecDeque::new(),
         sent_role: false,
         finished: false,
@@ -400,27 +426,11 @@ fn stream_response(
                 return None;
             }
             match st.rx.recv().await {
-                Some(SeqEvent::Token { delta, finish }) => {
-                    let head = st.out.head();
-                    if !st.sent_role {
-                        st.sent_role = true;
-                        st.pending.push_back(sse_frame(&head.role()));
-                    }
-                    let fields = finish.as_ref().map(finish_fields);
-                    let fingerprint = finish.is_some() && !st.include_usage;
-                    st.pending
-                        .push_back(sse_frame(&head.content(&delta, fields, fingerprint)));
-                    if let Some(f) = &finish {
-                        if st.include_usage {
-                            st.pending.push_back(sse_frame(
-                                &head.usage(f.prompt_tokens, f.completion_tokens),
-                            ));
-                        }
-                        st.pending
-                            .push_back(Bytes::from_static(b"data: [DONE]\n\n"));
-                        st.finished = true;
-                    }
-                }
+                Some(SeqEvent::Token {
+                    delta,
+                    generated,
+                    finish,
+                }) => st.push_token(&delta, generated, finish.as_ref()),
                 Some(SeqEvent::Crashed) | None => {
                     st.finished = true;
                     return Some((Err(cut()), st));
@@ -435,11 +445,42 @@ fn stream_response(
         .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response())
 }
 
+impl StreamState {
+    /// Queues the frames one token produces: the role chunk first, the content chunk, and
+    /// after the last token the usage chunk and `[DONE]`.
+    fn push_token(&mut self, delta: &str, generated: u32, finish: Option<&Finish>) {
+        let head = self.out.head();
+        let prompt = self.out.prompt_tokens;
+        let running =
+            |n| (self.usage == UsageMode::Continuous).then(|| StreamUsage::new(prompt, n));
+        if !self.sent_role {
+            self.sent_role = true;
+            let mut role = head.role();
+            role.usage = running(0);
+            self.pending.push_back(sse_frame(&role));
+        }
+        let fields = finish.map(finish_fields);
+        let fingerprint = finish.is_some() && self.usage == UsageMode::None;
+        let mut chunk = head.content(delta, fields, fingerprint);
+        chunk.usage = running(generated);
+        self.pending.push_back(sse_frame(&chunk));
+        if let Some(f) = finish {
+            if self.usage != UsageMode::None {
+                let usage = head.usage(f.prompt_tokens, f.completion_tokens);
+                self.pending.push_back(sse_frame(&usage));
+            }
+            self.pending
+                .push_back(Bytes::from_static(b"data: [DONE]\n\n"));
+            self.finished = true;
+        }
+    }
+}
+
 async fn collect_response(out: Output, mut rx: mpsc::UnboundedReceiver<SeqEvent>) -> Response {
     let mut text = String::new();
     while let Some(event) = rx.recv().await {
         match event {
-            SeqEvent::Token { delta, finish } => {
+            SeqEvent::Token { delta, finish, .. } => {
                 text.push_str(&delta);
                 if let Some(f) = finish {
                     let (reason, stop) = finish_fields(&f);

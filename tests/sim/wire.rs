@@ -431,3 +431,37 @@ async fn without_max_tokens_the_model_ends_its_answer_itself() {
     );
     sim.shutdown().await;
 }
+
+#[tokio::test]
+async fn continuous_usage_stats_put_running_totals_on_every_chunk() {
+    let sim = tiny_sim(50.0).await;
+    let body = serde_json::json!({
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "Say hello in five words."}],
+        "max_tokens": 5,
+        "stream": true,
+        "stream_options": {"include_usage": true, "continuous_usage_stats": true},
+    });
+    let resp = http()
+        .post(format!("{}/v1/chat/completions", sim.base_url()))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    let events = parse_events(&resp.text().await.unwrap());
+    let completions: Vec<u64> = events[..events.len() - 1]
+        .iter()
+        .map(|e| e["usage"]["completion_tokens"].as_u64().unwrap())
+        .collect();
+    assert_eq!(
+        completions,
+        [0, 1, 2, 3, 4, 5, 5],
+        "role, 5 tokens, final usage chunk"
+    );
+    assert!(
+        events[..events.len() - 1]
+            .iter()
+            .all(|e| e["usage"]["prompt_tokens"] == 18)
+    );
+    sim.shutdown().await;
+}
