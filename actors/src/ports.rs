@@ -1,0 +1,151 @@
+//! The ports through which the actors reach the world: the ledger, cluster coordination and
+//! the clock. Production implements them with PostgreSQL and Redis, the embedded mode with
+//! SQLite and in-process structures; the actors only ever see these traits, so their tests
+//! run in-process with an accelerated clock.
+
+use std::collections::BTreeMap;
+use std::fmt::Debug;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use chrono::{DateTime, Utc};
+use serde::{Deserialize, Serialize};
+
+/// Money is integer microcredits, never floats.
+pub type Microcredits = i64;
+
+/// A ledger row opened at admission, before any GPU work.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Reservation {
+    /// Unique per request; a second reservation with the same id is refused.
+    pub request_id: String,
+    /// The paying team (taken from the verified credential).
+    pub team_id: i64,
+    /// The API key used, if the caller used one.
+    pub key_id: Option<i64>,
+    /// The resolved model version (never an alias).
+    pub model: String,
+    /// Prompt tokens as estimated at admission.
+    pub estimated_prompt_tokens: u64,
+    /// The request's output ceiling.
+    pub max_tokens: u64,
+    /// Cost of the estimate at the model's prices; what the reservation holds.
+    pub estimated_cost: Microcredits,
+}
+
+/// The exact outcome of a request, from the engine's own usage.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Settlement {
+    /// The request whose row settles.
+    pub request_id: String,
+    /// Prompt tokens as the engine counted them.
+    pub prompt_tokens: u64,
+    /// Completion tokens as the engine counted them.
+    pub completion_tokens: u64,
+    /// Exact cost at the model's prices.
+    pub cost: Microcredits,
+}
+
+/// What a settle or cancel did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SettleOutcome {
+    /// The row moved from `reserved` to its final state now.
+    Applied,
+    /// The row was already final: nothing changed (a retried settle is a no-op).
+    AlreadyFinal,
+    /// No row with this request id exists.
+    Unknown,
+}
+
+/// Failures of the ledger.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum LedgerError {
+    /// A row with this request id exists already.
+    #[error("a ledger row for this request exists already")]
+    Duplicate,
+    /// The team's balance minus its open reservations cannot cover the estimate.
+    #[error("insufficient balance")]
+    InsufficientBalance,
+    /// The database could not be reached or failed; admission fails closed.
+    #[error("ledger unavailable: {0}")]
+    Unavailable(String),
+}
+
+/// The authoritative ledger: one row per request, reserved at admission and settled or
+/// cancelled exactly once.
+#[async_trait]
+pub trait Ledger: Send + Sync + Debug + 'static {
+    /// Inserts the `reserved` row.
+    async fn reserve(&self, reservation: &Reservation) -> Result<(), LedgerError>;
+    /// Moves a `reserved` row to `settled` with exact usage and debits the team, in one
+    /// transaction; a row that is already final is left alone.
+    async fn settle(&self, settlement: &Settlement) -> Result<SettleOutcome, LedgerError>;
+    /// Moves a `reserved` row to `cancelled` (no GPU work was done); final rows are left alone.
+    async fn cancel(&self, request_id: &str) -> Result<SettleOutcome, LedgerError>;
+}
+
+/// Failures of the coordination backend.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum CoordError {
+    /// Redis (or whatever backs it) could not be reached; callers fail closed.
+    #[error("coordination unavailable: {0}")]
+    Unavailable(String),
+}
+
+/// Cluster-wide coordination, shaped after Redis: expiring hashes (node heartbeats), leases
+/// with fencing tokens (who owns a model queue or a team budget), counters and pub/sub.
+#[async_trait]
+pub trait Coordinator: Send + Sync + Debug + 'static {
+    /// Replaces the hash at `key` with `fields`; it expires `ttl` after this write.
+    async fn put_hash(
+        &self,
+        key: &str,
+        fields: &BTreeMap<String, String>,
+        ttl: Duration,
+    ) -> Result<(), CoordError>;
+    /// The hash at `key`, if it exists and has not expired.
+    async fn get_hash(&self, key: &str) -> Result<Option<BTreeMap<String, String>>, CoordError>;
+    /// Removes `key` whatever it holds.
+    async fn delete(&self, key: &str) -> Result<(), CoordError>;
+    /// Takes the lease `name` for `owner` for `ttl`, or renews it if `owner` holds it.
+    /// Returns the fencing token — strictly greater for every new holder — or `None` when
+    /// another owner holds an unexpired lease.
+    async fn acquire_lease(
+        &self,
+        name: &str,
+        owner: &str,
+        ttl: Duration,
+    ) -> Result<Option<u64>, CoordError>;
+    /// Gives the lease up if `owner` holds it.
+    async fn release_lease(&self, name: &str, owner: &str) -> Result<(), CoordError>;
+    /// Adds `by` to the counter at `key` (created at 0 with expiry `ttl`); returns the sum.
+    async fn incr(&self, key: &str, by: i64, ttl: Duration) -> Result<i64, CoordError>;
+    /// Sends `payload` to every current subscriber of `channel`, in publish order.
+    async fn publish(&self, channel: &str, payload: Vec<u8>) -> Result<(), CoordError>;
+    /// Subscribes to `channel`; messages published from now on arrive on the receiver.
+    async fn subscribe(
+        &self,
+        channel: &str,
+    ) -> Result<tokio::sync::mpsc::UnboundedReceiver<Vec<u8>>, CoordError>;
+}
+
+/// Time, injected so tests and simulations control it (STYLE item 16).
+pub trait Clock: Send + Sync + Debug + 'static {
+    /// Monotonic time for deadlines and durations (tokio's clock, pausable in tests).
+    fn now(&self) -> tokio::time::Instant;
+    /// Wall-clock time for records and windows.
+    fn wall(&self) -> DateTime<Utc>;
+}
+
+/// The real clock.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct SystemClock;
+
+impl Clock for SystemClock {
+    fn now(&self) -> tokio::time::Instant {
+        tokio::time::Instant::now()
+    }
+    fn wall(&self) -> DateTime<Utc> {
+        Utc::now()
+    }
+}
