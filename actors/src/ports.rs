@@ -31,9 +31,31 @@ pub struct Reservation {
     pub max_tokens: u64,
     /// Cost of the estimate at the model's prices; what the reservation holds.
     pub estimated_cost: Microcredits,
+    /// The model's input price at admission, microcredits per million tokens. Stored with
+    /// the row so a settle — even one from a `done` resent after a restart — prices the
+    /// request as it was admitted.
+    pub price_input_per_mtok: Microcredits,
+    /// The model's output price at admission, microcredits per million tokens.
+    pub price_output_per_mtok: Microcredits,
 }
 
-/// The exact outcome of a request, from the engine's own usage.
+/// Cost of `prompt` and `completion` tokens at per-million prices, rounded up to the next
+/// microcredit (a request is never free because it was small).
+pub fn cost_of(
+    prompt: u64,
+    completion: u64,
+    input_per_mtok: Microcredits,
+    output_per_mtok: Microcredits,
+) -> Microcredits {
+    let micro = i128::from(prompt)
+        .saturating_mul(i128::from(input_per_mtok))
+        .saturating_add(i128::from(completion).saturating_mul(i128::from(output_per_mtok)));
+    let cost = micro.saturating_add(999_999).div_euclid(1_000_000);
+    Microcredits::try_from(cost).unwrap_or(Microcredits::MAX)
+}
+
+/// The exact outcome of a request, from the engine's own usage. The ledger prices it with
+/// the prices stored in the row ([`cost_of`]).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Settlement {
     /// The request whose row settles.
@@ -42,8 +64,6 @@ pub struct Settlement {
     pub prompt_tokens: u64,
     /// Completion tokens as the engine counted them.
     pub completion_tokens: u64,
-    /// Exact cost at the model's prices.
-    pub cost: Microcredits,
 }
 
 /// What a settle or cancel did.
@@ -77,8 +97,8 @@ pub enum LedgerError {
 pub trait Ledger: Send + Sync + Debug + 'static {
     /// Inserts the `reserved` row.
     async fn reserve(&self, reservation: &Reservation) -> Result<(), LedgerError>;
-    /// Moves a `reserved` row to `settled` with exact usage and debits the team, in one
-    /// transaction; a row that is already final is left alone.
+    /// Moves a `reserved` row to `settled` with exact usage, its cost from the row's prices
+    /// ([`cost_of`]), and debits the team, in one transaction; a final row is left alone.
     async fn settle(&self, settlement: &Settlement) -> Result<SettleOutcome, LedgerError>;
     /// Moves a `reserved` row to `cancelled` (no GPU work was done); final rows are left alone.
     async fn cancel(&self, request_id: &str) -> Result<SettleOutcome, LedgerError>;
@@ -147,5 +167,26 @@ impl Clock for SystemClock {
     }
     fn wall(&self) -> DateTime<Utc> {
         Utc::now()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cost_rounds_up_to_the_microcredit() {
+        assert_eq!(cost_of(0, 0, 100, 200), 0);
+        assert_eq!(
+            cost_of(1, 0, 1, 0),
+            1,
+            "a millionth of a microcredit still costs one"
+        );
+        assert_eq!(cost_of(1_000_000, 1_000_000, 150_000, 600_000), 750_000);
+        assert_eq!(
+            cost_of(u64::MAX, u64::MAX, i64::MAX, i64::MAX),
+            i64::MAX,
+            "saturates"
+        );
     }
 }
