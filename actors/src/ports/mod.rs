@@ -11,6 +11,8 @@ use async_trait::async_trait;
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 
+pub mod memory;
+
 /// Money is integer microcredits, never floats.
 pub type Microcredits = i64;
 

@@ -1,0 +1,17 @@
+//! One [`GenerationActor`] per request: it owns the request's lifecycle — admitted and
+//! reserved, queued, dispatched with an attempt epoch, streaming, terminal — relays the
+//! node's frames to the HTTP layer as [`GenEvent`]s, and settles its ledger row on every
+//! exit path. [`Generations`] starts them under a supervisor that settles what a crashed
+//! generation held.
+
+mod actor;
+mod directory;
+mod msg;
+mod supervisor;
+#[cfg(test)]
+mod tests;
+
+pub use actor::GenerationActor;
+pub use directory::Directory;
+pub use msg::{GenEvent, GenerationArgs, GenerationMsg, Timeouts, Usage};
+pub use supervisor::{GenerationStream, Generations};

@@ -1,0 +1,156 @@
+//! Messages, arguments and events of the [`super::GenerationActor`].
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use ractor::RpcReplyPort;
+use tokio::sync::mpsc;
+
+use crate::error::Failure;
+use crate::model_queue::ModelQueueHandle;
+use crate::node::NodeHandle;
+use crate::ports::{Clock, Ledger, Reservation};
+
+/// Deadlines of one generation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Timeouts {
+    /// From dispatch to the first token; then `generation_timeout`.
+    pub first_token: Duration,
+    /// From admission to the end; then `generation_timeout`.
+    pub total: Duration,
+    /// After the client leaves, how long the stream may still finish on its own before the
+    /// node is told to cancel.
+    pub cancel_grace: Duration,
+    /// After a cancel or a lost node, how long to wait for the node's `done` (exact usage)
+    /// before settling from what was received.
+    pub settle_wait: Duration,
+}
+
+impl Default for Timeouts {
+    fn default() -> Self {
+        Self {
+            first_token: Duration::from_secs(60),
+            total: Duration::from_secs(600),
+            cancel_grace: Duration::from_secs(2),
+            settle_wait: Duration::from_secs(20),
+        }
+    }
+}
+
+/// Exact usage of a finished generation.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Usage {
+    /// Prompt tokens as the engine counted them.
+    pub prompt_tokens: u64,
+    /// Completion tokens as the engine counted them.
+    pub completion_tokens: u64,
+    /// `stop` or `length`.
+    pub finish_reason: String,
+}
+
+/// What the HTTP layer receives, in order: deltas, then exactly one terminal event.
+#[derive(Debug, Clone, PartialEq)]
+pub enum GenEvent {
+    /// Incremental text.
+    Delta(String),
+    /// The generation completed; its row is settled with this usage.
+    Finished(Usage),
+    /// The generation failed.
+    Failed(Failure),
+}
+
+/// Everything a generation needs.
+#[derive(Debug)]
+pub struct GenerationArgs {
+    /// Unique id (`chatcmpl-…` / `req_…`), also the ledger row's key.
+    pub request_id: String,
+    /// Resolved model name, as the engines serve it.
+    pub model: String,
+    /// The OpenAI body to forward (model already resolved).
+    pub body: serde_json::Value,
+    /// The ledger row to open at admission.
+    pub reservation: Reservation,
+    /// The model's queue.
+    pub queue: ModelQueueHandle,
+    /// The ledger.
+    pub ledger: Arc<dyn Ledger>,
+    /// Where events for the client go.
+    pub events: mpsc::UnboundedSender<GenEvent>,
+    /// Deadlines.
+    pub timeouts: Timeouts,
+    /// Time source.
+    pub clock: Arc<dyn Clock>,
+}
+
+/// Deadlines a generation arms.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Timer {
+    /// No first token yet.
+    FirstToken,
+    /// The whole request took too long.
+    Total,
+    /// The client's grace after leaving is over.
+    CancelGrace,
+    /// Waited long enough for the node's `done`.
+    SettleWait,
+}
+
+/// What a [`super::GenerationActor`] handles.
+#[derive(Debug)]
+pub enum GenerationMsg {
+    /// Reserve the ledger row and enter the model's queue; the reply says whether the request
+    /// was admitted (before any response header is sent).
+    Admit(RpcReplyPort<Result<(), Failure>>),
+    /// The queue picked a node (it already counted the assignment against the node).
+    Dispatch {
+        /// The chosen node.
+        node: NodeHandle,
+    },
+    /// The queue deadline passed.
+    QueueTimeout,
+    /// The node's engine took the assignment.
+    Accepted {
+        /// Epoch of the frame.
+        attempt: u64,
+    },
+    /// Generated text.
+    Chunk {
+        /// Epoch of the frame.
+        attempt: u64,
+        /// Position within the attempt.
+        seq: u64,
+        /// Text.
+        delta: String,
+    },
+    /// The node's final report, with exact usage.
+    Done {
+        /// Epoch of the frame.
+        attempt: u64,
+        /// Prompt tokens.
+        prompt_tokens: u64,
+        /// Completion tokens.
+        completion_tokens: u64,
+        /// `stop`, `length`, `abort` or `error`.
+        finish_reason: String,
+        /// The connection it came on, to ack it.
+        node: NodeHandle,
+    },
+    /// The engine failed the assignment.
+    EngineError {
+        /// Epoch of the frame.
+        attempt: u64,
+        /// The agent's code (`model_loading`, `invalid_request`, …).
+        code: String,
+        /// The engine's message.
+        message: String,
+    },
+    /// The node carrying `attempt` is gone.
+    NodeLost {
+        /// The attempt that was on it.
+        attempt: u64,
+    },
+    /// The client went away.
+    ClientGone,
+    /// A deadline fired.
+    Timer(Timer),
+}

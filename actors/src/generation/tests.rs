@@ -1,0 +1,414 @@
+//! Generation lifecycle tests on a paused clock, with real queue and node actors, an
+//! in-memory ledger, and the node's socket replaced by the actor's own frame channel.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use tokio::sync::mpsc;
+
+use super::*;
+use crate::error::ErrorCode;
+use crate::model_queue::{
+    ModelQueueActor, ModelQueueHandle, QueueArgs, QueueConfig, RoutingStrategy,
+};
+use crate::node::{NodeActor, NodeArgs, NodeHandle};
+use crate::ports::memory::{MemoryLedger, RowStatus};
+use crate::ports::{CoordError, Coordinator, Reservation, SystemClock};
+use crate::protocol::{NodeFrame, ServerFrame};
+
+const MODEL: &str = "llama-3.1-8b-instruct";
+
+/// Just enough coordination for node actors: heartbeats land in a map.
+#[derive(Debug, Default)]
+struct MapCoordinator(Mutex<BTreeMap<String, BTreeMap<String, String>>>);
+
+#[async_trait]
+impl Coordinator for MapCoordinator {
+    async fn put_hash(
+        &self,
+        key: &str,
+        fields: &BTreeMap<String, String>,
+        _ttl: Duration,
+    ) -> Result<(), CoordError> {
+        self.0.lock().unwrap().insert(key.into(), fields.clone());
+        Ok(())
+    }
+    async fn get_hash(&self, key: &str) -> Result<Option<BTreeMap<String, String>>, CoordError> {
+        Ok(self.0.lock().unwrap().get(key).cloned())
+    }
+    async fn delete(&self, key: &str) -> Result<(), CoordError> {
+        self.0.lock().unwrap().remove(key);
+        Ok(())
+    }
+    async fn acquire_lease(
+        &self,
+        _: &str,
+        _: &str,
+        _: Duration,
+    ) -> Result<Option<u64>, CoordError> {
+        Ok(Some(1))
+    }
+    async fn release_lease(&self, _: &str, _: &str) -> Result<(), CoordError> {
+        Ok(())
+    }
+    async fn incr(&self, _: &str, by: i64, _: Duration) -> Result<i64, CoordError> {
+        Ok(by)
+    }
+    async fn publish(&self, _: &str, _: Vec<u8>) -> Result<(), CoordError> {
+        Ok(())
+    }
+    async fn subscribe(&self, _: &str) -> Result<mpsc::UnboundedReceiver<Vec<u8>>, CoordError> {
+        Ok(mpsc::unbounded_channel().1)
+    }
+}
+
+struct Harness {
+    ledger: Arc<MemoryLedger>,
+    queue: ModelQueueHandle,
+    gens: Generations,
+    coord: Arc<MapCoordinator>,
+}
+
+async fn harness(max_waiting: usize, node_capacity: u32) -> Harness {
+    let ledger = Arc::new(MemoryLedger::default());
+    let config = QueueConfig {
+        max_waiting,
+        deadline: Duration::from_secs(30),
+        node_capacity,
+        routing: RoutingStrategy::LeastLoaded,
+    };
+    let queue = ModelQueueActor::start(QueueArgs {
+        model: MODEL.into(),
+        config,
+        clock: Arc::new(SystemClock),
+    })
+    .await
+    .unwrap();
+    let gens = Generations::start(ledger.clone(), Directory::default())
+        .await
+        .unwrap();
+    Harness {
+        ledger,
+        queue,
+        gens,
+        coord: Arc::new(MapCoordinator::default()),
+    }
+}
+
+async fn connect(h: &Harness, id: &str) -> (NodeHandle, mpsc::Receiver<ServerFrame>) {
+    let (tx, rx) = mpsc::channel(64);
+    let args = NodeArgs {
+        node_id: id.into(),
+        models: vec![MODEL.into()],
+        outbound: tx,
+        queues: [(MODEL.to_string(), h.queue.clone())].into(),
+        directory: h.gens.directory().clone(),
+        ledger: h.ledger.clone(),
+        coordinator: h.coord.clone(),
+        replica_id: "r1".into(),
+        heartbeat_timeout: Duration::from_secs(15),
+        clock: Arc::new(SystemClock),
+    };
+    let node = NodeActor::start(args).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(1)).await; // let the queue see it
+    (node, rx)
+}
+
+async fn start(h: &Harness, request_id: &str) -> Result<GenerationStream, crate::error::Failure> {
+    let (tx, rx) = mpsc::unbounded_channel();
+    let args = GenerationArgs {
+        request_id: request_id.into(),
+        model: MODEL.into(),
+        body: serde_json::json!({"model": MODEL, "messages": []}),
+        reservation: Reservation {
+            request_id: request_id.into(),
+            team_id: 1,
+            key_id: Some(1),
+            model: MODEL.into(),
+            estimated_prompt_tokens: 10,
+            max_tokens: 100,
+            estimated_cost: 110,
+            price_input_per_mtok: 1_000_000,
+            price_output_per_mtok: 2_000_000,
+        },
+        queue: h.queue.clone(),
+        ledger: h.ledger.clone(),
+        events: tx,
+        timeouts: Timeouts::default(),
+        clock: Arc::new(SystemClock),
+    };
+    h.gens.start_generation(args, rx).await
+}
+
+async fn expect_assign(out: &mut mpsc::Receiver<ServerFrame>) -> (String, u64) {
+    match tokio::time::timeout(Duration::from_secs(5), out.recv())
+        .await
+        .unwrap()
+        .unwrap()
+    {
+        ServerFrame::Assign {
+            request_id,
+            attempt,
+            ..
+        } => (request_id, attempt),
+        other => panic!("expected assign, got {other:?}"),
+    }
+}
+
+fn chunk(id: &str, attempt: u64, seq: u64, delta: &str) -> NodeFrame {
+    NodeFrame::Chunk {
+        request_id: id.into(),
+        attempt,
+        seq,
+        delta: delta.into(),
+    }
+}
+
+fn done(id: &str, attempt: u64, p: u64, c: u64, reason: &str) -> NodeFrame {
+    NodeFrame::Done {
+        request_id: id.into(),
+        attempt,
+        prompt_tokens: p,
+        completion_tokens: c,
+        finish_reason: reason.into(),
+    }
+}
+
+async fn settle_a_moment() {
+    tokio::time::sleep(Duration::from_millis(5)).await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_request_streams_settles_once_and_acks() {
+    let h = harness(8, 4).await;
+    let (node, mut out) = connect(&h, "n1").await;
+    let mut stream = start(&h, "r1").await.unwrap();
+    assert_eq!(expect_assign(&mut out).await, ("r1".into(), 1));
+    node.deliver(NodeFrame::Accepted {
+        request_id: "r1".into(),
+        attempt: 1,
+    });
+    node.deliver(chunk("r1", 1, 0, "Hel"));
+    node.deliver(chunk("r1", 1, 0, "Hel")); // duplicate seq: dropped
+    node.deliver(chunk("r1", 1, 1, "lo"));
+    node.deliver(done("r1", 1, 12, 2, "stop"));
+    assert_eq!(stream.next().await, Some(GenEvent::Delta("Hel".into())));
+    assert_eq!(stream.next().await, Some(GenEvent::Delta("lo".into())));
+    let Some(GenEvent::Finished(usage)) = stream.next().await else {
+        panic!("finished expected")
+    };
+    assert_eq!((usage.prompt_tokens, usage.completion_tokens), (12, 2));
+    assert!(matches!(
+        out.recv().await,
+        Some(ServerFrame::Ack { attempt: 1, .. })
+    ));
+    let row = h.ledger.row("r1").unwrap();
+    assert_eq!(
+        (
+            row.status,
+            row.prompt_tokens,
+            row.completion_tokens,
+            row.transitions
+        ),
+        (RowStatus::Settled, 12, 2, 1)
+    );
+    assert_eq!(row.cost, 16, "12 x 1 + 2 x 2 microcredits");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_client_that_leaves_is_cancelled_on_the_node_after_the_grace_and_settled_for_what_it_got()
+{
+    let h = harness(8, 4).await;
+    let (node, mut out) = connect(&h, "n1").await;
+    let mut stream = start(&h, "r1").await.unwrap();
+    expect_assign(&mut out).await;
+    node.deliver(chunk("r1", 1, 0, "a"));
+    assert_eq!(stream.next().await, Some(GenEvent::Delta("a".into())));
+    drop(stream);
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert!(out.try_recv().is_err(), "no cancel within the 2 s grace");
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    assert!(matches!(
+        out.recv().await,
+        Some(ServerFrame::Cancel { attempt: 1, .. })
+    ));
+    node.deliver(done("r1", 1, 12, 3, "abort"));
+    assert!(matches!(out.recv().await, Some(ServerFrame::Ack { .. })));
+    let row = h.ledger.row("r1").unwrap();
+    assert_eq!((row.status, row.completion_tokens), (RowStatus::Settled, 3));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_node_lost_before_any_token_is_retried_once_on_another_node() {
+    let h = harness(8, 4).await;
+    let (n1, mut out1) = connect(&h, "n1").await;
+    let (n2, mut out2) = connect(&h, "n2").await;
+    let mut stream = start(&h, "r1").await.unwrap();
+    assert_eq!(expect_assign(&mut out1).await.1, 1);
+    n1.connection_lost();
+    assert_eq!(
+        expect_assign(&mut out2).await,
+        ("r1".into(), 2),
+        "attempt 2 on the other node"
+    );
+    n2.deliver(chunk("r1", 1, 0, "stale")); // the old epoch is fenced
+    n2.deliver(chunk("r1", 2, 0, "fresh"));
+    n2.deliver(done("r1", 2, 12, 1, "length"));
+    assert_eq!(stream.next().await, Some(GenEvent::Delta("fresh".into())));
+    assert!(matches!(stream.next().await, Some(GenEvent::Finished(_))));
+    settle_a_moment().await;
+    assert_eq!(h.ledger.row("r1").unwrap().completion_tokens, 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_node_lost_mid_stream_errors_the_client_and_settles_from_the_resent_done() {
+    let h = harness(8, 4).await;
+    let (n1, mut out1) = connect(&h, "n1").await;
+    let mut stream = start(&h, "r1").await.unwrap();
+    expect_assign(&mut out1).await;
+    n1.deliver(chunk("r1", 1, 0, "partial"));
+    assert_eq!(stream.next().await, Some(GenEvent::Delta("partial".into())));
+    n1.connection_lost();
+    let Some(GenEvent::Failed(f)) = stream.next().await else {
+        panic!("error event expected")
+    };
+    assert_eq!(f.code, ErrorCode::ModelBackendError);
+    assert_eq!(
+        h.ledger.row("r1").unwrap().status,
+        RowStatus::Reserved,
+        "waiting for the node's done"
+    );
+    // The node reconnects and resends its done: the new connection finds the generation.
+    let (again, mut out_again) = connect(&h, "n1").await;
+    again.deliver(done("r1", 1, 12, 7, "error"));
+    assert!(matches!(
+        out_again.recv().await,
+        Some(ServerFrame::Ack { .. })
+    ));
+    let row = h.ledger.row("r1").unwrap();
+    assert_eq!(
+        (row.status, row.prompt_tokens, row.completion_tokens),
+        (RowStatus::Settled, 12, 7)
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn without_a_done_the_row_settles_from_received_chunks_after_the_wait() {
+    let h = harness(8, 4).await;
+    let (n1, mut out1) = connect(&h, "n1").await;
+    let mut stream = start(&h, "r1").await.unwrap();
+    expect_assign(&mut out1).await;
+    n1.deliver(chunk("r1", 1, 0, "a"));
+    n1.deliver(chunk("r1", 1, 1, "b"));
+    stream.next().await;
+    stream.next().await;
+    n1.connection_lost();
+    tokio::time::sleep(Timeouts::default().settle_wait + Duration::from_secs(1)).await;
+    let row = h.ledger.row("r1").unwrap();
+    assert_eq!(
+        (row.status, row.prompt_tokens, row.completion_tokens),
+        (RowStatus::Settled, 10, 2)
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn no_node_gives_no_healthy_node_and_leaves_no_reservation() {
+    let h = harness(8, 4).await;
+    let err = start(&h, "r1").await.unwrap_err();
+    assert_eq!(err.code, ErrorCode::NoHealthyNode);
+    assert!(err.retry_after_secs.is_some());
+    assert_eq!(h.ledger.row("r1").unwrap().status, RowStatus::Cancelled);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_full_queue_refuses_with_retry_after_and_the_deadline_expires_waiters() {
+    let h = harness(1, 1).await;
+    let (_node, mut out) = connect(&h, "n1").await;
+    let _running = start(&h, "r1").await.unwrap();
+    expect_assign(&mut out).await;
+    let mut waiting = start(&h, "r2").await.unwrap();
+    let full = start(&h, "r3").await.unwrap_err();
+    assert_eq!(full.code, ErrorCode::QueueFull);
+    assert!(full.retry_after_secs.unwrap() >= 1);
+    assert_eq!(h.ledger.row("r3").unwrap().status, RowStatus::Cancelled);
+    tokio::time::sleep(Duration::from_secs(31)).await;
+    let Some(GenEvent::Failed(f)) = waiting.next().await else {
+        panic!("capacity_exhausted expected")
+    };
+    assert_eq!(f.code, ErrorCode::CapacityExhausted);
+    assert_eq!(h.ledger.row("r2").unwrap().status, RowStatus::Cancelled);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_client_that_leaves_while_queued_frees_its_place_and_reservation() {
+    let h = harness(4, 1).await;
+    let (_node, mut out) = connect(&h, "n1").await;
+    let _running = start(&h, "r1").await.unwrap();
+    expect_assign(&mut out).await;
+    let waiting = start(&h, "r2").await.unwrap();
+    drop(waiting);
+    settle_a_moment().await;
+    assert_eq!(h.ledger.row("r2").unwrap().status, RowStatus::Cancelled);
+    assert_eq!(h.queue.stats().await.unwrap().waiting, 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_engine_error_before_acceptance_is_retried_then_reported() {
+    let h = harness(8, 4).await;
+    let (node, mut out) = connect(&h, "n1").await;
+    let mut stream = start(&h, "r1").await.unwrap();
+    expect_assign(&mut out).await;
+    let err = |attempt| NodeFrame::Error {
+        request_id: "r1".into(),
+        attempt,
+        code: "model_backend_error".into(),
+        message: "boom".into(),
+    };
+    node.deliver(err(1));
+    assert_eq!(expect_assign(&mut out).await.1, 2, "retried once");
+    node.deliver(err(2));
+    let Some(GenEvent::Failed(f)) = stream.next().await else {
+        panic!("error expected")
+    };
+    assert_eq!(f.code, ErrorCode::ModelBackendError);
+    assert_eq!(
+        h.ledger.row("r1").unwrap().status,
+        RowStatus::Cancelled,
+        "no GPU work was billed"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_ledger_being_down_fails_admission_closed() {
+    let h = harness(8, 4).await;
+    let (_node, _out) = connect(&h, "n1").await;
+    h.ledger.set_unavailable(true);
+    let err = start(&h, "r1").await.unwrap_err();
+    assert_eq!(err.code, ErrorCode::QuotaServiceUnavailable);
+}
+
+#[tokio::test(start_paused = true)]
+async fn heartbeats_go_to_the_coordinator_and_a_silent_node_is_dropped() {
+    let h = harness(8, 4).await;
+    let (node, _out) = connect(&h, "n1").await;
+    node.deliver(NodeFrame::Heartbeat {
+        queue_depth: 2,
+        running: 5,
+        kv_cache_usage: 0.25,
+        gpu_util: 0.0,
+        models: vec![MODEL.into()],
+    });
+    settle_a_moment().await;
+    let hb = h.coord.get_hash("node:n1").await.unwrap().unwrap();
+    assert_eq!((hb["running"].as_str(), hb["owner"].as_str()), ("5", "r1"));
+    tokio::time::sleep(Duration::from_secs(17)).await;
+    assert!(
+        h.coord.get_hash("node:n1").await.unwrap().is_none(),
+        "dropped after missed heartbeats"
+    );
+    assert!(h.queue.stats().await.unwrap().nodes.is_empty());
+}

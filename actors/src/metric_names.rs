@@ -1,0 +1,24 @@
+//! Every metric name the server exports, in one place (SPEC section 10).
+
+/// Histogram: time to first token, seconds, by `model`.
+pub const TTFT_SECONDS: &str = "switchyard_ttft_seconds";
+/// Histogram: output tokens per second of each stream, by `model`.
+pub const OUTPUT_TOKENS_PER_SECOND: &str = "switchyard_output_tokens_per_second";
+/// Histogram: seconds from admission to dispatch, by `model`.
+pub const QUEUE_WAIT_SECONDS: &str = "switchyard_queue_wait_seconds";
+/// Gauge: requests waiting in a model's queue (scales a model up from zero), by `model`.
+pub const QUEUE_DEPTH: &str = "switchyard_queue_depth";
+/// Counter: requests by `model` and final `code` (`ok` or an error code).
+pub const REQUESTS_TOTAL: &str = "switchyard_requests_total";
+/// Gauge: streams being served now.
+pub const ACTIVE_STREAMS: &str = "switchyard_active_streams";
+/// Gauge: ledger rows still `reserved`.
+pub const LEDGER_OPEN_RESERVATIONS: &str = "switchyard_ledger_open_reservations";
+/// Gauge: a node's KV-cache use (0–1) from its heartbeat, by `node` and `model`.
+pub const NODE_KV_CACHE_USAGE: &str = "switchyard_node_kv_cache_usage";
+/// Gauge: nodes by `state` (`ready`, `draining`).
+pub const NODES: &str = "switchyard_nodes";
+/// Gauge: live actors and connection tasks (leak detector).
+pub const TASKS_ALIVE: &str = "switchyard_tasks_alive";
+/// Counter: frames dropped because they came from an older attempt, or duplicated a seq.
+pub const STALE_FRAMES_TOTAL: &str = "switchyard_stale_frames_total";

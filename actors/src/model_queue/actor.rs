@@ -1,0 +1,321 @@
+//! The [`ModelQueueActor`]: bounded queue, deadlines, dispatch.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::Arc;
+use std::time::Duration;
+
+use ractor::{Actor, ActorProcessingErr, ActorRef};
+use tokio::time::Instant;
+
+use super::msg::{ModelQueueHandle, QueueMsg, QueueStats};
+use super::routing::{NodeView, RoutingStrategy};
+use crate::error::{ErrorCode, Failure};
+use crate::generation::GenerationMsg;
+use crate::metric_names::QUEUE_DEPTH;
+use crate::node::{NodeHandle, NodeLoad};
+use crate::ports::Clock;
+use crate::tasks::TaskGuard;
+
+/// How often deadlines are checked.
+const TICK: Duration = Duration::from_millis(100);
+/// Dispatches counted for the drain rate behind `Retry-After`.
+const RATE_WINDOW: Duration = Duration::from_secs(30);
+
+/// Limits of one model's queue.
+#[derive(Debug, Clone, PartialEq)]
+pub struct QueueConfig {
+    /// Most generations waiting at once; more get `queue_full`.
+    pub max_waiting: usize,
+    /// How long a generation may wait for a node; then `capacity_exhausted`.
+    pub deadline: Duration,
+    /// Assignments one node may carry at once for this model.
+    pub node_capacity: u32,
+    /// How to pick among nodes with room.
+    pub routing: RoutingStrategy,
+}
+
+/// What a model queue starts with.
+#[derive(Debug)]
+pub struct QueueArgs {
+    /// The model (its resolved name).
+    pub model: String,
+    /// Limits.
+    pub config: QueueConfig,
+    /// Time source.
+    pub clock: Arc<dyn Clock>,
+}
+
+#[derive(Debug)]
+struct Waiting {
+    request_id: String,
+    generation: ActorRef<GenerationMsg>,
+    deadline: Instant,
+}
+
+#[derive(Debug)]
+struct NodeEntry {
+    handle: NodeHandle,
+    in_flight: u32,
+    load: NodeLoad,
+    draining: bool,
+}
+
+/// The actor's state.
+#[derive(Debug)]
+pub struct QueueState {
+    args: QueueArgs,
+    waiting: VecDeque<Waiting>,
+    /// Nodes by id (ordered, so choice is deterministic).
+    nodes: BTreeMap<String, NodeEntry>,
+    /// Recent dispatch times, for the drain rate.
+    dispatches: VecDeque<Instant>,
+    cursor: usize,
+    ticker: Option<ractor::concurrency::JoinHandle<()>>,
+    _guard: TaskGuard,
+}
+
+/// See the module documentation.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ModelQueueActor;
+
+impl ModelQueueActor {
+    /// Starts a model's queue.
+    pub async fn start(args: QueueArgs) -> Result<ModelQueueHandle, ractor::SpawnErr> {
+        let model = args.model.clone();
+        let (actor, _) = Actor::spawn(None, ModelQueueActor, args).await?;
+        Ok(ModelQueueHandle { model, actor })
+    }
+}
+
+impl Actor for ModelQueueActor {
+    type Msg = QueueMsg;
+    type State = QueueState;
+    type Arguments = QueueArgs;
+
+    async fn pre_start(
+        &self,
+        myself: ActorRef<QueueMsg>,
+        args: QueueArgs,
+    ) -> Result<QueueState, ActorProcessingErr> {
+        let ticker = myself.send_interval(TICK, || QueueMsg::Tick);
+        Ok(QueueState {
+            args,
+            waiting: VecDeque::new(),
+            nodes: BTreeMap::new(),
+            dispatches: VecDeque::new(),
+            cursor: 0,
+            ticker: Some(ticker),
+            _guard: TaskGuard::new("model_queue"),
+        })
+    }
+
+    async fn handle(
+        &self,
+        _myself: ActorRef<QueueMsg>,
+        msg: QueueMsg,
+        state: &mut QueueState,
+    ) -> Result<(), ActorProcessingErr> {
+        match msg {
+            QueueMsg::Enqueue {
+                request_id,
+                generation,
+                front,
+                reply,
+            } => {
+                let verdict = state.admit(request_id, generation, front);
+                let _ = reply.send(verdict);
+                state.dispatch();
+            }
+            QueueMsg::Withdraw { request_id } => {
+                state.waiting.retain(|w| w.request_id != request_id)
+            }
+            QueueMsg::NodeUp(handle, load) => {
+                let id = handle.node_id().to_owned();
+                state.nodes.insert(
+                    id,
+                    NodeEntry {
+                        handle,
+                        in_flight: 0,
+                        load,
+                        draining: false,
+                    },
+                );
+                state.dispatch();
+            }
+            QueueMsg::NodeDown(id) => {
+                state.nodes.remove(&id);
+            }
+            QueueMsg::NodeLoad(id, load) => {
+                if let Some(n) = state.nodes.get_mut(&id) {
+                    n.load = load;
+                }
+            }
+            QueueMsg::Released(id) => {
+                if let Some(n) = state.nodes.get_mut(&id) {
+                    n.in_flight = n.in_flight.saturating_sub(1);
+                }
+                state.dispatch();
+            }
+            QueueMsg::NodeDraining(id) => {
+                if let Some(n) = state.nodes.get_mut(&id) {
+                    n.draining = true;
+                }
+            }
+            QueueMsg::Tick => {
+                state.expire();
+                state.dispatch();
+                metrics::gauge!(QUEUE_DEPTH, "model" => state.args.model.clone())
+                    .set(state.waiting.len() as f64);
+            }
+            QueueMsg::Stats(reply) => {
+                let _ = reply.send(state.stats());
+            }
+        }
+        Ok(())
+    }
+
+    async fn post_stop(
+        &self,
+        _myself: ActorRef<QueueMsg>,
+        state: &mut QueueState,
+    ) -> Result<(), ActorProcessingErr> {
+        if let Some(t) = state.ticker.take() {
+            t.abort();
+        }
+        for w in state.waiting.drain(..) {
+            let _ = w.generation.cast(GenerationMsg::QueueTimeout);
+        }
+        Ok(())
+    }
+}
+
+impl QueueState {
+    fn live_nodes(&self) -> usize {
+        self.nodes.values().filter(|n| !n.draining).count()
+    }
+
+    fn admit(
+        &mut self,
+        request_id: String,
+        generation: ActorRef<GenerationMsg>,
+        front: bool,
+    ) -> Result<(), Failure> {
+        let model = &self.args.model;
+        if self.live_nodes() == 0 {
+            return Err(Failure::new(
+                ErrorCode::NoHealthyNode,
+                format!("No healthy node serves {model} right now."),
+            )
+            .retry_after(5));
+        }
+        if self.waiting.len() >= self.args.config.max_waiting && !front {
+            let wait = self.retry_after_secs();
+            return Err(Failure::new(
+                ErrorCode::QueueFull,
+                format!("The queue of {model} is full; retry in about {wait} s."),
+            )
+            .retry_after(wait));
+        }
+        let deadline = self.args.clock.now() + self.args.config.deadline;
+        let entry = Waiting {
+            request_id,
+            generation,
+            deadline,
+        };
+        if front {
+            self.waiting.push_front(entry);
+        } else {
+            self.waiting.push_back(entry);
+        }
+        Ok(())
+    }
+
+    /// When the queue, draining at its measured rate, will have room again.
+    fn retry_after_secs(&self) -> u64 {
+        let rate = self.drain_rate().max(0.1);
+        let secs = (self.waiting.len() as f64 / rate).ceil();
+        (secs as u64).clamp(1, 60)
+    }
+
+    fn drain_rate(&self) -> f64 {
+        let now = self.args.clock.now();
+        let recent = self
+            .dispatches
+            .iter()
+            .filter(|t| now.saturating_duration_since(**t) <= RATE_WINDOW)
+            .count();
+        recent as f64 / RATE_WINDOW.as_secs_f64()
+    }
+
+    /// Hands waiting generations to nodes with room, head first.
+    fn dispatch(&mut self) {
+        while !self.waiting.is_empty() {
+            let capacity = self.args.config.node_capacity;
+            let candidates: Vec<NodeView<'_>> = self
+                .nodes
+                .iter()
+                .filter(|(_, n)| !n.draining && n.in_flight < capacity)
+                .map(|(id, n)| NodeView {
+                    node_id: id,
+                    in_flight: n.in_flight,
+                    capacity,
+                    kv_cache_usage: n.load.kv_cache_usage,
+                    engine_waiting: n.load.queue_depth,
+                })
+                .collect();
+            let Some(i) = self
+                .args
+                .config
+                .routing
+                .choose(&candidates, &mut self.cursor)
+            else {
+                return;
+            };
+            let node_id = candidates[i].node_id.to_owned();
+            let Some(w) = self.waiting.pop_front() else {
+                return;
+            };
+            let Some(entry) = self.nodes.get_mut(&node_id) else {
+                return;
+            };
+            let msg = GenerationMsg::Dispatch {
+                node: entry.handle.clone(),
+            };
+            if w.generation.cast(msg).is_ok() {
+                entry.in_flight += 1;
+                let now = self.args.clock.now();
+                self.dispatches.push_back(now);
+                while self
+                    .dispatches
+                    .front()
+                    .is_some_and(|t| now.saturating_duration_since(*t) > RATE_WINDOW)
+                {
+                    self.dispatches.pop_front();
+                }
+            }
+        }
+    }
+
+    /// Generations past their deadline leave with `capacity_exhausted`.
+    fn expire(&mut self) {
+        let now = self.args.clock.now();
+        let (expired, kept): (Vec<Waiting>, Vec<Waiting>) =
+            self.waiting.drain(..).partition(|w| w.deadline <= now);
+        self.waiting = kept.into();
+        for w in expired {
+            let _ = w.generation.cast(GenerationMsg::QueueTimeout);
+        }
+    }
+
+    fn stats(&self) -> QueueStats {
+        QueueStats {
+            waiting: self.waiting.len(),
+            nodes: self
+                .nodes
+                .iter()
+                .map(|(id, n)| (id.clone(), n.in_flight, n.draining))
+                .collect(),
+            drain_rate: self.drain_rate(),
+        }
+    }
+}

@@ -1,0 +1,12 @@
+//! One [`ModelQueueActor`] per model: a bounded queue of admitted generations, a deadline
+//! for each, and the choice of the node that gets the next one. Nodes register with the
+//! queues of the models they serve; every dispatch and release goes through here, so the
+//! queue knows each node's in-flight count exactly, not from a 5-second-old heartbeat.
+
+mod actor;
+mod msg;
+mod routing;
+
+pub use actor::{ModelQueueActor, QueueArgs, QueueConfig};
+pub use msg::{ModelQueueHandle, QueueMsg, QueueStats};
+pub use routing::{NodeView, RoutingStrategy};

@@ -1,0 +1,443 @@
+//! The [`NodeActor`]: relays frames between one node's socket and its generations.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use ractor::{Actor, ActorProcessingErr, ActorRef};
+use tokio::sync::mpsc;
+
+use super::msg::{NodeHandle, NodeLoad, NodeMsg};
+use crate::generation::{Directory, GenerationMsg};
+use crate::metric_names::{NODE_KV_CACHE_USAGE, STALE_FRAMES_TOTAL};
+use crate::model_queue::ModelQueueHandle;
+use crate::ports::{Clock, Coordinator, Ledger, Settlement};
+use crate::protocol::{NodeFrame, ServerFrame};
+use crate::tasks::TaskGuard;
+
+/// How often the actor checks that heartbeats still arrive.
+const HEARTBEAT_CHECK: Duration = Duration::from_secs(1);
+
+/// What a node connection starts with.
+#[derive(Debug)]
+pub struct NodeArgs {
+    /// The registered node id.
+    pub node_id: String,
+    /// Models the node serves that this server knows.
+    pub models: Vec<String>,
+    /// Frames to write to the node's socket; the writer task ends when this is dropped.
+    pub outbound: mpsc::Sender<ServerFrame>,
+    /// The queue of every model the node serves.
+    pub queues: BTreeMap<String, ModelQueueHandle>,
+    /// Live generations, to route frames that outlived their assignment (resent `done`s).
+    pub directory: Directory,
+    /// For `done` frames whose generation is gone.
+    pub ledger: Arc<dyn Ledger>,
+    /// Where heartbeats go (`node:{id}`, TTL 15 s).
+    pub coordinator: Arc<dyn Coordinator>,
+    /// This replica's id, recorded as the node's owner.
+    pub replica_id: String,
+    /// A node silent this long is dead (two missed heartbeats plus slack).
+    pub heartbeat_timeout: Duration,
+    /// Time source.
+    pub clock: Arc<dyn Clock>,
+}
+
+/// One assignment the node is carrying.
+#[derive(Debug)]
+struct InFlight {
+    attempt: u64,
+    model: String,
+    generation: ActorRef<GenerationMsg>,
+    accepted: bool,
+}
+
+/// The actor's state.
+#[derive(Debug)]
+pub struct NodeState {
+    args: NodeArgs,
+    handle: NodeHandle,
+    /// Assignments by request id: the node's own in-flight count.
+    in_flight: BTreeMap<String, InFlight>,
+    /// When the last heartbeat (or registration) arrived.
+    last_heartbeat: tokio::time::Instant,
+    /// The last heartbeat's load.
+    load: NodeLoad,
+    /// Set by an operator drain: no new work.
+    draining: bool,
+    checker: Option<ractor::concurrency::JoinHandle<()>>,
+    _guard: TaskGuard,
+}
+
+/// See the module documentation.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct NodeActor;
+
+impl NodeActor {
+    /// Starts the actor for a registered connection and returns its handle.
+    pub async fn start(args: NodeArgs) -> Result<NodeHandle, ractor::SpawnErr> {
+        let node_id = args.node_id.clone();
+        let (actor, _) = Actor::spawn(None, NodeActor, args).await?;
+        Ok(NodeHandle { node_id, actor })
+    }
+}
+
+impl Actor for NodeActor {
+    type Msg = NodeMsg;
+    type State = NodeState;
+    type Arguments = NodeArgs;
+
+    async fn pre_start(
+        &self,
+        myself: ActorRef<NodeMsg>,
+        args: NodeArgs,
+    ) -> Result<NodeState, ActorProcessingErr> {
+        let handle = NodeHandle {
+            node_id: args.node_id.clone(),
+            actor: myself.clone(),
+        };
+        for queue in args.queues.values() {
+            queue.node_up(handle.clone(), NodeLoad::default());
+        }
+        let checker = myself.send_interval(HEARTBEAT_CHECK, || NodeMsg::CheckHeartbeat);
+        Ok(NodeState {
+            last_heartbeat: args.clock.now(),
+            args,
+            handle,
+            in_flight: BTreeMap::new(),
+            load: NodeLoad::default(),
+            draining: false,
+            checker: Some(checker),
+            _guard: TaskGuard::new("node"),
+        })
+    }
+
+    async fn handle(
+        &self,
+        myself: ActorRef<NodeMsg>,
+        msg: NodeMsg,
+        state: &mut NodeState,
+    ) -> Result<(), ActorProcessingErr> {
+        match msg {
+            NodeMsg::Assign {
+                request_id,
+                attempt,
+                model,
+                body,
+                generation,
+            } => {
+                if state.draining {
+                    let _ = generation.cast(GenerationMsg::NodeLost { attempt });
+                    return Ok(());
+                }
+                let frame = ServerFrame::Assign {
+                    request_id: request_id.clone(),
+                    attempt,
+                    model: model.clone(),
+                    body,
+                };
+                if state.args.outbound.try_send(frame).is_err() {
+                    let _ = generation.cast(GenerationMsg::NodeLost { attempt });
+                    myself.stop(Some("outbound channel closed or full".into()));
+                    return Ok(());
+                }
+                state.in_flight.insert(
+                    request_id,
+                    InFlight {
+                        attempt,
+                        model,
+                        generation,
+                        accepted: false,
+                    },
+                );
+            }
+            NodeMsg::Cancel {
+                request_id,
+                attempt,
+            } => {
+                send(
+                    state,
+                    &myself,
+                    ServerFrame::Cancel {
+                        request_id,
+                        attempt,
+                    },
+                );
+            }
+            NodeMsg::Ack {
+                request_id,
+                attempt,
+            } => {
+                send(
+                    state,
+                    &myself,
+                    ServerFrame::Ack {
+                        request_id,
+                        attempt,
+                    },
+                );
+            }
+            NodeMsg::Frame(frame) => on_frame(state, &myself, frame).await,
+            NodeMsg::Drain => {
+                state.draining = true;
+                send(state, &myself, ServerFrame::Drain {});
+                for queue in state.args.queues.values() {
+                    queue.node_draining(&state.args.node_id);
+                }
+            }
+            NodeMsg::ConnectionLost => myself.stop(Some("connection lost".into())),
+            NodeMsg::CheckHeartbeat => {
+                let silent = state
+                    .args
+                    .clock
+                    .now()
+                    .saturating_duration_since(state.last_heartbeat);
+                if silent > state.args.heartbeat_timeout {
+                    tracing::warn!(node_id = %state.args.node_id, ?silent, "node missed its heartbeats; dropping it");
+                    myself.stop(Some("heartbeat timeout".into()));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    async fn post_stop(
+        &self,
+        _myself: ActorRef<NodeMsg>,
+        state: &mut NodeState,
+    ) -> Result<(), ActorProcessingErr> {
+        if let Some(checker) = state.checker.take() {
+            checker.abort();
+        }
+        for (_, f) in std::mem::take(&mut state.in_flight) {
+            let _ = f
+                .generation
+                .cast(GenerationMsg::NodeLost { attempt: f.attempt });
+        }
+        for queue in state.args.queues.values() {
+            queue.node_down(&state.args.node_id);
+        }
+        let key = format!("node:{}", state.args.node_id);
+        if let Err(e) = state.args.coordinator.delete(&key).await {
+            tracing::warn!(error = %e, "could not remove the node's heartbeat key");
+        }
+        tracing::info!(node_id = %state.args.node_id, "node disconnected");
+        Ok(())
+    }
+}
+
+/// Writes a frame to the socket; a full or closed channel means the node is gone.
+fn send(state: &NodeState, myself: &ActorRef<NodeMsg>, frame: ServerFrame) {
+    if state.args.outbound.try_send(frame).is_err() {
+        myself.stop(Some("outbound channel closed or full".into()));
+    }
+}
+
+async fn on_frame(state: &mut NodeState, myself: &ActorRef<NodeMsg>, frame: NodeFrame) {
+    match frame {
+        NodeFrame::Register { .. } => {
+            tracing::warn!(node_id = %state.args.node_id, "second register frame ignored");
+        }
+        NodeFrame::Heartbeat {
+            queue_depth,
+            running,
+            kv_cache_usage,
+            gpu_util,
+            models,
+        } => {
+            state.last_heartbeat = state.args.clock.now();
+            let kv = if kv_cache_usage.is_finite() {
+                kv_cache_usage.clamp(0.0, 1.0)
+            } else {
+                0.0
+            };
+            state.load = NodeLoad {
+                queue_depth,
+                running,
+                kv_cache_usage: kv,
+            };
+            for (model, queue) in &state.args.queues {
+                queue.node_load(&state.args.node_id, state.load);
+                metrics::gauge!(NODE_KV_CACHE_USAGE, "node" => state.args.node_id.clone(), "model" => model.clone())
+                    .set(kv);
+            }
+            let fields: BTreeMap<String, String> = [
+                ("owner", state.args.replica_id.clone()),
+                ("queue_depth", queue_depth.to_string()),
+                ("running", running.to_string()),
+                ("kv_cache_usage", kv.to_string()),
+                ("gpu_util", gpu_util.to_string()),
+                ("models", models.join(",")),
+                ("in_flight", state.in_flight.len().to_string()),
+                ("last_heartbeat", state.args.clock.wall().to_rfc3339()),
+            ]
+            .into_iter()
+            .map(|(k, v)| (k.to_owned(), v))
+            .collect();
+            let key = format!("node:{}", state.args.node_id);
+            if let Err(e) = state
+                .args
+                .coordinator
+                .put_hash(&key, &fields, Duration::from_secs(15))
+                .await
+            {
+                tracing::warn!(error = %e, "could not publish the node's heartbeat");
+            }
+        }
+        NodeFrame::Accepted {
+            request_id,
+            attempt,
+        } => {
+            if let Some(f) = state
+                .in_flight
+                .get_mut(&request_id)
+                .filter(|f| f.attempt == attempt)
+            {
+                f.accepted = true;
+            }
+            route(state, &request_id, GenerationMsg::Accepted { attempt });
+        }
+        NodeFrame::Chunk {
+            request_id,
+            attempt,
+            seq,
+            delta,
+        } => {
+            route(
+                state,
+                &request_id,
+                GenerationMsg::Chunk {
+                    attempt,
+                    seq,
+                    delta,
+                },
+            );
+        }
+        NodeFrame::Error {
+            request_id,
+            attempt,
+            code,
+            message,
+        } => {
+            let unaccepted = state
+                .in_flight
+                .get(&request_id)
+                .is_some_and(|f| f.attempt == attempt && !f.accepted);
+            // An error before acceptance is final for the assignment (no `done` follows).
+            if unaccepted {
+                release(state, &request_id);
+            }
+            route(
+                state,
+                &request_id,
+                GenerationMsg::EngineError {
+                    attempt,
+                    code,
+                    message,
+                },
+            );
+        }
+        NodeFrame::Done {
+            request_id,
+            attempt,
+            prompt_tokens,
+            completion_tokens,
+            finish_reason,
+        } => {
+            if state
+                .in_flight
+                .get(&request_id)
+                .is_some_and(|f| f.attempt == attempt)
+            {
+                release(state, &request_id);
+            }
+            let msg = GenerationMsg::Done {
+                attempt,
+                prompt_tokens,
+                completion_tokens,
+                finish_reason,
+                node: state.handle.clone(),
+            };
+            if !route(state, &request_id, msg) {
+                settle_orphan(
+                    state,
+                    myself,
+                    request_id,
+                    attempt,
+                    prompt_tokens,
+                    completion_tokens,
+                )
+                .await;
+            }
+        }
+    }
+}
+
+/// Forgets an assignment and gives its slot back to the model's queue.
+fn release(state: &mut NodeState, request_id: &str) {
+    if let Some(f) = state.in_flight.remove(request_id)
+        && let Some(queue) = state.args.queues.get(&f.model)
+    {
+        queue.released(&state.args.node_id);
+    }
+}
+
+/// Sends a message to the generation a frame belongs to: the assignment's own actor, or a
+/// live generation in the directory (a `done` resent after a reconnect). False when no
+/// generation is alive to take it.
+fn route(state: &NodeState, request_id: &str, msg: GenerationMsg) -> bool {
+    if let Some(f) = state.in_flight.get(request_id) {
+        match f.generation.cast(msg) {
+            Ok(()) => return true,
+            Err(ractor::MessagingErr::SendErr(msg)) => {
+                return route_directory(state, request_id, msg);
+            }
+            Err(_) => return false,
+        }
+    }
+    route_directory(state, request_id, msg)
+}
+
+fn route_directory(state: &NodeState, request_id: &str, msg: GenerationMsg) -> bool {
+    match state.args.directory.get(request_id) {
+        Some(generation) => generation.cast(msg).is_ok(),
+        None => {
+            metrics::counter!(STALE_FRAMES_TOTAL, "reason" => "no_generation").increment(1);
+            false
+        }
+    }
+}
+
+/// A `done` whose generation is gone (a replica restart, a crashed actor): settle the row
+/// from the frame alone — a row already final is left as is — then ack it. If the ledger is
+/// down the `done` stays unacked and the node sends it again after its next reconnect.
+async fn settle_orphan(
+    state: &NodeState,
+    myself: &ActorRef<NodeMsg>,
+    request_id: String,
+    attempt: u64,
+    prompt_tokens: u64,
+    completion_tokens: u64,
+) {
+    let settlement = Settlement {
+        request_id: request_id.clone(),
+        prompt_tokens,
+        completion_tokens,
+    };
+    match state.args.ledger.settle(&settlement).await {
+        Ok(outcome) => {
+            tracing::info!(%request_id, attempt, ?outcome, "settled a done without a live generation");
+            send(
+                state,
+                myself,
+                ServerFrame::Ack {
+                    request_id,
+                    attempt,
+                },
+            );
+        }
+        Err(e) => {
+            tracing::warn!(%request_id, error = %e, "could not settle an orphan done; left unacked")
+        }
+    }
+}

@@ -1,0 +1,11 @@
+//! The server's side of one connected GPU node: a [`NodeActor`] per WebSocket, on the
+//! replica that holds the socket. It relays frames between the node and the generations it
+//! carries, counts its own in-flight work (heartbeats are 5 s old at best), publishes
+//! heartbeats to the coordinator, and when the connection ends tells every generation it
+//! carried that its node is lost.
+
+mod actor;
+mod msg;
+
+pub use actor::{NodeActor, NodeArgs};
+pub use msg::{NodeHandle, NodeLoad, NodeMsg};

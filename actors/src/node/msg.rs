@@ -1,0 +1,124 @@
+//! Messages of the [`super::NodeActor`] and the handle others hold.
+
+use ractor::ActorRef;
+
+use crate::generation::GenerationMsg;
+use crate::protocol::NodeFrame;
+
+/// A node's load as its last heartbeat reported it.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct NodeLoad {
+    /// `vllm:num_requests_waiting`.
+    pub queue_depth: u64,
+    /// `vllm:num_requests_running`.
+    pub running: u64,
+    /// `vllm:kv_cache_usage_perc`, 0–1.
+    pub kv_cache_usage: f64,
+}
+
+/// What a [`super::NodeActor`] handles.
+#[derive(Debug)]
+pub enum NodeMsg {
+    /// Send this assignment to the node and route its frames to `generation`.
+    Assign {
+        /// The generation's request id.
+        request_id: String,
+        /// The attempt epoch; frames of other epochs are fenced by the generation.
+        attempt: u64,
+        /// Engine model name.
+        model: String,
+        /// The OpenAI body to forward.
+        body: serde_json::Value,
+        /// Where this assignment's frames go.
+        generation: ActorRef<GenerationMsg>,
+    },
+    /// Tell the node to stop this assignment.
+    Cancel {
+        /// The generation's request id.
+        request_id: String,
+        /// The attempt to stop.
+        attempt: u64,
+    },
+    /// The `done` of this attempt is settled: the node may forget it.
+    Ack {
+        /// The generation's request id.
+        request_id: String,
+        /// The attempt whose `done` settled.
+        attempt: u64,
+    },
+    /// A frame read from the node's socket.
+    Frame(NodeFrame),
+    /// Stop giving this node new work (operator drain).
+    Drain,
+    /// The socket closed, or a frame could not be written: the node is gone.
+    ConnectionLost,
+    /// Periodic check for a missed heartbeat.
+    CheckHeartbeat,
+}
+
+/// Cloneable access to a connected node.
+#[derive(Debug, Clone)]
+pub struct NodeHandle {
+    pub(crate) node_id: String,
+    pub(crate) actor: ActorRef<NodeMsg>,
+}
+
+impl NodeHandle {
+    /// The node's id.
+    pub fn node_id(&self) -> &str {
+        &self.node_id
+    }
+
+    /// Sends a frame read from the node's socket to the actor; false if the actor is gone.
+    pub fn deliver(&self, frame: NodeFrame) -> bool {
+        self.actor.cast(NodeMsg::Frame(frame)).is_ok()
+    }
+
+    /// Reports that the socket closed.
+    pub fn connection_lost(&self) {
+        let _ = self.actor.cast(NodeMsg::ConnectionLost);
+    }
+
+    /// Asks the node to drain.
+    pub fn drain(&self) {
+        let _ = self.actor.cast(NodeMsg::Drain);
+    }
+
+    pub(crate) fn assign(
+        &self,
+        request_id: &str,
+        attempt: u64,
+        model: &str,
+        body: serde_json::Value,
+        generation: ActorRef<GenerationMsg>,
+    ) -> bool {
+        self.actor
+            .cast(NodeMsg::Assign {
+                request_id: request_id.to_owned(),
+                attempt,
+                model: model.to_owned(),
+                body,
+                generation,
+            })
+            .is_ok()
+    }
+
+    pub(crate) fn cancel(&self, request_id: &str, attempt: u64) {
+        let _ = self.actor.cast(NodeMsg::Cancel {
+            request_id: request_id.to_owned(),
+            attempt,
+        });
+    }
+
+    pub(crate) fn ack(&self, request_id: &str, attempt: u64) {
+        let _ = self.actor.cast(NodeMsg::Ack {
+            request_id: request_id.to_owned(),
+            attempt,
+        });
+    }
+
+    /// Stops the actor (the socket's writer ends with it).
+    pub fn stop(&self) {
+        self.actor.stop(None);
+    }
+}

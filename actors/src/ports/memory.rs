@@ -1,0 +1,152 @@
+//! An in-process [`Ledger`] with the same semantics as the SQL ones (unique request ids,
+//! conditional final transitions, debits on settle). Used by the actors' tests and as the
+//! reference the storage conformance suite is written against.
+
+use std::collections::BTreeMap;
+use std::sync::{Mutex, PoisonError};
+
+use async_trait::async_trait;
+
+use super::{Ledger, LedgerError, Microcredits, Reservation, SettleOutcome, Settlement, cost_of};
+
+/// The state of a row.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RowStatus {
+    /// Open: admitted, not final.
+    Reserved,
+    /// Final with usage.
+    Settled,
+    /// Final without usage.
+    Cancelled,
+}
+
+/// One row of the in-memory ledger.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MemoryRow {
+    /// The reservation it was opened with.
+    pub reservation: Reservation,
+    /// Where it is.
+    pub status: RowStatus,
+    /// Settled prompt tokens.
+    pub prompt_tokens: u64,
+    /// Settled completion tokens.
+    pub completion_tokens: u64,
+    /// Settled cost.
+    pub cost: Microcredits,
+    /// How many settle or cancel calls changed it (1 once final).
+    pub transitions: u32,
+}
+
+/// See the module documentation.
+#[derive(Debug, Default)]
+pub struct MemoryLedger {
+    rows: Mutex<BTreeMap<String, MemoryRow>>,
+    /// Simulates an unreachable database.
+    unavailable: Mutex<bool>,
+}
+
+impl MemoryLedger {
+    /// A copy of a row.
+    pub fn row(&self, request_id: &str) -> Option<MemoryRow> {
+        self.rows
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(request_id)
+            .cloned()
+    }
+
+    /// Rows still `reserved`.
+    pub fn open(&self) -> usize {
+        self.rows
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .values()
+            .filter(|r| r.status == RowStatus::Reserved)
+            .count()
+    }
+
+    /// Makes every call fail with [`LedgerError::Unavailable`] (or work again).
+    pub fn set_unavailable(&self, down: bool) {
+        *self
+            .unavailable
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = down;
+    }
+
+    fn check(&self) -> Result<(), LedgerError> {
+        if *self
+            .unavailable
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+        {
+            return Err(LedgerError::Unavailable(
+                "memory ledger switched off".into(),
+            ));
+        }
+        Ok(())
+    }
+
+    fn finish(
+        &self,
+        request_id: &str,
+        to: RowStatus,
+        usage: Option<(u64, u64)>,
+    ) -> Result<SettleOutcome, LedgerError> {
+        self.check()?;
+        let mut rows = self.rows.lock().unwrap_or_else(PoisonError::into_inner);
+        let Some(row) = rows.get_mut(request_id) else {
+            return Ok(SettleOutcome::Unknown);
+        };
+        if row.status != RowStatus::Reserved {
+            return Ok(SettleOutcome::AlreadyFinal);
+        }
+        row.status = to;
+        row.transitions += 1;
+        if let Some((p, c)) = usage {
+            row.prompt_tokens = p;
+            row.completion_tokens = c;
+            row.cost = cost_of(
+                p,
+                c,
+                row.reservation.price_input_per_mtok,
+                row.reservation.price_output_per_mtok,
+            );
+        }
+        Ok(SettleOutcome::Applied)
+    }
+}
+
+#[async_trait]
+impl Ledger for MemoryLedger {
+    async fn reserve(&self, reservation: &Reservation) -> Result<(), LedgerError> {
+        self.check()?;
+        let mut rows = self.rows.lock().unwrap_or_else(PoisonError::into_inner);
+        if rows.contains_key(&reservation.request_id) {
+            return Err(LedgerError::Duplicate);
+        }
+        rows.insert(
+            reservation.request_id.clone(),
+            MemoryRow {
+                reservation: reservation.clone(),
+                status: RowStatus::Reserved,
+                prompt_tokens: 0,
+                completion_tokens: 0,
+                cost: 0,
+                transitions: 0,
+            },
+        );
+        Ok(())
+    }
+
+    async fn settle(&self, s: &Settlement) -> Result<SettleOutcome, LedgerError> {
+        self.finish(
+            &s.request_id,
+            RowStatus::Settled,
+            Some((s.prompt_tokens, s.completion_tokens)),
+        )
+    }
+
+    async fn cancel(&self, request_id: &str) -> Result<SettleOutcome, LedgerError> {
+        self.finish(request_id, RowStatus::Cancelled, None)
+    }
+}
