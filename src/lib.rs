@@ -1,6 +1,17 @@
 //! Switchyard: one OpenAI-compatible LLM serving platform in front of every GPU a company owns.
 //!
-//! The binary (`src/main.rs`) is a thin CLI over these modules. Today the crate holds the vLLM
-//! simulator ([`sim`]); the gateway, orchestrator, storage and node agent join it.
+//! The binary (`src/main.rs`) is a thin CLI over these modules: the server replica
+//! ([`server`], [`http`], [`auth`], [`config`]), storage and coordination ([`store`],
+//! [`coord`]), the node agent ([`node_agent`]), the vLLM simulator ([`sim`]) and the embedded
+//! demo fleet ([`demo`]). The actors live in the `switchyard-actors` crate.
 
+pub mod auth;
+pub mod config;
+pub mod coord;
+pub mod demo;
+pub mod env_names;
+pub mod http;
+pub mod node_agent;
+pub mod server;
 pub mod sim;
+pub mod store;

@@ -2,10 +2,21 @@
 //! library; nothing else lives here.
 
 use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
 
 use anyhow::Context;
 use clap::{Args, Parser, Subcommand};
+use switchyard::config::Config;
+use switchyard::coord::MemoryCoordinator;
+use switchyard::demo::{self, Fleet, FleetConfig};
+use switchyard::node_agent::{self, AgentConfig};
+use switchyard::server::Server;
 use switchyard::sim::{ExitMode, FaultSpec, Profile, SimConfig, SimServer};
+use switchyard::store::{SqliteStore, Store};
+use switchyard_actors::protocol::Location;
+use tokio_util::sync::CancellationToken;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -20,10 +31,63 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
-    /// Everything on one machine: a simulated fleet (until the server lands, the engines only).
+    /// Everything on one machine: server, simulated GPU nodes with real agents, no services.
     Demo(DemoArgs),
+    /// The production server (gateway and orchestrator).
+    Serve(ServeArgs),
+    /// The agent on a GPU node: dials the server and forwards work to the local engine.
+    Node(NodeArgs),
     /// A vLLM simulator: vLLM's API, metrics and timing on one port.
     Sim(SimArgs),
+    /// Applies database migrations.
+    Migrate(MigrateArgs),
+}
+
+#[derive(Debug, Args)]
+struct ServeArgs {
+    /// TOML configuration file (defaults otherwise; SWITCHYARD_* variables override both).
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// Address to listen on (overrides the file and SWITCHYARD_LISTEN).
+    #[arg(long)]
+    listen: Option<SocketAddr>,
+    /// Do not apply migrations at start.
+    #[arg(long)]
+    no_migrate: bool,
+}
+
+#[derive(Debug, Args)]
+struct MigrateArgs {
+    /// TOML configuration file (for database_url; DATABASE_URL overrides).
+    #[arg(long)]
+    config: Option<PathBuf>,
+}
+
+#[derive(Debug, Args)]
+struct NodeArgs {
+    /// The server's base URL (http://… or https://…).
+    #[arg(long)]
+    server: String,
+    /// This node's id, as issued with its token.
+    #[arg(long)]
+    node_id: String,
+    /// The per-node token (or SWITCHYARD_NODE_TOKEN).
+    #[arg(long, env = "SWITCHYARD_NODE_TOKEN", hide_env_values = true)]
+    token: String,
+    /// The local engine's base URL.
+    #[arg(long, default_value = "http://127.0.0.1:8000")]
+    engine: String,
+    /// Where the node runs.
+    #[arg(long, default_value = "onprem", value_parser = parse_location)]
+    location: Location,
+}
+
+fn parse_location(s: &str) -> Result<Location, String> {
+    match s {
+        "onprem" => Ok(Location::Onprem),
+        "cloud" => Ok(Location::Cloud),
+        _ => Err(format!("`{s}`: expected onprem or cloud")),
+    }
 }
 
 #[derive(Debug, Args)]
@@ -105,83 +169,90 @@ impl SimArgs {
 
 #[derive(Debug, Args)]
 struct DemoArgs {
-    /// First address; the simulated engines take the following ports.
+    /// Address of the server; the simulated engines take free loopback ports.
     #[arg(long, default_value = "127.0.0.1:8080")]
     listen: SocketAddr,
-    /// Engines per model alias.
+    /// Simulated nodes per model alias.
     #[arg(long, default_value = "small=2,medium=1,large=1")]
     nodes: String,
-    /// Divide every delay by this factor.
+    /// Divide every engine delay by this factor.
     #[arg(long, default_value_t = 1.0)]
     time_scale: f64,
 }
 
-/// The demo fleet's models: alias, served name, profile.
-const DEMO_MODELS: [(&str, &str, Profile); 3] = [
-    ("small", "llama-3.1-8b-instruct", Profile::B8),
-    ("medium", "qwen2.5-32b-instruct", Profile::B32),
-    ("large", "llama-3.3-70b-instruct", Profile::B70),
-];
-
-fn parse_nodes(spec: &str) -> anyhow::Result<Vec<(&'static str, &'static str, Profile, u32)>> {
-    let mut out = Vec::new();
-    for part in spec.split(',').filter(|p| !p.trim().is_empty()) {
-        let (alias, count) = part
-            .split_once('=')
-            .context("--nodes takes alias=count,…")?;
-        let (alias, name, profile) = DEMO_MODELS
-            .iter()
-            .copied()
-            .find(|(a, _, _)| *a == alias.trim())
-            .with_context(|| format!("unknown model alias `{alias}` (small, medium, large)"))?;
-        let count: u32 = count
-            .trim()
-            .parse()
-            .with_context(|| format!("bad node count in `{part}`"))?;
-        out.push((alias, name, profile, count));
-    }
-    Ok(out)
+async fn demo(args: DemoArgs) -> anyhow::Result<()> {
+    let dir = PathBuf::from(".switchyard");
+    std::fs::create_dir_all(&dir).context("creating .switchyard/")?;
+    let mut server = Config::load(None)?;
+    server.listen = args.listen;
+    let config = FleetConfig {
+        server,
+        nodes: demo::parse_nodes(&args.nodes)?,
+        time_scale: args.time_scale,
+        ..FleetConfig::default()
+    };
+    let fleet = Fleet::start(config, &demo::demo_database_url(&dir)).await?;
+    let env_file = demo::write_env_file(&dir, &fleet)?;
+    println!("{}", demo::banner(&fleet, &env_file));
+    shutdown_signal().await;
+    eprintln!("draining…");
+    fleet.shutdown(Duration::from_secs(30)).await;
+    Ok(())
 }
 
-async fn demo(args: DemoArgs) -> anyhow::Result<()> {
-    let mut sims = Vec::new();
-    let mut port = args.listen.port();
-    for (alias, name, profile, count) in parse_nodes(&args.nodes)? {
-        for _ in 0..count {
-            port = port.checked_add(1).context("ran out of ports")?;
-            let config = SimConfig {
-                model: name.to_string(),
-                profile,
-                time_scale: args.time_scale,
-                ..SimConfig::default()
-            };
-            let addr = SocketAddr::new(args.listen.ip(), port);
-            let sim = SimServer::bind(config, addr)
-                .await
-                .with_context(|| format!("binding {addr}"))?;
-            println!(
-                "{alias:<7} {name:<24} profile {profile:<4} {}/v1",
-                sim.base_url()
-            );
-            sims.push(sim);
-        }
+async fn serve(args: ServeArgs) -> anyhow::Result<()> {
+    let mut config = Config::load(args.config.as_deref())?;
+    if let Some(listen) = args.listen {
+        config.listen = listen;
     }
-    if let Some(first) = sims.first() {
-        let base = first.base_url();
-        println!(
-            "\nTry it (streams from a simulated {} engine):",
-            DEMO_MODELS[0].1
-        );
-        println!(
-            "  curl -N {base}/v1/chat/completions -H 'Content-Type: application/json' \\\n    -d '{{\"model\":\"{}\",\"messages\":[{{\"role\":\"user\",\"content\":\"Hello\"}}],\"max_tokens\":32,\"stream\":true}}'",
-            DEMO_MODELS[0].1
+    if config.redis_url.is_some() {
+        anyhow::bail!(
+            "REDIS_URL is set, but multi-replica coordination through Redis is not available in this build; unset it to run one replica"
         );
     }
-    println!("\nCtrl-C stops the demo.");
+    let store = connect_store(&config.database_url).await?;
+    if !args.no_migrate {
+        store.migrate().await?;
+    }
+    let store: Arc<dyn Store> = Arc::new(store);
+    let server = Server::bind(config, store, Arc::new(MemoryCoordinator::new())).await?;
     shutdown_signal().await;
-    for sim in sims {
-        sim.shutdown().await;
+    server.shutdown(Duration::from_secs(30)).await;
+    Ok(())
+}
+
+async fn migrate(args: MigrateArgs) -> anyhow::Result<()> {
+    let config = Config::load(args.config.as_deref())?;
+    connect_store(&config.database_url).await?.migrate().await?;
+    println!("migrations applied");
+    Ok(())
+}
+
+async fn connect_store(url: &str) -> anyhow::Result<SqliteStore> {
+    if !url.starts_with("sqlite:") {
+        anyhow::bail!("DATABASE_URL must be sqlite://… in this build (PostgreSQL support is next)");
     }
+    if let Some(path) = url
+        .strip_prefix("sqlite://")
+        .and_then(|p| p.split('?').next())
+        && let Some(dir) = std::path::Path::new(path).parent()
+        && !dir.as_os_str().is_empty()
+    {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    }
+    Ok(SqliteStore::connect(url).await?)
+}
+
+async fn node(args: NodeArgs) -> anyhow::Result<()> {
+    let mut config = AgentConfig::new(args.server, args.node_id, args.token, args.engine);
+    config.location = args.location;
+    let stop = CancellationToken::new();
+    let agent = tokio::spawn(node_agent::run(config, stop.clone()));
+    tokio::select! {
+        () = shutdown_signal() => stop.cancel(),
+        _ = std::future::pending::<()>() => {}
+    }
+    agent.await??;
     Ok(())
 }
 
@@ -238,6 +309,9 @@ async fn main() -> anyhow::Result<()> {
     init_tracing();
     match Cli::parse().command {
         Command::Demo(args) => demo(args).await,
+        Command::Serve(args) => serve(args).await,
+        Command::Node(args) => node(args).await,
         Command::Sim(args) => sim(args).await,
+        Command::Migrate(args) => migrate(args).await,
     }
 }

@@ -79,6 +79,11 @@ impl NodeHandle {
         let _ = self.actor.cast(NodeMsg::ConnectionLost);
     }
 
+    /// Whether both handles point at the same connection.
+    pub fn same_actor(&self, other: &NodeHandle) -> bool {
+        self.actor.get_id() == other.actor.get_id()
+    }
+
     /// Asks the node to drain.
     pub fn drain(&self) {
         let _ = self.actor.cast(NodeMsg::Drain);

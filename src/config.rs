@@ -1,0 +1,348 @@
+//! One typed configuration: built-in defaults, then a TOML file, then `SWITCHYARD_*`
+//! environment variables; validated once at boot. Every setting and its default is listed
+//! in docs/configuration.md.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::Path;
+use std::time::Duration;
+
+use serde::Deserialize;
+use switchyard_actors::generation::Timeouts;
+use switchyard_actors::model_queue::{QueueConfig, RoutingStrategy};
+
+use crate::env_names;
+
+/// Configuration failures, reported at boot.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The file could not be read.
+    #[error("reading {path}: {source}")]
+    Read {
+        /// The file.
+        path: String,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// The file is not valid TOML for this schema.
+    #[error("parsing {path}: {source}")]
+    Parse {
+        /// The file.
+        path: String,
+        /// Why.
+        source: toml::de::Error,
+    },
+    /// A value is out of range or inconsistent.
+    #[error("invalid configuration: {0}")]
+    Invalid(String),
+}
+
+/// A model the platform serves.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelConfig {
+    /// The model version as engines serve it (`llama-3.1-8b-instruct`).
+    pub name: String,
+    /// Names clients may use instead; each resolves to this one version.
+    #[serde(default)]
+    pub aliases: Vec<String>,
+    /// Microcredits per million prompt tokens.
+    pub price_input_per_mtok: i64,
+    /// Microcredits per million completion tokens.
+    pub price_output_per_mtok: i64,
+    /// Requests one node runs at once for this model (beyond it, requests wait here).
+    pub node_concurrency: u32,
+    /// Output ceiling reserved for a request that sets no `max_tokens`.
+    #[serde(default = "default_max_tokens")]
+    pub default_max_tokens: u32,
+}
+
+fn default_max_tokens() -> u32 {
+    1024
+}
+
+/// Queue limits, per model.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct QueueSettings {
+    /// Requests waiting per model before `queue_full`.
+    pub max_waiting: usize,
+    /// Seconds a request may wait for a node before `capacity_exhausted`.
+    pub deadline_secs: u64,
+}
+
+impl Default for QueueSettings {
+    fn default() -> Self {
+        Self {
+            max_waiting: 256,
+            deadline_secs: 30,
+        }
+    }
+}
+
+/// Deadlines of a generation.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TimeoutSettings {
+    /// From dispatch to first token.
+    pub first_token_secs: u64,
+    /// Whole request.
+    pub total_secs: u64,
+    /// After a client leaves, before the node is told to cancel.
+    pub cancel_grace_ms: u64,
+    /// Waiting for a node's final usage report after a cancel or node loss.
+    pub settle_wait_secs: u64,
+}
+
+impl Default for TimeoutSettings {
+    fn default() -> Self {
+        Self {
+            first_token_secs: 60,
+            total_secs: 600,
+            cancel_grace_ms: 2000,
+            settle_wait_secs: 20,
+        }
+    }
+}
+
+/// The node control plane.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct NodeSettings {
+    /// A node silent this long is dropped (two missed 5 s heartbeats plus slack).
+    pub heartbeat_timeout_secs: u64,
+    /// Registrations accepted per second across all nodes (reconnect storms).
+    pub registrations_per_second: u32,
+}
+
+impl Default for NodeSettings {
+    fn default() -> Self {
+        Self {
+            heartbeat_timeout_secs: 15,
+            registrations_per_second: 50,
+        }
+    }
+}
+
+/// Everything the server is told.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    /// Address to listen on.
+    pub listen: SocketAddr,
+    /// Database: `sqlite://…` (embedded) or `postgres://…`.
+    pub database_url: String,
+    /// Redis; absent means in-process coordination (one replica).
+    pub redis_url: Option<String>,
+    /// This replica's id; random when absent.
+    pub replica_id: Option<String>,
+    /// Bootstrap admin token.
+    pub admin_token: Option<String>,
+    /// Node choice.
+    pub routing: RoutingStrategy,
+    /// Largest request body in bytes (`request_too_large` above).
+    pub max_body_bytes: usize,
+    /// Queue limits.
+    pub queue: QueueSettings,
+    /// Generation deadlines.
+    pub timeouts: TimeoutSettings,
+    /// Node control plane.
+    pub nodes: NodeSettings,
+    /// The models.
+    pub models: Vec<ModelConfig>,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            listen: SocketAddr::from(([127, 0, 0, 1], 8080)),
+            database_url: "sqlite://.switchyard/switchyard.db?mode=rwc".into(),
+            redis_url: None,
+            replica_id: None,
+            admin_token: None,
+            routing: RoutingStrategy::LeastLoaded,
+            max_body_bytes: 1024 * 1024,
+            queue: QueueSettings::default(),
+            timeouts: TimeoutSettings::default(),
+            nodes: NodeSettings::default(),
+            models: default_models(),
+        }
+    }
+}
+
+/// SPEC section 1's three models. Prices are in microcredits per million tokens.
+pub fn default_models() -> Vec<ModelConfig> {
+    let model = |name: &str, alias: &str, input: i64, output: i64, concurrency: u32| ModelConfig {
+        name: name.into(),
+        aliases: vec![alias.into()],
+        price_input_per_mtok: input,
+        price_output_per_mtok: output,
+        node_concurrency: concurrency,
+        default_max_tokens: default_max_tokens(),
+    };
+    vec![
+        model("llama-3.1-8b-instruct", "small", 100_000, 200_000, 32),
+        model("qwen2.5-32b-instruct", "medium", 400_000, 800_000, 16),
+        model("llama-3.3-70b-instruct", "large", 1_200_000, 2_400_000, 8),
+    ]
+}
+
+impl Config {
+    /// Defaults, then `file` if given, then the environment; validated.
+    pub fn load(file: Option<&Path>) -> Result<Self, ConfigError> {
+        let mut config = match file {
+            Some(path) => {
+                let shown = path.display().to_string();
+                let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+                    path: shown.clone(),
+                    source,
+                })?;
+                toml::from_str(&text).map_err(|source| ConfigError::Parse {
+                    path: shown,
+                    source,
+                })?
+            }
+            None => Config::default(),
+        };
+        config.apply_env(|name| std::env::var(name).ok())?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Overrides from the environment (`get` is `std::env::var` outside tests).
+    pub fn apply_env(&mut self, get: impl Fn(&str) -> Option<String>) -> Result<(), ConfigError> {
+        let bad = |name: &str, v: &str| ConfigError::Invalid(format!("{name}={v:?} is not valid"));
+        if let Some(v) = get(env_names::LISTEN) {
+            self.listen = v.parse().map_err(|_| bad(env_names::LISTEN, &v))?;
+        }
+        if let Some(v) = get(env_names::DATABASE_URL) {
+            self.database_url = v;
+        }
+        if let Some(v) = get(env_names::REDIS_URL) {
+            self.redis_url = Some(v);
+        }
+        if let Some(v) = get(env_names::REPLICA_ID) {
+            self.replica_id = Some(v);
+        }
+        if let Some(v) = get(env_names::ADMIN_TOKEN) {
+            self.admin_token = Some(v);
+        }
+        if let Some(v) = get(env_names::ROUTING) {
+            self.routing = match v.as_str() {
+                "least_loaded" => RoutingStrategy::LeastLoaded,
+                "round_robin" => RoutingStrategy::RoundRobin,
+                _ => return Err(bad(env_names::ROUTING, &v)),
+            };
+        }
+        if let Some(v) = get(env_names::QUEUE_MAX_WAITING) {
+            self.queue.max_waiting = v
+                .parse()
+                .map_err(|_| bad(env_names::QUEUE_MAX_WAITING, &v))?;
+        }
+        if let Some(v) = get(env_names::QUEUE_DEADLINE_SECS) {
+            self.queue.deadline_secs = v
+                .parse()
+                .map_err(|_| bad(env_names::QUEUE_DEADLINE_SECS, &v))?;
+        }
+        Ok(())
+    }
+
+    /// Checks that the configuration can run.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let invalid = |m: String| Err(ConfigError::Invalid(m));
+        if self.models.is_empty() {
+            return invalid("at least one model is required".into());
+        }
+        let mut names = BTreeMap::new();
+        for m in &self.models {
+            if m.node_concurrency == 0 {
+                return invalid(format!("model {}: node_concurrency must be > 0", m.name));
+            }
+            if m.price_input_per_mtok < 0 || m.price_output_per_mtok < 0 {
+                return invalid(format!("model {}: prices cannot be negative", m.name));
+            }
+            for n in std::iter::once(&m.name).chain(&m.aliases) {
+                if names.insert(n.clone(), ()).is_some() {
+                    return invalid(format!("model name or alias {n} is used twice"));
+                }
+            }
+        }
+        if self.queue.deadline_secs == 0 || self.timeouts.total_secs == 0 {
+            return invalid("queue deadline and total timeout must be > 0".into());
+        }
+        if self.nodes.registrations_per_second == 0 {
+            return invalid("nodes.registrations_per_second must be > 0".into());
+        }
+        Ok(())
+    }
+
+    /// Deadlines for the actors.
+    pub fn generation_timeouts(&self) -> Timeouts {
+        Timeouts {
+            first_token: Duration::from_secs(self.timeouts.first_token_secs),
+            total: Duration::from_secs(self.timeouts.total_secs),
+            cancel_grace: Duration::from_millis(self.timeouts.cancel_grace_ms),
+            settle_wait: Duration::from_secs(self.timeouts.settle_wait_secs),
+        }
+    }
+
+    /// Queue limits of one model.
+    pub fn queue_config(&self, model: &ModelConfig) -> QueueConfig {
+        QueueConfig {
+            max_waiting: self.queue.max_waiting,
+            deadline: Duration::from_secs(self.queue.deadline_secs),
+            node_capacity: model.node_concurrency,
+            routing: self.routing,
+        }
+    }
+
+    /// The model a client-supplied name (alias or version) resolves to.
+    pub fn resolve_model(&self, name: &str) -> Option<&ModelConfig> {
+        self.models
+            .iter()
+            .find(|m| m.name == name || m.aliases.iter().any(|a| a == name))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    #[test]
+    fn defaults_are_valid_and_resolve_aliases() {
+        let c = Config::default();
+        c.validate().unwrap();
+        assert_eq!(
+            c.resolve_model("small").unwrap().name,
+            "llama-3.1-8b-instruct"
+        );
+        assert_eq!(
+            c.resolve_model("llama-3.3-70b-instruct").unwrap().aliases,
+            ["large"]
+        );
+        assert!(c.resolve_model("gpt-4").is_none());
+    }
+
+    #[test]
+    fn file_then_env_override() {
+        let mut c: Config =
+            toml::from_str("routing = \"round_robin\"\n[queue]\nmax_waiting = 3\n").unwrap();
+        assert_eq!(c.routing, RoutingStrategy::RoundRobin);
+        c.apply_env(|n| (n == env_names::QUEUE_MAX_WAITING).then(|| "7".to_string()))
+            .unwrap();
+        assert_eq!(c.queue.max_waiting, 7);
+        assert!(
+            c.apply_env(|n| (n == env_names::ROUTING).then(|| "random".to_string()))
+                .is_err()
+        );
+    }
+
+    #[test]
+    fn unknown_keys_and_duplicate_aliases_are_refused() {
+        assert!(toml::from_str::<Config>("listn = \"x\"").is_err());
+        let mut c = Config::default();
+        c.models[1].aliases.push("small".into());
+        assert!(c.validate().is_err());
+    }
+}

@@ -1,0 +1,402 @@
+//! The contract every [`Coordinator`] must meet, as async checks any implementation can run:
+//! the in-process one on a paused clock, the Redis one against a live server. Compiled in
+//! every build (not only `cfg(test)`) so other crates' and binaries' tests can call it.
+//!
+//! Time only passes through `tokio::time::sleep` with TTLs of a few hundred milliseconds and
+//! margins of at least 100 ms on either side, so the same checks are instant on a paused
+//! runtime and hold against a real server. Every key and channel starts with the caller's
+//! `prefix`, so runs sharing a Redis do not collide.
+
+use std::collections::BTreeMap;
+use std::fmt::Debug;
+use std::time::Duration;
+
+use tokio::sync::mpsc::UnboundedReceiver;
+
+use switchyard_actors::ports::{CoordError, Coordinator};
+
+/// How a conformance check failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ConformanceError {
+    /// The implementation returned an error where the contract expects success.
+    #[error("coordinator error: {0}")]
+    Coord(#[from] CoordError),
+    /// The implementation answered, but not as the contract says.
+    #[error("{check}: {detail}")]
+    Violated {
+        /// Which property was broken.
+        check: &'static str,
+        /// What was observed.
+        detail: String,
+    },
+}
+
+type Outcome = Result<(), ConformanceError>;
+
+/// A TTL that must outlive the whole check.
+const LONG: Duration = Duration::from_secs(30);
+/// A TTL that must be gone after [`PAST`].
+const SHORT: Duration = Duration::from_millis(100);
+/// Waits long enough for a [`SHORT`] key to expire, with margin for a real server.
+const PAST: Duration = Duration::from_millis(250);
+/// A TTL checked at two points: still alive after [`HALF`], gone after [`HALF`] + [`PAST`].
+const MEDIUM: Duration = Duration::from_millis(400);
+/// Part of a [`MEDIUM`] TTL, leaving 200 ms of margin.
+const HALF: Duration = Duration::from_millis(200);
+/// How long a subscriber waits for a message that must arrive.
+const DELIVERY: Duration = Duration::from_secs(5);
+
+/// Runs every check in turn, stopping at the first failure.
+pub async fn conformance_suite(c: &dyn Coordinator, prefix: &str) -> Outcome {
+    hash_round_trip_and_replace(c, prefix).await?;
+    hash_expiry(c, prefix).await?;
+    lease_exclusive_and_renew(c, prefix).await?;
+    lease_takeover_after_expiry(c, prefix).await?;
+    lease_release(c, prefix).await?;
+    lease_tokens_survive_delete(c, prefix).await?;
+    counter_sums_and_keeps_first_expiry(c, prefix).await?;
+    pubsub_order_and_late_subscribers(c, prefix).await?;
+    pubsub_fans_out_and_survives_dropped_subscribers(c, prefix).await?;
+    delete_removes_any_kind(c, prefix).await?;
+    wrong_kind_is_an_error(c, prefix).await?;
+    Ok(())
+}
+
+fn expect_eq<T: PartialEq + Debug>(check: &'static str, got: T, want: T) -> Outcome {
+    if got == want {
+        Ok(())
+    } else {
+        Err(ConformanceError::Violated {
+            check,
+            detail: format!("got {got:?}, want {want:?}"),
+        })
+    }
+}
+
+fn expect(check: &'static str, ok: bool, detail: impl FnOnce() -> String) -> Outcome {
+    if ok {
+        Ok(())
+    } else {
+        Err(ConformanceError::Violated {
+            check,
+            detail: detail(),
+        })
+    }
+}
+
+/// A token must be granted; returns it.
+fn granted(check: &'static str, token: Option<u64>) -> Result<u64, ConformanceError> {
+    token.ok_or_else(|| ConformanceError::Violated {
+        check,
+        detail: "lease refused to a free name".to_owned(),
+    })
+}
+
+fn hash(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
+    pairs
+        .iter()
+        .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+        .collect()
+}
+
+async fn next_message(
+    check: &'static str,
+    rx: &mut UnboundedReceiver<Vec<u8>>,
+) -> Result<Vec<u8>, ConformanceError> {
+    match tokio::time::timeout(DELIVERY, rx.recv()).await {
+        Ok(Some(m)) => Ok(m),
+        Ok(None) => Err(ConformanceError::Violated {
+            check,
+            detail: "subscription closed".to_owned(),
+        }),
+        Err(_) => Err(ConformanceError::Violated {
+            check,
+            detail: format!("no message within {DELIVERY:?}"),
+        }),
+    }
+}
+
+/// `put_hash` replaces the whole hash (old fields vanish); `get_hash` returns it; a missing
+/// key reads as `None`; an empty hash is no key at all.
+pub async fn hash_round_trip_and_replace(c: &dyn Coordinator, prefix: &str) -> Outcome {
+    const CHECK: &str = "hash_round_trip_and_replace";
+    let key = format!("{prefix}hash:rt");
+    expect_eq(CHECK, c.get_hash(&key).await?, None)?;
+
+    let first = hash(&[("owner", "replica-1"), ("queue_depth", "3")]);
+    c.put_hash(&key, &first, LONG).await?;
+    expect_eq(CHECK, c.get_hash(&key).await?, Some(first))?;
+
+    let second = hash(&[("owner", "replica-2")]);
+    c.put_hash(&key, &second, LONG).await?;
+    expect_eq(CHECK, c.get_hash(&key).await?, Some(second))?;
+
+    c.put_hash(&key, &BTreeMap::new(), LONG).await?;
+    expect_eq(CHECK, c.get_hash(&key).await?, None)?;
+    Ok(())
+}
+
+/// A hash is gone once its TTL passes; each write restarts the TTL (a heartbeat keeps a
+/// node alive).
+pub async fn hash_expiry(c: &dyn Coordinator, prefix: &str) -> Outcome {
+    const CHECK: &str = "hash_expiry";
+    let key = format!("{prefix}hash:exp");
+    let fields = hash(&[("owner", "replica-1")]);
+
+    c.put_hash(&key, &fields, SHORT).await?;
+    expect_eq(CHECK, c.get_hash(&key).await?, Some(fields.clone()))?;
+    tokio::time::sleep(PAST).await;
+    expect_eq(CHECK, c.get_hash(&key).await?, None)?;
+
+    c.put_hash(&key, &fields, MEDIUM).await?;
+    tokio::time::sleep(HALF).await;
+    c.put_hash(&key, &fields, MEDIUM).await?;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    // 500 ms after the first write: alive only because the second write restarted the TTL.
+    expect_eq(CHECK, c.get_hash(&key).await?, Some(fields))?;
+    tokio::time::sleep(PAST).await;
+    expect_eq(CHECK, c.get_hash(&key).await?, None)?;
+    Ok(())
+}
+
+/// One holder at a time; renewal by the holder keeps the token and extends the lease.
+pub async fn lease_exclusive_and_renew(c: &dyn Coordinator, prefix: &str) -> Outcome {
+    const CHECK: &str = "lease_exclusive_and_renew";
+    let name = format!("{prefix}lease:renew");
+
+    let t1 = granted(CHECK, c.acquire_lease(&name, "a", MEDIUM).await?)?;
+    expect_eq(CHECK, c.acquire_lease(&name, "b", MEDIUM).await?, None)?;
+
+    tokio::time::sleep(HALF).await;
+    expect_eq(CHECK, c.acquire_lease(&name, "a", MEDIUM).await?, Some(t1))?;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    // 500 ms after the first acquisition: still held thanks to the renewal.
+    expect_eq(CHECK, c.acquire_lease(&name, "b", MEDIUM).await?, None)?;
+
+    tokio::time::sleep(PAST).await;
+    let t2 = granted(CHECK, c.acquire_lease(&name, "b", MEDIUM).await?)?;
+    expect(CHECK, t2 > t1, || {
+        format!("new holder got token {t2}, not above {t1}")
+    })?;
+    c.release_lease(&name, "b").await?;
+    Ok(())
+}
+
+/// An expired lease goes to the next asker with a larger token; the old holder, coming back,
+/// is refused.
+pub async fn lease_takeover_after_expiry(c: &dyn Coordinator, prefix: &str) -> Outcome {
+    const CHECK: &str = "lease_takeover_after_expiry";
+    let name = format!("{prefix}lease:takeover");
+
+    let t1 = granted(CHECK, c.acquire_lease(&name, "a", SHORT).await?)?;
+    expect_eq(CHECK, c.acquire_lease(&name, "b", SHORT).await?, None)?;
+    tokio::time::sleep(PAST).await;
+
+    let t2 = granted(CHECK, c.acquire_lease(&name, "b", LONG).await?)?;
+    expect(CHECK, t2 > t1, || {
+        format!("takeover token {t2} not above {t1}")
+    })?;
+    expect_eq(CHECK, c.acquire_lease(&name, "a", LONG).await?, None)?;
+    c.release_lease(&name, "b").await?;
+    Ok(())
+}
+
+/// Only the holder can release; after a release the next holder (even the same owner
+/// again) gets a larger token.
+pub async fn lease_release(c: &dyn Coordinator, prefix: &str) -> Outcome {
+    const CHECK: &str = "lease_release";
+    let name = format!("{prefix}lease:release");
+
+    // Releasing what nobody holds is harmless.
+    c.release_lease(&name, "a").await?;
+
+    let t1 = granted(CHECK, c.acquire_lease(&name, "a", LONG).await?)?;
+    c.release_lease(&name, "b").await?;
+    expect_eq(CHECK, c.acquire_lease(&name, "b", LONG).await?, None)?;
+
+    c.release_lease(&name, "a").await?;
+    let t2 = granted(CHECK, c.acquire_lease(&name, "b", LONG).await?)?;
+    expect(CHECK, t2 > t1, || format!("token {t2} not above {t1}"))?;
+
+    c.release_lease(&name, "b").await?;
+    let t3 = granted(CHECK, c.acquire_lease(&name, "b", LONG).await?)?;
+    expect(CHECK, t3 > t2, || {
+        format!("re-acquisition after release got {t3}, not above {t2}")
+    })?;
+    c.release_lease(&name, "b").await?;
+    Ok(())
+}
+
+/// Tokens keep increasing across many holders, and deleting the lease key does not reset
+/// them (a fenced-out holder must stay fenced out).
+pub async fn lease_tokens_survive_delete(c: &dyn Coordinator, prefix: &str) -> Outcome {
+    const CHECK: &str = "lease_tokens_survive_delete";
+    let name = format!("{prefix}lease:fence");
+
+    let mut last = granted(CHECK, c.acquire_lease(&name, "owner-0", LONG).await?)?;
+    for i in 1..10 {
+        if i % 2 == 0 {
+            c.delete(&name).await?;
+        } else {
+            c.release_lease(&name, &format!("owner-{}", i - 1)).await?;
+        }
+        let next = granted(
+            CHECK,
+            c.acquire_lease(&name, &format!("owner-{i}"), LONG).await?,
+        )?;
+        expect(CHECK, next > last, || {
+            format!("holder {i} got token {next}, not above {last}")
+        })?;
+        last = next;
+    }
+    c.delete(&name).await?;
+    Ok(())
+}
+
+/// `incr` adds (also negative amounts), starts from zero, and keeps the expiry it got at
+/// creation: a fixed window ends on time however often it is hit.
+pub async fn counter_sums_and_keeps_first_expiry(c: &dyn Coordinator, prefix: &str) -> Outcome {
+    const CHECK: &str = "counter_sums_and_keeps_first_expiry";
+    let key = format!("{prefix}ctr:window");
+    let other = format!("{prefix}ctr:other");
+
+    expect_eq(CHECK, c.incr(&key, 1, MEDIUM).await?, 1)?;
+    expect_eq(CHECK, c.incr(&key, 5, MEDIUM).await?, 6)?;
+    expect_eq(CHECK, c.incr(&key, -2, MEDIUM).await?, 4)?;
+    expect_eq(CHECK, c.incr(&other, 7, LONG).await?, 7)?;
+
+    tokio::time::sleep(HALF).await;
+    expect_eq(CHECK, c.incr(&key, 1, MEDIUM).await?, 5)?;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    // 500 ms after creation: a TTL of 400 ms from the first write has run out, although
+    // the last write was only 300 ms ago.
+    expect_eq(CHECK, c.incr(&key, 1, MEDIUM).await?, 1)?;
+    expect_eq(CHECK, c.incr(&other, 0, LONG).await?, 7)?;
+
+    c.delete(&key).await?;
+    c.delete(&other).await?;
+    Ok(())
+}
+
+/// Messages arrive in publish order; a subscriber sees only what was published after it
+/// subscribed; channels are separate.
+pub async fn pubsub_order_and_late_subscribers(c: &dyn Coordinator, prefix: &str) -> Outcome {
+    const CHECK: &str = "pubsub_order_and_late_subscribers";
+    let channel = format!("{prefix}ch:order");
+    let elsewhere = format!("{prefix}ch:elsewhere");
+
+    // Publishing with nobody listening is fine and reaches nobody later.
+    c.publish(&channel, b"before".to_vec()).await?;
+
+    let mut early = c.subscribe(&channel).await?;
+    let mut other = c.subscribe(&elsewhere).await?;
+    for i in 0..100 {
+        c.publish(&channel, format!("m{i}").into_bytes()).await?;
+    }
+    for i in 0..100 {
+        let got = next_message(CHECK, &mut early).await?;
+        expect_eq(CHECK, got, format!("m{i}").into_bytes())?;
+    }
+
+    let mut late = c.subscribe(&channel).await?;
+    c.publish(&channel, b"late".to_vec()).await?;
+    c.publish(&elsewhere, b"other".to_vec()).await?;
+    expect_eq(
+        CHECK,
+        next_message(CHECK, &mut early).await?,
+        b"late".to_vec(),
+    )?;
+    expect_eq(
+        CHECK,
+        next_message(CHECK, &mut late).await?,
+        b"late".to_vec(),
+    )?;
+    expect_eq(
+        CHECK,
+        next_message(CHECK, &mut other).await?,
+        b"other".to_vec(),
+    )?;
+    Ok(())
+}
+
+/// Every live subscriber gets every message, in order; a dropped subscriber harms nobody.
+pub async fn pubsub_fans_out_and_survives_dropped_subscribers(
+    c: &dyn Coordinator,
+    prefix: &str,
+) -> Outcome {
+    const CHECK: &str = "pubsub_fans_out_and_survives_dropped_subscribers";
+    let channel = format!("{prefix}ch:fanout");
+
+    let mut first = c.subscribe(&channel).await?;
+    let dropped = c.subscribe(&channel).await?;
+    let mut third = c.subscribe(&channel).await?;
+    drop(dropped);
+
+    for i in 0..20 {
+        c.publish(&channel, format!("f{i}").into_bytes()).await?;
+    }
+    for rx in [&mut first, &mut third] {
+        for i in 0..20 {
+            let got = next_message(CHECK, rx).await?;
+            expect_eq(CHECK, got, format!("f{i}").into_bytes())?;
+        }
+    }
+
+    drop(first);
+    drop(third);
+    // Nobody left: publishing still succeeds.
+    c.publish(&channel, b"void".to_vec()).await?;
+    Ok(())
+}
+
+/// `delete` removes a hash, a counter or a lease alike; deleting nothing is fine.
+pub async fn delete_removes_any_kind(c: &dyn Coordinator, prefix: &str) -> Outcome {
+    const CHECK: &str = "delete_removes_any_kind";
+    let h = format!("{prefix}del:hash");
+    let n = format!("{prefix}del:ctr");
+    let l = format!("{prefix}del:lease");
+
+    c.delete(&format!("{prefix}del:missing")).await?;
+
+    c.put_hash(&h, &hash(&[("f", "v")]), LONG).await?;
+    c.incr(&n, 9, LONG).await?;
+    granted(CHECK, c.acquire_lease(&l, "a", LONG).await?)?;
+
+    c.delete(&h).await?;
+    c.delete(&n).await?;
+    c.delete(&l).await?;
+
+    expect_eq(CHECK, c.get_hash(&h).await?, None)?;
+    expect_eq(CHECK, c.incr(&n, 1, LONG).await?, 1)?;
+    granted(CHECK, c.acquire_lease(&l, "b", LONG).await?)?;
+
+    c.delete(&n).await?;
+    c.delete(&l).await?;
+    Ok(())
+}
+
+/// Hashes and counters share one keyspace: reading a counter as a hash, or counting on a
+/// hash, is an error (Redis's WRONGTYPE), never a silent overwrite.
+pub async fn wrong_kind_is_an_error(c: &dyn Coordinator, prefix: &str) -> Outcome {
+    const CHECK: &str = "wrong_kind_is_an_error";
+    let h = format!("{prefix}kind:hash");
+    let n = format!("{prefix}kind:ctr");
+    let fields = hash(&[("f", "v")]);
+
+    c.put_hash(&h, &fields, LONG).await?;
+    c.incr(&n, 1, LONG).await?;
+
+    expect(CHECK, c.incr(&h, 1, LONG).await.is_err(), || {
+        "incr on a hash succeeded".to_owned()
+    })?;
+    expect(CHECK, c.get_hash(&n).await.is_err(), || {
+        "get_hash on a counter succeeded".to_owned()
+    })?;
+    // The failed calls changed nothing.
+    expect_eq(CHECK, c.get_hash(&h).await?, Some(fields))?;
+    expect_eq(CHECK, c.incr(&n, 0, LONG).await?, 1)?;
+
+    c.delete(&h).await?;
+    c.delete(&n).await?;
+    Ok(())
+}

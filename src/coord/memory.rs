@@ -1,0 +1,434 @@
+//! [`MemoryCoordinator`]: the in-process [`Coordinator`] of the embedded mode, one replica and
+//! no Redis. It copies Redis's observable behaviour (one keyspace, lazy expiry on read, fenced
+//! leases, fire-and-forget pub/sub) so code tested against it behaves the same in production.
+
+use std::collections::BTreeMap;
+use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use tokio::sync::mpsc::{self, UnboundedReceiver, UnboundedSender};
+use tokio::time::Instant;
+
+use switchyard_actors::ports::{CoordError, Coordinator};
+
+/// Writes between two sweeps of expired keys. Reads already ignore expired keys; the sweep
+/// only bounds memory for keys nobody reads again (a node that never came back).
+const SWEEP_EVERY_WRITES: u32 = 1024;
+
+/// In-process coordination with Redis's semantics. Time is tokio's clock, so tests on a
+/// paused runtime travel through TTLs instantly.
+#[derive(Debug, Default)]
+pub struct MemoryCoordinator {
+    /// Everything behind one lock, never held across an `.await`: each operation is atomic,
+    /// as a Redis command or script is.
+    inner: Mutex<Inner>,
+}
+
+#[derive(Debug, Default)]
+struct Inner {
+    /// The keyspace shared by hashes, counters and leases, as in Redis.
+    keys: BTreeMap<String, Entry>,
+    /// Last fencing token handed out per lease name. Kept apart from `keys` and never
+    /// expired, so a token stays larger than every earlier one even after the lease key
+    /// expires or is deleted.
+    fences: BTreeMap<String, u64>,
+    /// Live subscribers per channel, in subscription order.
+    channels: BTreeMap<String, Vec<UnboundedSender<Vec<u8>>>>,
+    /// Writes since the last sweep of expired keys.
+    writes_since_sweep: u32,
+}
+
+#[derive(Debug)]
+struct Entry {
+    value: Value,
+    /// When the key stops existing; `None` never happens today but keeps the shape of a
+    /// Redis key without TTL.
+    expires_at: Option<Instant>,
+}
+
+impl Entry {
+    fn is_live(&self, now: Instant) -> bool {
+        self.expires_at.is_none_or(|at| now < at)
+    }
+}
+
+#[derive(Debug)]
+enum Value {
+    Hash(BTreeMap<String, String>),
+    Counter(i64),
+    Lease { owner: String, token: u64 },
+}
+
+impl Value {
+    fn kind(&self) -> &'static str {
+        match self {
+            Value::Hash(_) => "hash",
+            Value::Counter(_) => "counter",
+            Value::Lease { .. } => "lease",
+        }
+    }
+}
+
+fn wrong_type(key: &str, found: &Value, wanted: &str) -> CoordError {
+    // Redis answers WRONGTYPE; the Redis implementation maps that to `Unavailable` too, so
+    // callers see the same error from both.
+    CoordError::Unavailable(format!(
+        "WRONGTYPE key {key:?} holds a {}, not a {wanted}",
+        found.kind()
+    ))
+}
+
+impl Inner {
+    /// The live entry at `key`; an expired one is removed first, as Redis does on access.
+    fn live(&mut self, key: &str, now: Instant) -> Option<&mut Entry> {
+        if self.keys.get(key).is_some_and(|e| !e.is_live(now)) {
+            self.keys.remove(key);
+        }
+        self.keys.get_mut(key)
+    }
+
+    fn note_write(&mut self, now: Instant) {
+        self.writes_since_sweep += 1;
+        if self.writes_since_sweep >= SWEEP_EVERY_WRITES {
+            self.writes_since_sweep = 0;
+            self.keys.retain(|_, e| e.is_live(now));
+            self.channels.retain(|_, subs| {
+                subs.retain(|s| !s.is_closed());
+                !subs.is_empty()
+            });
+        }
+    }
+}
+
+impl MemoryCoordinator {
+    /// An empty coordinator.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        // No operation can panic halfway through a change, so a poisoned lock still guards
+        // consistent data.
+        self.inner.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Subscribers currently registered on `channel`, closed ones included until the next
+    /// publish prunes them. For tests and diagnostics.
+    pub fn subscriber_count(&self, channel: &str) -> usize {
+        self.lock().channels.get(channel).map_or(0, Vec::len)
+    }
+}
+
+#[async_trait]
+impl Coordinator for MemoryCoordinator {
+    async fn put_hash(
+        &self,
+        key: &str,
+        fields: &BTreeMap<String, String>,
+        ttl: Duration,
+    ) -> Result<(), CoordError> {
+        let now = Instant::now();
+        let mut inner = self.lock();
+        // A replacement, like Redis's `DEL` + `HSET` + `PEXPIRE`: whatever the key held goes.
+        if fields.is_empty() {
+            // Redis has no empty hashes: replacing with nothing leaves no key.
+            inner.keys.remove(key);
+        } else {
+            inner.keys.insert(
+                key.to_owned(),
+                Entry {
+                    value: Value::Hash(fields.clone()),
+                    expires_at: Some(now + ttl),
+                },
+            );
+        }
+        inner.note_write(now);
+        Ok(())
+    }
+
+    async fn get_hash(&self, key: &str) -> Result<Option<BTreeMap<String, String>>, CoordError> {
+        let now = Instant::now();
+        let mut inner = self.lock();
+        match inner.live(key, now) {
+            None => Ok(None),
+            Some(Entry {
+                value: Value::Hash(fields),
+                ..
+            }) => Ok(Some(fields.clone())),
+            Some(entry) => Err(wrong_type(key, &entry.value, "hash")),
+        }
+    }
+
+    async fn delete(&self, key: &str) -> Result<(), CoordError> {
+        let now = Instant::now();
+        let mut inner = self.lock();
+        inner.keys.remove(key);
+        inner.note_write(now);
+        Ok(())
+    }
+
+    async fn acquire_lease(
+        &self,
+        name: &str,
+        owner: &str,
+        ttl: Duration,
+    ) -> Result<Option<u64>, CoordError> {
+        let now = Instant::now();
+        let mut inner = self.lock();
+        if let Some(entry) = inner.live(name, now) {
+            return match &entry.value {
+                Value::Lease {
+                    owner: held_by,
+                    token,
+                } if held_by == owner => {
+                    // Renewal: same holder, same token, fresh expiry.
+                    let token = *token;
+                    entry.expires_at = Some(now + ttl);
+                    Ok(Some(token))
+                }
+                Value::Lease { .. } => Ok(None),
+                other => Err(wrong_type(name, other, "lease")),
+            };
+        }
+        let fence = inner.fences.entry(name.to_owned()).or_insert(0);
+        *fence += 1;
+        let token = *fence;
+        inner.keys.insert(
+            name.to_owned(),
+            Entry {
+                value: Value::Lease {
+                    owner: owner.to_owned(),
+                    token,
+                },
+                expires_at: Some(now + ttl),
+            },
+        );
+        inner.note_write(now);
+        Ok(Some(token))
+    }
+
+    async fn release_lease(&self, name: &str, owner: &str) -> Result<(), CoordError> {
+        let now = Instant::now();
+        let mut inner = self.lock();
+        let held_by_owner = match inner.live(name, now) {
+            None => false,
+            Some(Entry {
+                value: Value::Lease { owner: held_by, .. },
+                ..
+            }) => held_by == owner,
+            Some(entry) => return Err(wrong_type(name, &entry.value, "lease")),
+        };
+        // Only the holder may release: a late release from a fenced-out owner must not free
+        // the lease its successor now holds.
+        if held_by_owner {
+            inner.keys.remove(name);
+            inner.note_write(now);
+        }
+        Ok(())
+    }
+
+    async fn incr(&self, key: &str, by: i64, ttl: Duration) -> Result<i64, CoordError> {
+        let now = Instant::now();
+        let mut inner = self.lock();
+        let sum = match inner.live(key, now) {
+            Some(Entry {
+                value: Value::Counter(n),
+                ..
+            }) => {
+                // The expiry set at creation stays: a window counter must not live longer
+                // because it keeps being hit.
+                *n = n.checked_add(by).ok_or_else(|| {
+                    CoordError::Unavailable(format!(
+                        "ERR increment or decrement would overflow (key {key:?})"
+                    ))
+                })?;
+                *n
+            }
+            Some(entry) => return Err(wrong_type(key, &entry.value, "counter")),
+            None => {
+                inner.keys.insert(
+                    key.to_owned(),
+                    Entry {
+                        value: Value::Counter(by),
+                        expires_at: Some(now + ttl),
+                    },
+                );
+                by
+            }
+        };
+        inner.note_write(now);
+        Ok(sum)
+    }
+
+    async fn publish(&self, channel: &str, payload: Vec<u8>) -> Result<(), CoordError> {
+        let mut inner = self.lock();
+        if let Some(subs) = inner.channels.get_mut(channel) {
+            // Sending under the lock keeps publish order across concurrent publishers; a
+            // failed send means the receiver is gone, so the subscriber is dropped.
+            subs.retain(|s| s.send(payload.clone()).is_ok());
+            if subs.is_empty() {
+                inner.channels.remove(channel);
+            }
+        }
+        Ok(())
+    }
+
+    async fn subscribe(&self, channel: &str) -> Result<UnboundedReceiver<Vec<u8>>, CoordError> {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let now = Instant::now();
+        let mut inner = self.lock();
+        inner
+            .channels
+            .entry(channel.to_owned())
+            .or_default()
+            .push(tx);
+        inner.note_write(now);
+        Ok(rx)
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+mod tests {
+    use super::*;
+    use crate::coord::conformance;
+
+    const P: &str = "t:";
+
+    #[tokio::test(start_paused = true)]
+    async fn full_conformance_suite() {
+        conformance::conformance_suite(&MemoryCoordinator::new(), P)
+            .await
+            .unwrap();
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn hash_round_trip_and_replace() {
+        conformance::hash_round_trip_and_replace(&MemoryCoordinator::new(), P)
+            .await
+            .unwrap();
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn hash_expiry() {
+        conformance::hash_expiry(&MemoryCoordinator::new(), P)
+            .await
+            .unwrap();
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn lease_exclusive_and_renew() {
+        conformance::lease_exclusive_and_renew(&MemoryCoordinator::new(), P)
+            .await
+            .unwrap();
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn lease_takeover_after_expiry() {
+        conformance::lease_takeover_after_expiry(&MemoryCoordinator::new(), P)
+            .await
+            .unwrap();
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn lease_release() {
+        conformance::lease_release(&MemoryCoordinator::new(), P)
+            .await
+            .unwrap();
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn lease_tokens_survive_delete() {
+        conformance::lease_tokens_survive_delete(&MemoryCoordinator::new(), P)
+            .await
+            .unwrap();
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn counter_sums_and_keeps_first_expiry() {
+        conformance::counter_sums_and_keeps_first_expiry(&MemoryCoordinator::new(), P)
+            .await
+            .unwrap();
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn pubsub_order_and_late_subscribers() {
+        conformance::pubsub_order_and_late_subscribers(&MemoryCoordinator::new(), P)
+            .await
+            .unwrap();
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn pubsub_fans_out_and_survives_dropped_subscribers() {
+        conformance::pubsub_fans_out_and_survives_dropped_subscribers(&MemoryCoordinator::new(), P)
+            .await
+            .unwrap();
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn delete_removes_any_kind() {
+        conformance::delete_removes_any_kind(&MemoryCoordinator::new(), P)
+            .await
+            .unwrap();
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn wrong_kind_is_an_error() {
+        conformance::wrong_kind_is_an_error(&MemoryCoordinator::new(), P)
+            .await
+            .unwrap();
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn expiry_is_exact_on_a_paused_clock() {
+        let c = MemoryCoordinator::new();
+        let fields = BTreeMap::from([("owner".to_owned(), "r1".to_owned())]);
+        c.put_hash("node:a", &fields, Duration::from_secs(15))
+            .await
+            .unwrap();
+        tokio::time::advance(Duration::from_millis(14_999)).await;
+        assert_eq!(c.get_hash("node:a").await.unwrap(), Some(fields));
+        tokio::time::advance(Duration::from_millis(1)).await;
+        assert_eq!(c.get_hash("node:a").await.unwrap(), None);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn closed_subscribers_are_dropped_on_publish() {
+        let c = MemoryCoordinator::new();
+        let kept = c.subscribe("ch").await.unwrap();
+        let gone = c.subscribe("ch").await.unwrap();
+        assert_eq!(c.subscriber_count("ch"), 2);
+        drop(gone);
+        c.publish("ch", b"x".to_vec()).await.unwrap();
+        assert_eq!(c.subscriber_count("ch"), 1);
+        drop(kept);
+        c.publish("ch", b"y".to_vec()).await.unwrap();
+        assert_eq!(c.subscriber_count("ch"), 0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn sweep_bounds_memory_of_unread_keys() {
+        let c = MemoryCoordinator::new();
+        for i in 0..SWEEP_EVERY_WRITES - 1 {
+            c.incr(&format!("k{i}"), 1, Duration::from_millis(10))
+                .await
+                .unwrap();
+        }
+        tokio::time::advance(Duration::from_millis(20)).await;
+        c.incr("fresh", 1, Duration::from_secs(1)).await.unwrap();
+        let keys = c.lock().keys.len();
+        assert!(keys <= 1, "{keys} keys left after the sweep");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn counter_overflow_is_an_error() {
+        let c = MemoryCoordinator::new();
+        c.incr("n", i64::MAX, Duration::from_secs(1)).await.unwrap();
+        assert!(c.incr("n", 1, Duration::from_secs(1)).await.is_err());
+        assert_eq!(
+            c.incr("n", 0, Duration::from_secs(1)).await.unwrap(),
+            i64::MAX
+        );
+    }
+}

@@ -1,0 +1,334 @@
+//! `switchyard demo`, and the [`Fleet`] behind it: a server replica with embedded storage
+//! and in-process coordination, plus simulated GPU nodes — each a `switchyard sim` engine
+//! with a real node agent dialing the server over WebSocket on loopback. The integration
+//! tests start the same fleet on port 0.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use switchyard_actors::protocol::Location;
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+
+use crate::config::Config;
+use crate::coord::MemoryCoordinator;
+use crate::node_agent::{self, AgentConfig, AgentStats};
+use crate::server::Server;
+use crate::sim::{Profile, SimConfig, SimServer};
+use crate::store::SqliteStore;
+use crate::store::{
+    API_KEY_PREFIX, NODE_TOKEN_PREFIX, NewApiKey, Store, display_prefix, hash_secret, new_secret,
+};
+
+/// Failures while starting a fleet.
+#[derive(Debug, thiserror::Error)]
+pub enum FleetError {
+    /// Storage failed.
+    #[error("storage: {0}")]
+    Store(#[from] crate::store::StoreError),
+    /// The server failed to start.
+    #[error("server: {0}")]
+    Server(#[from] crate::server::StartError),
+    /// A simulator failed to start.
+    #[error("simulator: {0}")]
+    Sim(#[from] crate::sim::SimError),
+    /// Files or sockets.
+    #[error("io: {0}")]
+    Io(#[from] std::io::Error),
+    /// The node list is malformed.
+    #[error("{0}")]
+    Nodes(String),
+}
+
+/// What a fleet is made of.
+#[derive(Debug, Clone)]
+pub struct FleetConfig {
+    /// Server configuration (its `listen` is where the server binds; port 0 picks one).
+    pub server: Config,
+    /// Engines per model alias (`small=2,medium=1,large=1`).
+    pub nodes: Vec<(String, u32)>,
+    /// Speed-up of every simulated engine.
+    pub time_scale: f64,
+    /// Simulator settings applied to every engine (model and profile are set per node).
+    pub sim: SimConfig,
+    /// Agents' first reconnect delay (1 s in production; tests shorten it).
+    pub agent_backoff_min: Duration,
+    /// Agents' heartbeat interval.
+    pub heartbeat_interval: Duration,
+    /// Credits given to the `demo` team, microcredits.
+    pub credits: i64,
+}
+
+impl Default for FleetConfig {
+    fn default() -> Self {
+        Self {
+            server: Config::default(),
+            nodes: vec![
+                ("small".into(), 2),
+                ("medium".into(), 1),
+                ("large".into(), 1),
+            ],
+            time_scale: 1.0,
+            sim: SimConfig::default(),
+            agent_backoff_min: Duration::from_secs(1),
+            heartbeat_interval: Duration::from_secs(5),
+            credits: 1_000_000_000_000,
+        }
+    }
+}
+
+/// Parses `small=2,medium=1`.
+pub fn parse_nodes(spec: &str) -> Result<Vec<(String, u32)>, FleetError> {
+    spec.split(',')
+        .filter(|p| !p.trim().is_empty())
+        .map(|part| {
+            let (alias, count) = part
+                .split_once('=')
+                .ok_or_else(|| FleetError::Nodes(format!("`{part}`: expected alias=count")))?;
+            let count = count
+                .trim()
+                .parse()
+                .map_err(|_| FleetError::Nodes(format!("`{part}`: bad count")))?;
+            Ok((alias.trim().to_owned(), count))
+        })
+        .collect()
+}
+
+/// The simulator profile that fits a model's size.
+fn profile_for(model: &str) -> Profile {
+    if model.contains("70b") {
+        Profile::B70
+    } else if model.contains("32b") {
+        Profile::B32
+    } else {
+        Profile::B8
+    }
+}
+
+/// One simulated node: its engine and its agent.
+#[derive(Debug)]
+pub struct SimNode {
+    /// Node id (`small-1`).
+    pub node_id: String,
+    /// The model it serves.
+    pub model: String,
+    /// Its engine.
+    pub sim: SimServer,
+    /// Its agent's counters.
+    pub agent_stats: Arc<AgentStats>,
+    agent_stop: CancellationToken,
+    agent_task: tokio::task::JoinHandle<()>,
+}
+
+impl SimNode {
+    /// Stops the agent (the engine keeps running).
+    pub async fn stop_agent(&mut self) {
+        self.agent_stop.cancel();
+        let _ = tokio::time::timeout(Duration::from_secs(5), &mut self.agent_task).await;
+    }
+}
+
+/// A running fleet.
+#[derive(Debug)]
+pub struct Fleet {
+    /// The server replica.
+    pub server: Server,
+    /// The storage behind it.
+    pub store: Arc<dyn Store>,
+    /// The simulated nodes.
+    pub nodes: Vec<SimNode>,
+    /// A key of the `demo` team.
+    pub api_key: String,
+    /// The `demo` team's id.
+    pub team_id: i64,
+    /// The bootstrap admin token.
+    pub admin_token: String,
+}
+
+impl Fleet {
+    /// Starts storage, the server and every node, and waits until the nodes registered.
+    pub async fn start(mut config: FleetConfig, database_url: &str) -> Result<Self, FleetError> {
+        let store = SqliteStore::connect(database_url).await?;
+        store.migrate().await?;
+        let store: Arc<dyn Store> = Arc::new(store);
+        let team = match store.team_by_name("demo").await? {
+            Some(team) => team,
+            None => {
+                let team = store.create_team("demo").await?;
+                store
+                    .add_credits(team.id, config.credits, "demo credits")
+                    .await?;
+                team
+            }
+        };
+        let api_key = new_secret(API_KEY_PREFIX)?;
+        store
+            .create_api_key(NewApiKey {
+                team_id: team.id,
+                hash: hash_secret(&api_key),
+                prefix: display_prefix(&api_key),
+                ..NewApiKey::default()
+            })
+            .await?;
+        let admin_token = match &config.server.admin_token {
+            Some(t) => t.clone(),
+            None => new_secret("adm-")?,
+        };
+        config.server.admin_token = Some(admin_token.clone());
+        let listener = TcpListener::bind(config.server.listen).await?;
+        let coordinator = Arc::new(MemoryCoordinator::new());
+        let server =
+            Server::start(config.server.clone(), store.clone(), coordinator, listener).await?;
+        let mut fleet = Fleet {
+            server,
+            store,
+            nodes: Vec::new(),
+            api_key,
+            team_id: team.id,
+            admin_token,
+        };
+        for (alias, count) in config.nodes.clone() {
+            let model = config
+                .server
+                .resolve_model(&alias)
+                .ok_or_else(|| FleetError::Nodes(format!("unknown model `{alias}`")))?
+                .name
+                .clone();
+            for i in 1..=count {
+                let node = fleet
+                    .add_node(&config, &format!("{alias}-{i}"), &model)
+                    .await?;
+                fleet.nodes.push(node);
+            }
+        }
+        fleet.wait_registered(Duration::from_secs(30)).await;
+        Ok(fleet)
+    }
+
+    /// Starts one more simulated node serving `model`.
+    pub async fn add_node(
+        &self,
+        config: &FleetConfig,
+        node_id: &str,
+        model: &str,
+    ) -> Result<SimNode, FleetError> {
+        let sim_config = SimConfig {
+            model: model.to_owned(),
+            profile: profile_for(model),
+            time_scale: config.time_scale,
+            ..config.sim.clone()
+        };
+        let sim = SimServer::start(sim_config).await?;
+        let token = new_secret(NODE_TOKEN_PREFIX)?;
+        let _ = self.store.revoke_node_token(node_id).await;
+        self.store
+            .create_node(node_id, "onprem", &hash_secret(&token))
+            .await?;
+        let mut agent = AgentConfig::new(self.server.base_url(), node_id, token, sim.base_url());
+        agent.location = Location::Onprem;
+        agent.backoff_min = config.agent_backoff_min;
+        agent.heartbeat_interval = config.heartbeat_interval;
+        let stats = Arc::new(AgentStats::default());
+        let stop = CancellationToken::new();
+        let task = {
+            let (stop, stats) = (stop.clone(), stats.clone());
+            tokio::spawn(async move {
+                if let Err(e) = node_agent::run_with_stats(agent, stop, stats).await {
+                    tracing::error!(error = %e, "node agent stopped");
+                }
+            })
+        };
+        Ok(SimNode {
+            node_id: node_id.to_owned(),
+            model: model.to_owned(),
+            sim,
+            agent_stats: stats,
+            agent_stop: stop,
+            agent_task: task,
+        })
+    }
+
+    /// Waits until every node's agent has registered (or `limit` passes).
+    pub async fn wait_registered(&self, limit: Duration) -> bool {
+        let start = tokio::time::Instant::now();
+        while start.elapsed() < limit {
+            let connected = self
+                .server
+                .state()
+                .nodes
+                .lock()
+                .map(|n| n.len())
+                .unwrap_or(0);
+            if connected >= self.nodes.len() {
+                return true;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        false
+    }
+
+    /// `http://ADDR/v1`.
+    pub fn openai_base_url(&self) -> String {
+        format!("{}/v1", self.server.base_url())
+    }
+
+    /// Stops the server (draining in-flight requests for `grace`), the agents and engines.
+    pub async fn shutdown(mut self, grace: Duration) {
+        self.server.shutdown(grace).await;
+        for node in &mut self.nodes {
+            node.stop_agent().await;
+        }
+        for node in self.nodes {
+            node.sim.shutdown().await;
+        }
+    }
+}
+
+/// The demo's files: `.switchyard/demo.env` and the SQLite database next to it.
+pub fn write_env_file(dir: &Path, fleet: &Fleet) -> std::io::Result<PathBuf> {
+    std::fs::create_dir_all(dir)?;
+    let path = dir.join("demo.env");
+    let contents = format!(
+        "OPENAI_BASE_URL={}\nOPENAI_API_KEY={}\nSWITCHYARD_ADMIN_TOKEN={}\n",
+        fleet.openai_base_url(),
+        fleet.api_key,
+        fleet.admin_token
+    );
+    std::fs::write(&path, contents)?;
+    Ok(path)
+}
+
+/// What `switchyard demo` prints once the fleet is up.
+pub fn banner(fleet: &Fleet, env_file: &Path) -> String {
+    let base = fleet.openai_base_url();
+    let mut by_model: BTreeMap<&str, usize> = BTreeMap::new();
+    for n in &fleet.nodes {
+        *by_model.entry(n.model.as_str()).or_default() += 1;
+    }
+    let nodes: Vec<String> = by_model.iter().map(|(m, n)| format!("{m} ×{n}")).collect();
+    format!(
+        "Switchyard demo is up: {nodes}\n\nWritten to {env}:\n  OPENAI_BASE_URL={base}\n  OPENAI_API_KEY={key}\n  SWITCHYARD_ADMIN_TOKEN={admin}\n\n\
+Try it:\n  curl -N {base}/chat/completions -H \"Authorization: Bearer {key}\" -H 'Content-Type: application/json' \\\n    \
+-d '{{\"model\":\"small\",\"messages\":[{{\"role\":\"user\",\"content\":\"Hello\"}}],\"max_tokens\":32,\"stream\":true}}'\n\n  \
+set -a; . {env}; set +a\n  python3 -c 'import openai; c=openai.OpenAI(); print(c.chat.completions.create(model=\"small\", messages=[{{\"role\":\"user\",\"content\":\"Hello\"}}], max_tokens=32).choices[0].message.content)'\n\n\
+Ctrl-C stops the demo.",
+        nodes = nodes.join(", "),
+        env = env_file.display(),
+        key = fleet.api_key,
+        admin = fleet.admin_token,
+    )
+}
+
+/// Addresses the demo binds.
+pub fn demo_database_url(dir: &Path) -> String {
+    format!("sqlite://{}?mode=rwc", dir.join("switchyard.db").display())
+}
+
+/// Parses `--listen`.
+pub fn listen_addr(s: &str) -> Result<SocketAddr, FleetError> {
+    s.parse()
+        .map_err(|_| FleetError::Nodes(format!("bad address {s}")))
+}

@@ -1,0 +1,26 @@
+//! Every environment variable Switchyard reads, in one place (docs/configuration.md).
+
+/// Address the server listens on.
+pub const LISTEN: &str = "SWITCHYARD_LISTEN";
+/// `postgres://…` or `sqlite://…`.
+pub const DATABASE_URL: &str = "DATABASE_URL";
+/// Redis for cluster coordination; absent means in-process (single replica).
+pub const REDIS_URL: &str = "REDIS_URL";
+/// Bootstrap admin token.
+pub const ADMIN_TOKEN: &str = "SWITCHYARD_ADMIN_TOKEN";
+/// JWKS URL for JWT verification.
+pub const JWKS_URL: &str = "SWITCHYARD_JWKS_URL";
+/// Expected JWT audience.
+pub const JWT_AUDIENCE: &str = "SWITCHYARD_JWT_AUDIENCE";
+/// Expected JWT issuer.
+pub const JWT_ISSUER: &str = "SWITCHYARD_JWT_ISSUER";
+/// This replica's id (default: random per process).
+pub const REPLICA_ID: &str = "SWITCHYARD_REPLICA_ID";
+/// `least_loaded` or `round_robin`.
+pub const ROUTING: &str = "SWITCHYARD_ROUTING";
+/// Most requests waiting per model.
+pub const QUEUE_MAX_WAITING: &str = "SWITCHYARD_QUEUE_MAX_WAITING";
+/// Seconds a request may wait for a node.
+pub const QUEUE_DEADLINE_SECS: &str = "SWITCHYARD_QUEUE_DEADLINE_SECS";
+/// `json` for JSON logs.
+pub const LOG_FORMAT: &str = "SWITCHYARD_LOG_FORMAT";

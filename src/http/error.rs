@@ -1,0 +1,159 @@
+//! The one place a failure becomes an HTTP answer: every [`ErrorCode`] maps to its status and
+//! OpenAI error type in a single `match`, rendered as the OpenAI envelope extended with
+//! `retryable`, `request_id` and `details`. The JSON extractor's rejections come through here
+//! too, so a malformed body gets the same shape as every other error.
+
+use axum::extract::FromRequest;
+use axum::extract::rejection::JsonRejection;
+use axum::http::{HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use serde_json::json;
+use switchyard_actors::error::{ErrorCode, Failure};
+
+/// A client-visible failure of a request.
+#[derive(Debug, Clone)]
+pub struct ApiError {
+    /// What went wrong, classified.
+    pub failure: Failure,
+    /// The request's id, echoed in the body.
+    pub request_id: Option<String>,
+    /// Extra machine-readable facts (limits, ids).
+    pub details: Option<serde_json::Value>,
+}
+
+impl ApiError {
+    /// An error with a code and a message.
+    pub fn new(code: ErrorCode, message: impl Into<String>) -> Self {
+        Self {
+            failure: Failure::new(code, message),
+            request_id: None,
+            details: None,
+        }
+    }
+
+    /// Attaches the request id.
+    pub fn with_request_id(mut self, id: &str) -> Self {
+        self.request_id = Some(id.to_owned());
+        self
+    }
+
+    /// Status and OpenAI `type` of a code.
+    pub fn status_and_type(code: ErrorCode) -> (StatusCode, &'static str) {
+        use ErrorCode::*;
+        match code {
+            InvalidRequest => (StatusCode::BAD_REQUEST, "invalid_request_error"),
+            Unauthorized => (StatusCode::UNAUTHORIZED, "authentication_error"),
+            InsufficientBalance => (StatusCode::PAYMENT_REQUIRED, "insufficient_quota"),
+            ModelNotAllowed | Forbidden => (StatusCode::FORBIDDEN, "permission_error"),
+            ModelNotFound | NotFound => (StatusCode::NOT_FOUND, "not_found_error"),
+            IdempotencyConflict | GenerationInProgress => (StatusCode::CONFLICT, "conflict_error"),
+            ResultUnavailable => (StatusCode::GONE, "not_found_error"),
+            RequestTooLarge => (StatusCode::PAYLOAD_TOO_LARGE, "invalid_request_error"),
+            UnsafeReference => (StatusCode::UNPROCESSABLE_ENTITY, "invalid_request_error"),
+            RateLimited | ConcurrencyLimited | QuotaExhausted | QueueFull => {
+                (StatusCode::TOO_MANY_REQUESTS, "rate_limit_error")
+            }
+            ModelBackendError => (StatusCode::BAD_GATEWAY, "api_error"),
+            CapacityExhausted | NoHealthyNode | ModelLoading | QuotaServiceUnavailable => {
+                (StatusCode::SERVICE_UNAVAILABLE, "service_unavailable_error")
+            }
+            GenerationTimeout => (StatusCode::GATEWAY_TIMEOUT, "timeout_error"),
+        }
+    }
+
+    /// The `{"error": {...}}` body.
+    pub fn body(&self) -> serde_json::Value {
+        let code = self.failure.code;
+        let (_, kind) = Self::status_and_type(code);
+        let mut error = json!({
+            "message": self.failure.message,
+            "type": kind,
+            "param": null,
+            "code": code.as_str(),
+            "retryable": code.retryable(),
+            "request_id": self.request_id,
+        });
+        if let (Some(details), Some(obj)) = (&self.details, error.as_object_mut()) {
+            obj.insert("details".into(), details.clone());
+        }
+        json!({ "error": error })
+    }
+}
+
+impl From<Failure> for ApiError {
+    fn from(failure: Failure) -> Self {
+        Self {
+            failure,
+            request_id: None,
+            details: None,
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let (status, _) = Self::status_and_type(self.failure.code);
+        let mut response = (status, axum::Json(self.body())).into_response();
+        let headers = response.headers_mut();
+        if let Some(secs) = self.failure.retry_after_secs
+            && let Ok(v) = HeaderValue::from_str(&secs.to_string())
+        {
+            headers.insert("retry-after", v);
+        }
+        // The SDKs retry 429 and 5xx by default; tell them when waiting cannot help.
+        if !self.failure.code.retryable() || status == StatusCode::PAYMENT_REQUIRED {
+            headers.insert("x-should-retry", HeaderValue::from_static("false"));
+        }
+        if let Some(id) = self
+            .request_id
+            .as_deref()
+            .and_then(|id| HeaderValue::from_str(id).ok())
+        {
+            headers.insert("x-request-id", id);
+        }
+        response
+    }
+}
+
+/// `axum::Json` whose rejections are [`ApiError`]s (400 `invalid_request`, 413
+/// `request_too_large`).
+#[derive(Debug, FromRequest)]
+#[from_request(via(axum::Json), rejection(ApiError))]
+pub struct Json<T>(pub T);
+
+impl From<JsonRejection> for ApiError {
+    fn from(rejection: JsonRejection) -> Self {
+        if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
+            return ApiError::new(ErrorCode::RequestTooLarge, "The request body is too large.");
+        }
+        ApiError::new(ErrorCode::InvalidRequest, rejection.body_text())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_code_has_a_client_error_or_server_error_status() {
+        use ErrorCode::*;
+        for code in [
+            InvalidRequest,
+            QueueFull,
+            NoHealthyNode,
+            ModelBackendError,
+            GenerationTimeout,
+        ] {
+            let (status, _) = ApiError::status_and_type(code);
+            assert!(status.is_client_error() || status.is_server_error());
+        }
+        assert_eq!(
+            ApiError::status_and_type(QueueFull).0,
+            StatusCode::TOO_MANY_REQUESTS
+        );
+        assert_eq!(
+            ApiError::status_and_type(NoHealthyNode).0,
+            StatusCode::SERVICE_UNAVAILABLE
+        );
+    }
+}

@@ -1,0 +1,212 @@
+//! `GET /v1/nodes/connect`: a GPU node dials in (it may sit behind NAT) and the connection
+//! becomes a [`NodeActor`]. The first frame must be `register` within 5 s with the node's
+//! per-node token (stored hashed, compared in constant time); registrations are rate limited
+//! so that a reconnect storm after a deploy cannot overwhelm the replica.
+
+use std::sync::{Arc, PoisonError};
+use std::time::Duration;
+
+use axum::extract::State;
+use axum::extract::ws::{Message, WebSocket, WebSocketUpgrade};
+use axum::response::Response;
+use futures::{SinkExt, StreamExt};
+use subtle::ConstantTimeEq;
+use switchyard_actors::node::{NodeActor, NodeArgs, NodeHandle};
+use switchyard_actors::protocol::{NodeFrame, ServerFrame};
+use switchyard_actors::tasks::TaskGuard;
+use tokio::sync::mpsc;
+
+use crate::server::AppState;
+use crate::store::hash_secret;
+
+/// Time a new connection has to send `register`.
+const REGISTER_WITHIN: Duration = Duration::from_secs(5);
+/// Largest frame a node may send.
+const MAX_FRAME_BYTES: usize = 1024 * 1024;
+/// Frames queued for one node's socket before it counts as stuck.
+const OUTBOUND_FRAMES: usize = 4096;
+
+pub async fn connect(State(state): State<Arc<AppState>>, ws: WebSocketUpgrade) -> Response {
+    ws.max_message_size(MAX_FRAME_BYTES)
+        .on_upgrade(move |socket| serve_node(state, socket))
+}
+
+/// What a `register` frame carries, once verified.
+struct Registered {
+    node_id: String,
+    models: Vec<String>,
+}
+
+async fn serve_node(state: Arc<AppState>, mut socket: WebSocket) {
+    let _guard = TaskGuard::new("node_connection");
+    let registered = match register(&state, &mut socket).await {
+        Ok(r) => r,
+        Err((reason, retry_after_ms)) => {
+            tracing::warn!(%reason, "node registration refused");
+            let frame = ServerFrame::Rejected {
+                reason,
+                retry_after_ms,
+            };
+            let _ = send(&mut socket, &frame).await;
+            let _ = socket.close().await;
+            return;
+        }
+    };
+    let (outbound, mut frames) = mpsc::channel(OUTBOUND_FRAMES);
+    let queues = registered
+        .models
+        .iter()
+        .filter_map(|m| state.queues.get(m).map(|q| (m.clone(), q.clone())))
+        .collect();
+    let args = NodeArgs {
+        node_id: registered.node_id.clone(),
+        models: registered.models.clone(),
+        outbound,
+        queues,
+        directory: state.generations.directory().clone(),
+        ledger: state.store.clone(),
+        coordinator: state.coordinator.clone(),
+        replica_id: state.replica_id.clone(),
+        heartbeat_timeout: Duration::from_secs(state.config.nodes.heartbeat_timeout_secs),
+        clock: state.clock.clone(),
+    };
+    if send(&mut socket, &ServerFrame::Registered {})
+        .await
+        .is_err()
+    {
+        return;
+    }
+    let node = match NodeActor::start(args).await {
+        Ok(node) => node,
+        Err(e) => {
+            tracing::error!(error = %e, "could not start the node actor");
+            return;
+        }
+    };
+    // A node that reconnects replaces its old connection, whose work counts as lost.
+    let previous = state
+        .nodes
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .insert(registered.node_id.clone(), node.clone());
+    if let Some(old) = previous {
+        old.stop();
+    }
+    tracing::info!(node_id = %registered.node_id, models = ?registered.models, "node registered");
+    relay(&state, socket, &node, &mut frames).await;
+    node.connection_lost();
+    let mut nodes = state.nodes.lock().unwrap_or_else(PoisonError::into_inner);
+    if nodes
+        .get(&registered.node_id)
+        .is_some_and(|n| n.same_actor(&node))
+    {
+        nodes.remove(&registered.node_id);
+    }
+}
+
+/// Pumps frames both ways until either side ends.
+async fn relay(
+    state: &AppState,
+    socket: WebSocket,
+    node: &NodeHandle,
+    frames: &mut mpsc::Receiver<ServerFrame>,
+) {
+    let (mut sink, mut stream) = socket.split();
+    loop {
+        tokio::select! {
+            out = frames.recv() => match out {
+                Some(frame) => {
+                    let Ok(text) = serde_json::to_string(&frame) else { continue };
+                    if sink.send(Message::Text(text.into())).await.is_err() {
+                        return;
+                    }
+                }
+                None => return, // the actor stopped
+            },
+            incoming = stream.next() => match incoming {
+                Some(Ok(Message::Text(text))) => match serde_json::from_str::<NodeFrame>(&text) {
+                    Ok(frame) => {
+                        if !node.deliver(frame) {
+                            return;
+                        }
+                    }
+                    Err(e) => tracing::warn!(node_id = node.node_id(), error = %e, "unreadable frame from node"),
+                },
+                Some(Ok(Message::Close(_))) | None | Some(Err(_)) => return,
+                Some(Ok(_)) => {}
+            },
+            () = state.shutdown.cancelled() => {
+                let _ = sink.send(Message::Close(None)).await;
+                return;
+            }
+        }
+    }
+}
+
+/// Reads and checks the `register` frame; the error carries the reason and a retry hint.
+async fn register(
+    state: &AppState,
+    socket: &mut WebSocket,
+) -> Result<Registered, (String, Option<u64>)> {
+    let first = tokio::time::timeout(REGISTER_WITHIN, socket.recv())
+        .await
+        .map_err(|_| ("no register frame within 5 s".to_owned(), None))?;
+    let Some(Ok(Message::Text(text))) = first else {
+        return Err(("the first frame must be register".into(), None));
+    };
+    let Ok(NodeFrame::Register {
+        node_id,
+        token,
+        gpus,
+        models,
+        version,
+        location,
+    }) = serde_json::from_str(&text)
+    else {
+        return Err(("the first frame must be register".into(), None));
+    };
+    if state.registrations.check().is_err() {
+        let wait = 250 + u64::from(rand::random::<u16>() % 750);
+        return Err(("too many registrations; retry later".into(), Some(wait)));
+    }
+    let record = state
+        .store
+        .node(&node_id)
+        .await
+        .map_err(|_| ("registration unavailable".to_owned(), Some(1000)))?;
+    let stored = record
+        .as_ref()
+        .and_then(|r| r.token_hash.clone())
+        .unwrap_or_default();
+    let presented = hash_secret(&token);
+    let valid = !stored.is_empty() && bool::from(stored.as_bytes().ct_eq(presented.as_bytes()));
+    if !valid {
+        return Err(("unknown node or invalid token".into(), None));
+    }
+    let known: Vec<String> = models
+        .into_iter()
+        .filter(|m| state.queues.contains_key(m))
+        .collect();
+    if known.is_empty() {
+        return Err(("the node serves no model this server knows".into(), None));
+    }
+    let gpus = serde_json::to_value(&gpus).unwrap_or_default();
+    let at = state.clock.wall();
+    if let Err(e) = state
+        .store
+        .record_node_registration(&node_id, gpus, &known, &state.replica_id, at)
+        .await
+    {
+        tracing::warn!(error = %e, "could not record the registration");
+    }
+    tracing::debug!(%node_id, %version, ?location, "register frame accepted");
+    Ok(Registered {
+        node_id,
+        models: known,
+    })
+}
+
+async fn send(socket: &mut WebSocket, frame: &ServerFrame) -> Result<(), axum::Error> {
+    let text = serde_json::to_string(frame).unwrap_or_default();
+    socket.send(Message::Text(text.into())).await
+}

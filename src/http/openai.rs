@@ -1,0 +1,229 @@
+//! `POST /v1/chat/completions` and `GET /v1/models`: authenticate, validate, start a
+//! generation, render it as OpenAI's SSE chunks or one `chat.completion`.
+
+use std::sync::Arc;
+
+use axum::extract::State;
+use axum::http::{HeaderMap, HeaderValue};
+use axum::response::{IntoResponse, Response};
+use serde_json::{Map, Value};
+use switchyard_actors::error::ErrorCode;
+use switchyard_actors::generation::GenerationArgs;
+use switchyard_actors::ports::{Reservation, cost_of};
+use tokio::sync::mpsc;
+use tracing::instrument;
+
+use super::error::{ApiError, Json};
+use super::sse::{self, Render};
+use crate::config::ModelConfig;
+use crate::server::AppState;
+
+/// A validated chat request.
+struct ChatRequest {
+    /// The name the client asked for (an alias or the version itself).
+    model: String,
+    resolved: ModelConfig,
+    stream: bool,
+    include_usage: bool,
+    max_tokens: Option<u64>,
+    /// The body as the engine gets it: every field passed through, the model resolved.
+    engine_body: Value,
+    estimated_prompt_tokens: u64,
+}
+
+#[instrument(skip_all, fields(request_id, team_id, model))]
+pub async fn chat_completions(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    Json(body): Json<Value>,
+) -> Response {
+    let request_id = new_request_id();
+    tracing::Span::current().record("request_id", request_id.as_str());
+    match run(&state, &headers, body, &request_id).await {
+        Ok(response) => response,
+        Err(e) => e.with_request_id(&request_id).into_response(),
+    }
+}
+
+async fn run(
+    state: &Arc<AppState>,
+    headers: &HeaderMap,
+    body: Value,
+    request_id: &str,
+) -> Result<Response, ApiError> {
+    let principal = state.auth.authenticate(headers).await?;
+    tracing::Span::current().record("team_id", principal.team_id);
+    let req = validate(state, body)?;
+    tracing::Span::current().record("model", req.resolved.name.as_str());
+    if !principal.key.allows_model(&req.resolved.name) && !principal.key.allows_model(&req.model) {
+        return Err(ApiError::new(
+            ErrorCode::ModelNotAllowed,
+            "This key may not use that model.",
+        ));
+    }
+    let queue = state
+        .queues
+        .get(&req.resolved.name)
+        .cloned()
+        .ok_or_else(|| ApiError::new(ErrorCode::ModelNotFound, "The model is not served."))?;
+    let max_tokens = req
+        .max_tokens
+        .unwrap_or(u64::from(req.resolved.default_max_tokens));
+    let (pin, pout) = (
+        req.resolved.price_input_per_mtok,
+        req.resolved.price_output_per_mtok,
+    );
+    let reservation = Reservation {
+        request_id: request_id.to_owned(),
+        team_id: principal.team_id,
+        key_id: Some(principal.key_id),
+        model: req.resolved.name.clone(),
+        estimated_prompt_tokens: req.estimated_prompt_tokens,
+        max_tokens,
+        estimated_cost: cost_of(req.estimated_prompt_tokens, max_tokens, pin, pout),
+        price_input_per_mtok: pin,
+        price_output_per_mtok: pout,
+    };
+    let (events, rx) = mpsc::unbounded_channel();
+    let args = GenerationArgs {
+        request_id: request_id.to_owned(),
+        model: req.resolved.name.clone(),
+        body: req.engine_body,
+        reservation,
+        queue,
+        ledger: state.store.clone(),
+        events,
+        timeouts: state.config.generation_timeouts(),
+        clock: state.clock.clone(),
+    };
+    let generation = state
+        .generations
+        .start_generation(args, rx)
+        .await
+        .map_err(ApiError::from)?;
+    let render = Render::new(
+        request_id,
+        &req.resolved.name,
+        req.include_usage,
+        state.clock.wall().timestamp(),
+    );
+    let mut response = if req.stream {
+        sse::stream(generation, render)
+    } else {
+        sse::collect(generation, render).await?
+    };
+    if let Ok(v) = HeaderValue::from_str(request_id) {
+        response.headers_mut().insert("x-request-id", v);
+    }
+    Ok(response)
+}
+
+/// Checks the fields Switchyard acts on; the rest pass through to the engine untouched.
+fn validate(state: &AppState, body: Value) -> Result<ChatRequest, ApiError> {
+    let bad = |m: &str| ApiError::new(ErrorCode::InvalidRequest, m);
+    let Value::Object(mut obj) = body else {
+        return Err(bad("The body must be a JSON object."));
+    };
+    let model_name = obj
+        .get("model")
+        .and_then(Value::as_str)
+        .ok_or_else(|| bad("`model` is required."))?;
+    let resolved = state
+        .config
+        .resolve_model(model_name)
+        .cloned()
+        .ok_or_else(|| {
+            ApiError::new(
+                ErrorCode::ModelNotFound,
+                format!("The model `{model_name}` does not exist."),
+            )
+        })?;
+    let model = model_name.to_owned();
+    let messages = obj
+        .get("messages")
+        .and_then(Value::as_array)
+        .filter(|m| !m.is_empty())
+        .ok_or_else(|| bad("`messages` must be a non-empty array."))?;
+    let mut estimated_prompt_tokens = 0u64;
+    for m in messages {
+        if m.get("role").and_then(Value::as_str).is_none() {
+            return Err(bad("Every message needs a string `role`."));
+        }
+        estimated_prompt_tokens += 4 + content_chars(m.get("content")).div_ceil(4);
+    }
+    if obj.get("n").and_then(Value::as_u64).is_some_and(|n| n > 1) {
+        return Err(bad("`n` greater than 1 is not supported."));
+    }
+    let stream = match obj.get("stream") {
+        None | Some(Value::Null) => false,
+        Some(Value::Bool(b)) => *b,
+        Some(_) => return Err(bad("`stream` must be a boolean.")),
+    };
+    let include_usage = obj
+        .get("stream_options")
+        .and_then(|o| o.get("include_usage"))
+        .and_then(Value::as_bool)
+        .unwrap_or(false);
+    let mut max_tokens = None;
+    for field in ["max_completion_tokens", "max_tokens"] {
+        match obj.get(field) {
+            None | Some(Value::Null) => {}
+            Some(v) => match v.as_u64().filter(|n| *n > 0) {
+                Some(n) => max_tokens = max_tokens.or(Some(n)),
+                None => return Err(bad(&format!("`{field}` must be a positive integer."))),
+            },
+        }
+    }
+    obj.insert("model".into(), Value::String(resolved.name.clone()));
+    obj.remove("stream_options");
+    Ok(ChatRequest {
+        model,
+        resolved,
+        stream,
+        include_usage,
+        max_tokens,
+        engine_body: Value::Object(obj),
+        estimated_prompt_tokens,
+    })
+}
+
+/// Characters of a message's content (a string or text parts), for the admission estimate.
+fn content_chars(content: Option<&Value>) -> u64 {
+    match content {
+        Some(Value::String(s)) => s.chars().count() as u64,
+        Some(Value::Array(parts)) => parts
+            .iter()
+            .filter_map(|p| p.get("text").and_then(Value::as_str))
+            .map(|t| t.chars().count() as u64)
+            .sum(),
+        _ => 0,
+    }
+}
+
+/// `chatcmpl-` and 24 random hex digits.
+fn new_request_id() -> String {
+    format!("chatcmpl-{:024x}", rand::random::<u128>() >> 32)
+}
+
+/// `GET /v1/models`: the models and aliases the key may use, in OpenAI's list shape.
+pub async fn models(State(state): State<Arc<AppState>>, headers: HeaderMap) -> Response {
+    let principal = match state.auth.authenticate(&headers).await {
+        Ok(p) => p,
+        Err(e) => return e.into_response(),
+    };
+    let created = state.clock.wall().timestamp();
+    let mut data = Vec::new();
+    for m in &state.config.models {
+        for id in std::iter::once(&m.name).chain(&m.aliases) {
+            if principal.key.allows_model(&m.name) || principal.key.allows_model(id) {
+                let mut entry = Map::new();
+                entry.insert("id".into(), Value::String(id.clone()));
+                entry.insert("object".into(), Value::String("model".into()));
+                entry.insert("created".into(), Value::from(created));
+                entry.insert("owned_by".into(), Value::String("switchyard".into()));
+                data.push(Value::Object(entry));
+            }
+        }
+    }
+    axum::Json(serde_json::json!({ "object": "list", "data": data })).into_response()
+}

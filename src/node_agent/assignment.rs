@@ -1,0 +1,441 @@
+//! One assignment, from `assign` to its last frame. The engine is always asked to stream with
+//! running usage, so a stream that ends early still reports exact usage. Every assignment ends
+//! in exactly one of two ways:
+//! - an `error` and no `done`: the engine refused it before streaming (nothing was generated);
+//! - a `done` (kept in the ledger before it is sent), after an `error` when the stream broke.
+
+use std::sync::Arc;
+
+use serde::Deserialize;
+use serde_json::{Map, Value};
+use switchyard_actors::protocol::NodeFrame;
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
+
+use super::engine::{
+    EngineClient, MAX_ERROR_MESSAGE, error_code_for_status, error_message, read_limited,
+    truncate_chars,
+};
+use super::ledger::{Done, Key, Ledger};
+use super::sse::SseParser;
+use super::writer::Outgoing;
+
+/// Largest error body read from the engine.
+const MAX_ERROR_BODY: usize = 64 * 1024;
+/// Longest `finish_reason` relayed (the engine's is a short word).
+const MAX_FINISH_REASON: usize = 64;
+
+/// An `assign` frame.
+#[derive(Debug)]
+pub(crate) struct Assignment {
+    pub request_id: String,
+    pub attempt: u64,
+    pub model: String,
+    pub body: Value,
+}
+
+/// What an assignment task needs from the session.
+#[derive(Debug, Clone)]
+pub(crate) struct AssignCtx {
+    pub engine: EngineClient,
+    pub out: mpsc::Sender<Outgoing>,
+    pub ledger: Arc<Ledger>,
+    /// Cancelled by a `cancel` frame, a lost connection or shutdown.
+    pub cancel: CancellationToken,
+}
+
+/// Runs the assignment to its end; returns its key for the session's bookkeeping.
+pub(crate) async fn run(a: Assignment, ctx: AssignCtx) -> Key {
+    let key = (a.request_id.clone(), a.attempt);
+    let span = tracing::info_span!("assignment", request_id = %a.request_id, attempt = a.attempt);
+    execute(a, &ctx).instrument(span).await;
+    key
+}
+
+/// The body sent to the engine: the server's body with the engine's model name and forced
+/// streaming with running usage (the server renders what its client asked for).
+pub(crate) fn engine_body(body: Value, model: &str) -> Result<Value, &'static str> {
+    let Value::Object(mut map) = body else {
+        return Err("assignment body is not a JSON object");
+    };
+    map.insert("model".into(), Value::from(model));
+    map.insert("stream".into(), Value::Bool(true));
+    let mut options = match map.remove("stream_options") {
+        Some(Value::Object(o)) => o,
+        _ => Map::new(),
+    };
+    options.insert("include_usage".into(), Value::Bool(true));
+    options.insert("continuous_usage_stats".into(), Value::Bool(true));
+    map.insert("stream_options".into(), Value::Object(options));
+    Ok(Value::Object(map))
+}
+
+async fn execute(a: Assignment, ctx: &AssignCtx) {
+    let id = Id {
+        request_id: a.request_id,
+        attempt: a.attempt,
+    };
+    let body = match engine_body(a.body, &a.model) {
+        Ok(b) => b,
+        Err(why) => return ctx.refuse(&id, "invalid_request", why.into()).await,
+    };
+    tracing::debug!(model = %a.model, "forwarding to the engine");
+    let sent = tokio::select! {
+        biased;
+        () = ctx.cancel.cancelled() => {
+            // Confirms the stop; nothing was generated.
+            return ctx.finish(&id, Relay::default().usage(), "abort", None).await;
+        }
+        r = ctx.engine.chat(&body) => r,
+    };
+    drop(body);
+    let mut resp = match sent {
+        Ok(r) => r,
+        Err(e) => {
+            tracing::warn!(error = %e, "engine request failed");
+            let message = truncate_chars(&format!("engine unreachable: {e}"), MAX_ERROR_MESSAGE);
+            return ctx.refuse(&id, "model_backend_error", message).await;
+        }
+    };
+    let status = resp.status().as_u16();
+    if status != 200 {
+        let body = tokio::select! {
+            biased;
+            () = ctx.cancel.cancelled() => Vec::new(),
+            b = read_limited(&mut resp, MAX_ERROR_BODY) => b.unwrap_or_default(),
+        };
+        let code = error_code_for_status(status);
+        tracing::warn!(status, code, "engine refused the assignment");
+        return ctx.refuse(&id, code, error_message(status, &body)).await;
+    }
+    stream(&id, ctx, resp).await;
+}
+
+/// Identity of the attempt, repeated in every frame.
+struct Id {
+    request_id: String,
+    attempt: u64,
+}
+
+/// How a stream that started ended.
+enum End {
+    /// `data: [DONE]`.
+    Completed,
+    /// `cancel`, a lost connection, or shutdown.
+    Cancelled,
+    /// Body error, EOF without `[DONE]`, an oversized or unparsable event, an error event.
+    Broken(String),
+}
+
+async fn stream(id: &Id, ctx: &AssignCtx, mut resp: reqwest::Response) {
+    let mut relay = Relay::default();
+    let accepted = NodeFrame::Accepted {
+        request_id: id.request_id.clone(),
+        attempt: id.attempt,
+    };
+    let end = if ctx.send(accepted).await {
+        relay_events(id, ctx, &mut resp, &mut relay).await
+    } else {
+        End::Cancelled
+    };
+    // Closing the response closes the engine request: vLLM aborts the sequence at once and
+    // frees its KV blocks.
+    drop(resp);
+    let usage = relay.usage();
+    match end {
+        End::Completed => {
+            let reason = relay.finish_reason.as_deref().unwrap_or("stop");
+            ctx.finish(id, usage, reason, None).await;
+        }
+        End::Cancelled => ctx.finish(id, usage, "abort", None).await,
+        End::Broken(why) => {
+            tracing::warn!(reason = %why, "engine stream broke");
+            ctx.finish(id, usage, "error", Some(why)).await;
+        }
+    }
+}
+
+async fn relay_events(
+    id: &Id,
+    ctx: &AssignCtx,
+    resp: &mut reqwest::Response,
+    relay: &mut Relay,
+) -> End {
+    let mut parser = SseParser::default();
+    let mut events = Vec::new();
+    loop {
+        let read = tokio::select! {
+            biased;
+            () = ctx.cancel.cancelled() => return End::Cancelled,
+            r = resp.chunk() => r,
+        };
+        let eof = match read {
+            Ok(Some(bytes)) => parser.push(&bytes, &mut events).map(|()| false),
+            Ok(None) => parser.finish(&mut events).map(|()| true),
+            Err(e) => return End::Broken(format!("engine stream broke: {e}")),
+        };
+        let eof = match eof {
+            Ok(eof) => eof,
+            Err(e) => return End::Broken(format!("engine sent a {e}")),
+        };
+        for data in events.drain(..) {
+            match relay.event(&data) {
+                Event::Nothing => {}
+                Event::Text(delta) => {
+                    let frame = NodeFrame::Chunk {
+                        request_id: id.request_id.clone(),
+                        attempt: id.attempt,
+                        seq: relay.seq,
+                        delta,
+                    };
+                    relay.seq += 1;
+                    if !ctx.send(frame).await {
+                        return End::Cancelled;
+                    }
+                }
+                Event::Done => return End::Completed,
+                Event::Broken(why) => return End::Broken(why),
+            }
+        }
+        if eof {
+            return End::Broken("engine stream ended without [DONE]".into());
+        }
+    }
+}
+
+impl AssignCtx {
+    /// Sends a frame unless the assignment is cancelled first; false when it was not sent
+    /// (cancelled, or the connection is gone: either way the stream must stop).
+    async fn send(&self, frame: NodeFrame) -> bool {
+        tokio::select! {
+            biased;
+            () = self.cancel.cancelled() => false,
+            r = self.out.send(Outgoing::Frame(frame)) => r.is_ok(),
+        }
+    }
+
+    /// The engine refused before streaming: an `error` and no `done`.
+    async fn refuse(&self, id: &Id, code: &str, message: String) {
+        let _ = self
+            .out
+            .send(Outgoing::Frame(error_frame(id, code, message)))
+            .await;
+    }
+
+    /// Records the `done` (so it survives a lost connection), then sends the optional
+    /// `model_backend_error` and the `done`. A failed send is fine: the ledger resends.
+    async fn finish(
+        &self,
+        id: &Id,
+        (prompt, completion): (u64, u64),
+        reason: &str,
+        error: Option<String>,
+    ) {
+        let done = Done {
+            request_id: id.request_id.clone(),
+            attempt: id.attempt,
+            prompt_tokens: prompt,
+            completion_tokens: completion,
+            finish_reason: truncate_chars(reason, MAX_FINISH_REASON),
+        };
+        tracing::info!(
+            finish_reason = %done.finish_reason,
+            prompt_tokens = prompt,
+            completion_tokens = completion,
+            "assignment finished"
+        );
+        let frame = done.frame();
+        self.ledger.record(done);
+        if let Some(message) = error {
+            let message = truncate_chars(&message, MAX_ERROR_MESSAGE);
+            let frame = error_frame(id, "model_backend_error", message);
+            let _ = self.out.send(Outgoing::Frame(frame)).await;
+        }
+        let _ = self.out.send(Outgoing::Frame(frame)).await;
+    }
+}
+
+fn error_frame(id: &Id, code: &str, message: String) -> NodeFrame {
+    NodeFrame::Error {
+        request_id: id.request_id.clone(),
+        attempt: id.attempt,
+        code: code.to_owned(),
+        message,
+    }
+}
+
+/// What one engine event means for the relay.
+#[derive(Debug, PartialEq)]
+enum Event {
+    Nothing,
+    Text(String),
+    Done,
+    Broken(String),
+}
+
+/// The state of one relayed stream.
+#[derive(Debug, Default)]
+struct Relay {
+    /// Next `chunk` sequence number (from 0 per attempt).
+    seq: u64,
+    /// Latest running usage `(prompt, completion)` the engine reported.
+    usage: Option<(u64, u64)>,
+    /// `finish_reason` of the finish chunk.
+    finish_reason: Option<String>,
+    /// Content chunks relayed, the completion count of last resort.
+    content_chunks: u64,
+}
+
+/// The parts of a `chat.completion.chunk` the relay reads (and vLLM's error shapes).
+#[derive(Deserialize)]
+struct EngineChunk {
+    #[serde(default)]
+    choices: Vec<EngineChoice>,
+    #[serde(default)]
+    usage: Option<EngineUsage>,
+    #[serde(default)]
+    error: Option<EngineError>,
+    /// Older vLLM streams errors as `{"object": "error", "message": …}`.
+    #[serde(default)]
+    object: Option<String>,
+    #[serde(default)]
+    message: Option<String>,
+}
+
+#[derive(Deserialize)]
+struct EngineChoice {
+    #[serde(default)]
+    delta: Option<EngineDelta>,
+    #[serde(default)]
+    finish_reason: Option<String>,
+}
+
+#[derive(Deserialize)]
+struct EngineDelta {
+    #[serde(default)]
+    content: Option<String>,
+}
+
+#[derive(Deserialize)]
+struct EngineUsage {
+    #[serde(default)]
+    prompt_tokens: u64,
+    #[serde(default)]
+    completion_tokens: u64,
+}
+
+#[derive(Deserialize)]
+struct EngineError {
+    #[serde(default)]
+    message: Option<String>,
+}
+
+impl Relay {
+    fn event(&mut self, data: &[u8]) -> Event {
+        let data = data.trim_ascii();
+        if data == b"[DONE]" {
+            return Event::Done;
+        }
+        if data.is_empty() {
+            return Event::Nothing;
+        }
+        let Ok(chunk) = serde_json::from_slice::<EngineChunk>(data) else {
+            return Event::Broken("engine sent an event that is not a chunk".into());
+        };
+        if let Some(e) = chunk.error {
+            let m = e.message.unwrap_or_default();
+            return Event::Broken(format!("engine error: {m}"));
+        }
+        if chunk.object.as_deref() == Some("error") {
+            let m = chunk.message.unwrap_or_default();
+            return Event::Broken(format!("engine error: {m}"));
+        }
+        if let Some(u) = chunk.usage {
+            self.usage = Some((u.prompt_tokens, u.completion_tokens));
+        }
+        let Some(choice) = chunk.choices.into_iter().next() else {
+            return Event::Nothing;
+        };
+        if let Some(reason) = choice.finish_reason {
+            self.finish_reason = Some(reason);
+        }
+        match choice.delta.and_then(|d| d.content) {
+            Some(text) if !text.is_empty() => {
+                self.content_chunks += 1;
+                Event::Text(text)
+            }
+            _ => Event::Nothing,
+        }
+    }
+
+    /// Exact usage when the engine reported any; else 0 prompt tokens and one completion
+    /// token per relayed content chunk.
+    fn usage(&self) -> (u64, u64) {
+        self.usage.unwrap_or((0, self.content_chunks))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+    use super::*;
+
+    #[test]
+    fn the_engine_body_forces_streaming_with_running_usage() {
+        let body = serde_json::json!({
+            "model": "small", "messages": [], "stream": false,
+            "stream_options": {"include_usage": false, "other": 1}, "max_tokens": 3
+        });
+        let b = engine_body(body, "llama").unwrap();
+        assert_eq!(b["model"], "llama");
+        assert_eq!(b["stream"], true);
+        assert_eq!(b["stream_options"]["include_usage"], true);
+        assert_eq!(b["stream_options"]["continuous_usage_stats"], true);
+        assert_eq!(b["stream_options"]["other"], 1);
+        assert_eq!(b["max_tokens"], 3);
+        assert!(engine_body(serde_json::json!([1]), "m").is_err());
+    }
+
+    #[test]
+    fn relay_reads_vllm_chunks() {
+        let mut r = Relay::default();
+        let role = br#"{"id":"c","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}],"usage":{"prompt_tokens":30,"total_tokens":30,"completion_tokens":0}}"#;
+        assert_eq!(r.event(role), Event::Nothing);
+        assert_eq!(r.usage(), (30, 0));
+        let text = br#"{"choices":[{"index":0,"delta":{"content":"AR"},"finish_reason":null}],"usage":{"prompt_tokens":30,"total_tokens":31,"completion_tokens":1}}"#;
+        assert_eq!(r.event(text), Event::Text("AR".into()));
+        let fin = br#"{"choices":[{"index":0,"delta":{"content":""},"finish_reason":"length","stop_reason":null}],"usage":{"prompt_tokens":30,"total_tokens":32,"completion_tokens":2}}"#;
+        assert_eq!(r.event(fin), Event::Nothing);
+        let usage = br#"{"choices":[],"usage":{"prompt_tokens":30,"total_tokens":32,"completion_tokens":2}}"#;
+        assert_eq!(r.event(usage), Event::Nothing);
+        assert_eq!(r.event(b"[DONE]"), Event::Done);
+        assert_eq!(r.usage(), (30, 2));
+        assert_eq!(r.finish_reason.as_deref(), Some("length"));
+    }
+
+    #[test]
+    fn without_usage_the_content_chunks_are_counted() {
+        let mut r = Relay::default();
+        for _ in 0..3 {
+            r.event(br#"{"choices":[{"delta":{"content":"x"}}]}"#);
+        }
+        r.event(br#"{"choices":[{"delta":{"content":""}}]}"#);
+        assert_eq!(r.usage(), (0, 3));
+    }
+
+    #[test]
+    fn error_events_and_garbage_break_the_stream() {
+        let mut r = Relay::default();
+        assert!(matches!(
+            r.event(br#"{"error":{"message":"boom","type":"InternalServerError","code":500}}"#),
+            Event::Broken(m) if m.contains("boom")
+        ));
+        assert!(matches!(
+            r.event(br#"{"object":"error","message":"old"}"#),
+            Event::Broken(_)
+        ));
+        assert!(matches!(r.event(b"{not json"), Event::Broken(_)));
+        assert!(matches!(r.event(b"\xff\xfe"), Event::Broken(_)));
+    }
+}

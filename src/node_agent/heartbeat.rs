@@ -1,0 +1,67 @@
+//! Load reports while connected: every `heartbeat_interval` the engine's `/metrics` is scraped
+//! into a `heartbeat` frame, and a ping goes out so the session can tell a dead server apart
+//! from a quiet one.
+//!
+//! When the scrape fails no heartbeat is sent (only a warning is logged): stale figures would
+//! keep a node with a dead engine in routing, whereas missing heartbeats let the server expire
+//! the node after 15 s, which is right when the engine is gone. The socket stays up, so unacked
+//! dones still flow, and heartbeats resume as soon as the engine answers again.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use switchyard_actors::protocol::NodeFrame;
+use tokio::sync::mpsc;
+use tokio::time::MissedTickBehavior;
+
+use super::engine::EngineClient;
+use super::stats::AgentStats;
+use super::writer::Outgoing;
+
+/// Sends a heartbeat at once, then one per `interval`, until the writer is gone.
+pub(crate) async fn heartbeat_loop(
+    engine: EngineClient,
+    out: mpsc::Sender<Outgoing>,
+    models: Vec<String>,
+    interval: Duration,
+    stats: Arc<AgentStats>,
+) {
+    let mut ticker = tokio::time::interval(interval);
+    ticker.set_missed_tick_behavior(MissedTickBehavior::Delay);
+    let mut failing = false;
+    loop {
+        ticker.tick().await;
+        if out.send(Outgoing::Ping).await.is_err() {
+            return;
+        }
+        // A scrape slower than the interval is as good as a failed one.
+        let load = match tokio::time::timeout(interval, engine.load()).await {
+            Ok(Ok(load)) => load,
+            Ok(Err(e)) => {
+                tracing::warn!(error = %e, "engine metrics scrape failed; no heartbeat sent");
+                failing = true;
+                continue;
+            }
+            Err(_) => {
+                tracing::warn!("engine metrics scrape timed out; no heartbeat sent");
+                failing = true;
+                continue;
+            }
+        };
+        if std::mem::take(&mut failing) {
+            tracing::info!("engine metrics readable again; heartbeats resume");
+        }
+        let frame = NodeFrame::Heartbeat {
+            queue_depth: load.waiting,
+            running: load.running,
+            kv_cache_usage: load.kv_cache_usage,
+            // Unknown without DCGM; the server routes on KV use and its own in-flight count.
+            gpu_util: 0.0,
+            models: models.clone(),
+        };
+        if out.send(Outgoing::Frame(frame)).await.is_err() {
+            return;
+        }
+        stats.heartbeat_sent();
+    }
+}

@@ -1,0 +1,168 @@
+//! `switchyard node`: the agent on a GPU node. It waits for the local engine (vLLM or
+//! `switchyard sim`) to be ready, dials the server's node control plane over WebSocket,
+//! registers the engine's models, and relays assignments to the engine and their streams back
+//! (SPEC section 7). It owns the node's side of exact metering: every `done` is kept until the
+//! server acks it and is resent after a reconnect.
+//!
+//! ```text
+//! run ─ loop ─┬─ wait for engine /health 200, read /v1/models
+//!             ├─ session (one connection)
+//!             │   ├─ writer task      ◀── bounded channel ◀─┬─ heartbeat task (/metrics)
+//!             │   ├─ reader loop: assign/cancel/ack/drain   ├─ assignment tasks (engine SSE)
+//!             │   └─ in-flight map (cancel tokens)          └─ resent unacked dones (first)
+//!             └─ full-jitter backoff, then again
+//! ```
+//!
+//! Decisions the server relies on are documented where they are made: no heartbeat when the
+//! engine's metrics cannot be read ([`heartbeat`]), `load_model` is logged and ignored (vLLM
+//! serves one model per process), a lost connection cancels in-flight work and keeps its
+//! `done` (`finish_reason: "abort"`, usage so far) for resending, and drain waits for in-flight
+//! work and then at most 60 s for the last acks.
+
+mod assignment;
+mod backoff;
+mod config;
+mod engine;
+mod heartbeat;
+mod ledger;
+mod metrics;
+mod session;
+mod sse;
+mod stats;
+mod transport;
+mod writer;
+
+#[cfg(test)]
+mod test_peer;
+#[cfg(test)]
+mod tests;
+
+use std::sync::Arc;
+
+use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
+
+pub use config::{AgentConfig, AgentError, CONNECT_PATH, Endpoint, Scheme};
+pub use stats::AgentStats;
+pub use transport::{BoxIo, Dialer, Io, TcpDialer};
+
+use backoff::FullJitter;
+use engine::EngineClient;
+use ledger::Ledger;
+use session::{SessionEnd, Shared};
+
+/// Runs the agent until `shutdown` is cancelled or the server drains the node (both `Ok`).
+/// Connection and engine failures are retried forever; `Err` means the configuration is
+/// unusable (a bad URL, `https://` without TLS support, out-of-range settings).
+pub async fn run(cfg: AgentConfig, shutdown: CancellationToken) -> Result<(), AgentError> {
+    run_with_stats(cfg, shutdown, Arc::new(AgentStats::default())).await
+}
+
+/// [`run`], updating `stats` as it goes.
+pub async fn run_with_stats(
+    cfg: AgentConfig,
+    shutdown: CancellationToken,
+    stats: Arc<AgentStats>,
+) -> Result<(), AgentError> {
+    run_with(cfg, shutdown, stats, Arc::new(TcpDialer)).await
+}
+
+/// [`run_with_stats`] over a caller's transport (an in-memory or simulated network).
+pub async fn run_with(
+    cfg: AgentConfig,
+    shutdown: CancellationToken,
+    stats: Arc<AgentStats>,
+    dialer: Arc<dyn Dialer>,
+) -> Result<(), AgentError> {
+    cfg.validate()?;
+    let endpoint = Endpoint::from_server_url(&cfg.server)?;
+    if endpoint.scheme == Scheme::Wss && !dialer.supports_tls() {
+        return Err(AgentError::TlsUnsupported);
+    }
+    let engine = EngineClient::new(&cfg.engine)?;
+    let span = tracing::info_span!("node_agent", node_id = %cfg.node_id);
+    let shared = Shared {
+        ledger: Arc::new(Ledger::new(stats.clone())),
+        cfg,
+        endpoint,
+        dialer,
+        engine,
+        stats,
+    };
+    agent_loop(shared, shutdown).instrument(span).await;
+    Ok(())
+}
+
+async fn agent_loop(sh: Shared, shutdown: CancellationToken) {
+    tracing::info!(server = %sh.endpoint.url, engine = %sh.cfg.engine, "node agent starting");
+    let mut backoff = FullJitter::new(sh.cfg.backoff_min, sh.cfg.backoff_max, sh.cfg.seed);
+    // Survives reconnects: a drained node only reconnects to deliver its last dones.
+    let mut draining = false;
+    loop {
+        let Some(models) = wait_for_engine(&sh, &shutdown).await else {
+            break;
+        };
+        let outcome = session::serve(&sh, models, &mut draining, &shutdown).await;
+        if outcome.registered {
+            backoff.reset();
+        }
+        let delay = match outcome.end {
+            SessionEnd::Shutdown => break,
+            SessionEnd::Drained => {
+                tracing::info!("node drained; agent stopping");
+                return;
+            }
+            SessionEnd::Lost(reason) => {
+                let delay = backoff.next_delay();
+                tracing::warn!(%reason, delay_ms = delay.as_millis() as u64, "disconnected; reconnecting");
+                delay
+            }
+            SessionEnd::Rejected {
+                reason,
+                retry_after,
+            } => {
+                sh.stats.rejected();
+                let delay = backoff.next_delay().max(retry_after.unwrap_or_default());
+                tracing::warn!(%reason, delay_ms = delay.as_millis() as u64, "registration rejected; retrying");
+                delay
+            }
+        };
+        tokio::select! {
+            () = shutdown.cancelled() => break,
+            () = tokio::time::sleep(delay) => {}
+        }
+    }
+    let unacked = sh.ledger.unacked_len();
+    if unacked > 0 {
+        tracing::warn!(unacked, "shutting down with dones the server never acked");
+    }
+    tracing::info!("node agent stopped");
+}
+
+/// Polls `/health` until it answers 200, then reads the served models; `None` on shutdown.
+async fn wait_for_engine(sh: &Shared, shutdown: &CancellationToken) -> Option<Vec<String>> {
+    let mut logged = false;
+    loop {
+        let probe = async {
+            sh.engine.healthy().await?;
+            sh.engine.models().await
+        };
+        let result = tokio::select! {
+            () = shutdown.cancelled() => return None,
+            r = probe => r,
+        };
+        match result {
+            Ok(models) if !models.is_empty() => return Some(models),
+            Ok(_) => tracing::warn!("engine is healthy but lists no models; waiting"),
+            Err(e) if !logged => {
+                tracing::info!(error = %e, "waiting for the engine to become ready");
+                logged = true;
+            }
+            Err(e) => tracing::debug!(error = %e, "engine not ready yet"),
+        }
+        tokio::select! {
+            () = shutdown.cancelled() => return None,
+            () = tokio::time::sleep(sh.cfg.health_poll_interval) => {}
+        }
+    }
+}

@@ -1,0 +1,490 @@
+//! One connection to the server: dial, register, then relay until the socket is lost, the
+//! server drains the node, or the agent shuts down. In-flight assignments belong to the
+//! session: when it ends they are cancelled, and their `done`s stay in the ledger.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::{SinkExt, StreamExt};
+use switchyard_actors::protocol::{NodeFrame, ServerFrame};
+use tokio::sync::mpsc;
+use tokio::task::{JoinHandle, JoinSet};
+use tokio::time::{Instant, sleep_until, timeout, timeout_at};
+use tokio_tungstenite::tungstenite::Message;
+use tokio_util::sync::CancellationToken;
+
+use super::assignment::{self, AssignCtx, Assignment};
+use super::config::{AgentConfig, Endpoint};
+use super::engine::EngineClient;
+use super::heartbeat::heartbeat_loop;
+use super::ledger::{Key, Ledger};
+use super::stats::AgentStats;
+use super::transport::{self, Dialer, Ws};
+use super::writer::{OUTGOING_CAPACITY, Outgoing, write_loop};
+
+/// Dial plus WebSocket handshake: `register` must go out within 5 s of connecting.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// A connection without an answer to `register` within this is dropped and retried.
+const REGISTER_TIMEOUT: Duration = Duration::from_secs(10);
+/// After in-flight work ends while draining, how long to wait for the last acks.
+const DRAIN_ACK_TIMEOUT: Duration = Duration::from_secs(60);
+/// On shutdown, how long to try to flush the dones of cancelled work.
+const SHUTDOWN_FLUSH: Duration = Duration::from_secs(1);
+/// How long cancelled assignment tasks get to record their dones before being aborted.
+const TASK_GRACE: Duration = Duration::from_secs(1);
+/// No frame (pongs included) from the server for this many heartbeat intervals means the
+/// connection is dead, even if TCP has not noticed (a partitioned peer stays half-open).
+const IDLE_INTERVALS: u32 = 3;
+/// Lower bound of that idle timeout, so short test intervals do not flap.
+const MIN_IDLE: Duration = Duration::from_secs(2);
+
+/// What the session shares with the agent loop.
+#[derive(Debug)]
+pub(crate) struct Shared {
+    pub cfg: AgentConfig,
+    pub endpoint: Endpoint,
+    pub dialer: Arc<dyn Dialer>,
+    pub engine: EngineClient,
+    pub ledger: Arc<Ledger>,
+    pub stats: Arc<AgentStats>,
+}
+
+/// Why a session ended.
+#[derive(Debug)]
+pub(crate) enum SessionEnd {
+    /// The shutdown token was cancelled.
+    Shutdown,
+    /// The server drained the node and every done was acked (or the ack bound passed).
+    Drained,
+    /// Dial, handshake, registration or the socket failed; reconnect after a backoff.
+    Lost(String),
+    /// The server refused the registration.
+    Rejected {
+        reason: String,
+        retry_after: Option<Duration>,
+    },
+}
+
+/// A session's result; `registered` resets the backoff.
+#[derive(Debug)]
+pub(crate) struct Outcome {
+    pub registered: bool,
+    pub end: SessionEnd,
+}
+
+/// Runs one connection from dial to close.
+pub(crate) async fn serve(
+    sh: &Shared,
+    models: Vec<String>,
+    draining: &mut bool,
+    shutdown: &CancellationToken,
+) -> Outcome {
+    let registering = async {
+        let ws = connect(sh, &models).await?;
+        registration(ws).await
+    };
+    let ws = tokio::select! {
+        () = shutdown.cancelled() => return Outcome { registered: false, end: SessionEnd::Shutdown },
+        r = registering => match r {
+            Ok(ws) => ws,
+            Err(end) => return Outcome { registered: false, end },
+        },
+    };
+    sh.stats.registered();
+    tracing::info!(models = ?models, "registered");
+    let end = Session::start(sh, ws, models).run(draining, shutdown).await;
+    Outcome {
+        registered: true,
+        end,
+    }
+}
+
+/// Dials, shakes hands and sends `register`, all within [`CONNECT_TIMEOUT`].
+async fn connect(sh: &Shared, models: &[String]) -> Result<Ws, SessionEnd> {
+    let register = NodeFrame::Register {
+        node_id: sh.cfg.node_id.clone(),
+        token: sh.cfg.token.clone(),
+        gpus: sh.cfg.gpus.clone(),
+        models: models.to_vec(),
+        version: sh.cfg.version.clone(),
+        location: sh.cfg.location,
+    };
+    let text = serde_json::to_string(&register).map_err(|e| lost("register frame", e))?;
+    let attempt = async {
+        let mut ws = transport::open(sh.dialer.as_ref(), &sh.endpoint)
+            .await
+            .map_err(|e| lost("connect", e))?;
+        sh.stats.connected();
+        ws.send(Message::text(text))
+            .await
+            .map_err(|e| lost("send register", e))?;
+        Ok(ws)
+    };
+    timeout(CONNECT_TIMEOUT, attempt)
+        .await
+        .unwrap_or_else(|_| Err(SessionEnd::Lost("connect timed out".into())))
+}
+
+/// Waits for `registered` or `rejected`.
+async fn registration(mut ws: Ws) -> Result<Ws, SessionEnd> {
+    let deadline = Instant::now() + REGISTER_TIMEOUT;
+    loop {
+        let msg = match timeout_at(deadline, ws.next()).await {
+            Err(_) => return Err(SessionEnd::Lost("no answer to register".into())),
+            Ok(None) => return Err(SessionEnd::Lost("closed before registered".into())),
+            Ok(Some(Err(e))) => return Err(lost("awaiting registered", e)),
+            Ok(Some(Ok(m))) => m,
+        };
+        let text = match msg {
+            Message::Text(t) => t,
+            Message::Close(_) => return Err(SessionEnd::Lost("closed before registered".into())),
+            _ => continue,
+        };
+        match parse_frame(text.as_str()) {
+            Some(ServerFrame::Registered {}) => return Ok(ws),
+            Some(ServerFrame::Rejected {
+                reason,
+                retry_after_ms,
+            }) => {
+                return Err(SessionEnd::Rejected {
+                    reason,
+                    retry_after: retry_after_ms.map(Duration::from_millis),
+                });
+            }
+            Some(_) => tracing::warn!("frame before registered ignored"),
+            None => {}
+        }
+    }
+}
+
+fn lost(what: &str, e: impl std::fmt::Display) -> SessionEnd {
+    SessionEnd::Lost(format!("{what}: {e}"))
+}
+
+/// Parses a server frame; unknown types and malformed text are logged (type and size only,
+/// never the content: an `assign` carries a prompt) and give `None`.
+fn parse_frame(text: &str) -> Option<ServerFrame> {
+    match serde_json::from_str::<ServerFrame>(text) {
+        Ok(f) => Some(f),
+        Err(e) => {
+            let kind = serde_json::from_str::<serde_json::Value>(text)
+                .ok()
+                .and_then(|v| {
+                    v.get("type")
+                        .and_then(|t| t.as_str())
+                        .map(|t| t.chars().take(64).collect::<String>())
+                });
+            match kind {
+                Some(kind) => {
+                    tracing::warn!(%kind, error = %e, "unknown or malformed server frame ignored")
+                }
+                None => tracing::warn!(
+                    bytes = text.len(),
+                    "server frame that is not a typed JSON object ignored"
+                ),
+            }
+            None
+        }
+    }
+}
+
+/// An assignment running on the engine.
+#[derive(Debug)]
+struct InFlight {
+    cancel: CancellationToken,
+}
+
+/// A registered connection.
+struct Session<'a> {
+    sh: &'a Shared,
+    stream: futures::stream::SplitStream<Ws>,
+    out: mpsc::Sender<Outgoing>,
+    /// `None` once it has been awaited.
+    writer: Option<JoinHandle<Result<(), tokio_tungstenite::tungstenite::Error>>>,
+    heartbeat: JoinHandle<()>,
+    in_flight: BTreeMap<Key, InFlight>,
+    tasks: JoinSet<Key>,
+    task_keys: BTreeMap<tokio::task::Id, Key>,
+    /// Cancels every assignment of this session at once.
+    cancel_all: CancellationToken,
+    idle_timeout: Duration,
+}
+
+enum Flow {
+    Continue,
+    End(SessionEnd),
+}
+
+impl<'a> Session<'a> {
+    fn start(sh: &'a Shared, ws: Ws, models: Vec<String>) -> Self {
+        let (sink, stream) = ws.split();
+        // Unacked dones go first, before any heartbeat or new frame: they are queued before
+        // anything else can send, in a channel made large enough to take them all.
+        let unacked = sh.ledger.unacked();
+        let (out, rx) = mpsc::channel(OUTGOING_CAPACITY + unacked.len());
+        if !unacked.is_empty() {
+            tracing::info!(count = unacked.len(), "resending unacked dones");
+        }
+        for done in unacked {
+            if out.try_send(Outgoing::Frame(done.frame())).is_err() {
+                break;
+            }
+        }
+        let writer = tokio::spawn(write_loop(sink, rx));
+        let heartbeat = tokio::spawn(heartbeat_loop(
+            sh.engine.clone(),
+            out.clone(),
+            models,
+            sh.cfg.heartbeat_interval,
+            sh.stats.clone(),
+        ));
+        let idle_timeout = sh
+            .cfg
+            .heartbeat_interval
+            .saturating_mul(IDLE_INTERVALS)
+            .max(MIN_IDLE);
+        Self {
+            sh,
+            stream,
+            out,
+            writer: Some(writer),
+            heartbeat,
+            in_flight: BTreeMap::new(),
+            tasks: JoinSet::new(),
+            task_keys: BTreeMap::new(),
+            cancel_all: CancellationToken::new(),
+            idle_timeout,
+        }
+    }
+
+    async fn run(mut self, draining: &mut bool, shutdown: &CancellationToken) -> SessionEnd {
+        let idle = tokio::time::sleep(self.idle_timeout);
+        tokio::pin!(idle);
+        let mut drain_deadline: Option<Instant> = None;
+        let end = loop {
+            if *draining && self.in_flight.is_empty() {
+                if self.sh.ledger.unacked_len() == 0 {
+                    tracing::info!("drained: no work in flight and every done acked");
+                    break SessionEnd::Drained;
+                }
+                drain_deadline.get_or_insert_with(|| Instant::now() + DRAIN_ACK_TIMEOUT);
+            }
+            let flow = tokio::select! {
+                biased;
+                () = shutdown.cancelled() => Flow::End(SessionEnd::Shutdown),
+                r = join_opt(&mut self.writer) => {
+                    self.writer = None;
+                    Flow::End(SessionEnd::Lost(match r {
+                        Ok(Ok(())) => "writer stopped".into(),
+                        Ok(Err(e)) => format!("write: {e}"),
+                        Err(e) => format!("writer task: {e}"),
+                    }))
+                }
+                msg = self.stream.next() => {
+                    idle.as_mut().reset(Instant::now() + self.idle_timeout);
+                    self.on_message(msg, draining).await
+                }
+                Some(joined) = self.tasks.join_next_with_id() => {
+                    self.on_task_end(joined);
+                    Flow::Continue
+                }
+                () = &mut idle => Flow::End(SessionEnd::Lost(format!(
+                    "no frame from the server for {:?}", self.idle_timeout
+                ))),
+                () = sleep_opt(drain_deadline) => {
+                    tracing::warn!(
+                        unacked = self.sh.ledger.unacked_len(),
+                        "drain: acks did not arrive within {DRAIN_ACK_TIMEOUT:?}; closing anyway"
+                    );
+                    Flow::End(SessionEnd::Drained)
+                }
+            };
+            if let Flow::End(end) = flow {
+                break end;
+            }
+        };
+        self.teardown(&end).await;
+        end
+    }
+
+    async fn on_message(
+        &mut self,
+        msg: Option<Result<Message, tokio_tungstenite::tungstenite::Error>>,
+        draining: &mut bool,
+    ) -> Flow {
+        match msg {
+            None => Flow::End(SessionEnd::Lost("server closed the connection".into())),
+            Some(Err(e)) => Flow::End(lost("read", e)),
+            Some(Ok(Message::Close(_))) => {
+                Flow::End(SessionEnd::Lost("server closed the connection".into()))
+            }
+            Some(Ok(Message::Text(text))) => match parse_frame(text.as_str()) {
+                Some(frame) => self.on_frame(frame, draining).await,
+                None => Flow::Continue,
+            },
+            Some(Ok(Message::Binary(b))) => {
+                tracing::warn!(bytes = b.len(), "binary frame ignored");
+                Flow::Continue
+            }
+            Some(Ok(_)) => Flow::Continue,
+        }
+    }
+
+    async fn on_frame(&mut self, frame: ServerFrame, draining: &mut bool) -> Flow {
+        match frame {
+            ServerFrame::Assign {
+                request_id,
+                attempt,
+                model,
+                body,
+            } => {
+                self.on_assign(
+                    Assignment {
+                        request_id,
+                        attempt,
+                        model,
+                        body,
+                    },
+                    *draining,
+                )
+                .await;
+            }
+            ServerFrame::Cancel {
+                request_id,
+                attempt,
+            } => match self.in_flight.get(&(request_id, attempt)) {
+                Some(f) => f.cancel.cancel(),
+                None => tracing::debug!(attempt, "cancel of an attempt not in flight ignored"),
+            },
+            ServerFrame::Ack {
+                request_id,
+                attempt,
+            } => {
+                if !self.sh.ledger.ack(&(request_id, attempt)) {
+                    tracing::debug!(attempt, "ack of an unknown done ignored");
+                }
+            }
+            ServerFrame::Drain {} => {
+                if !*draining {
+                    tracing::info!(
+                        in_flight = self.in_flight.len(),
+                        "draining: no new assignments"
+                    );
+                }
+                *draining = true;
+            }
+            ServerFrame::LoadModel { name } => {
+                // vLLM serves one model per process: another model means another engine
+                // (another pod or node), which the platform schedules, not the agent.
+                tracing::info!(model = %name, "load_model ignored: the engine serves one model");
+            }
+            ServerFrame::Registered {} => {}
+            ServerFrame::Rejected {
+                reason,
+                retry_after_ms,
+            } => {
+                return Flow::End(SessionEnd::Rejected {
+                    reason,
+                    retry_after: retry_after_ms.map(Duration::from_millis),
+                });
+            }
+        }
+        Flow::Continue
+    }
+
+    async fn on_assign(&mut self, a: Assignment, draining: bool) {
+        let key = (a.request_id.clone(), a.attempt);
+        if draining {
+            let refusal = NodeFrame::Error {
+                request_id: a.request_id,
+                attempt: a.attempt,
+                code: "draining".into(),
+                message: "the node is draining".into(),
+            };
+            let _ = self.out.send(Outgoing::Frame(refusal)).await;
+            return;
+        }
+        if self.in_flight.contains_key(&key) || self.sh.ledger.knows(&key) {
+            tracing::debug!(request_id = %key.0, attempt = key.1, "duplicate assign ignored");
+            return;
+        }
+        let cancel = self.cancel_all.child_token();
+        let ctx = AssignCtx {
+            engine: self.sh.engine.clone(),
+            out: self.out.clone(),
+            ledger: self.sh.ledger.clone(),
+            cancel: cancel.clone(),
+        };
+        let handle = self.tasks.spawn(assignment::run(a, ctx));
+        self.task_keys.insert(handle.id(), key.clone());
+        self.in_flight.insert(key, InFlight { cancel });
+        self.sh.stats.assignment_started();
+        self.sh.stats.set_in_flight(self.in_flight.len());
+    }
+
+    fn on_task_end(&mut self, joined: Result<(tokio::task::Id, Key), tokio::task::JoinError>) {
+        let id = match &joined {
+            Ok((id, _)) => *id,
+            Err(e) => e.id(),
+        };
+        if let Some(key) = self.task_keys.remove(&id) {
+            self.in_flight.remove(&key);
+        }
+        if let Err(e) = joined
+            && !e.is_cancelled()
+        {
+            tracing::error!(error = %e, "assignment task failed");
+        }
+        self.sh.stats.set_in_flight(self.in_flight.len());
+    }
+
+    /// Cancels what runs. On shutdown or drain the writer gets [`SHUTDOWN_FLUSH`] to send the
+    /// dones of cancelled work and a close frame; a lost socket is not written to again.
+    async fn teardown(mut self, end: &SessionEnd) {
+        self.heartbeat.abort();
+        self.cancel_all.cancel();
+        match end {
+            SessionEnd::Shutdown | SessionEnd::Drained => {
+                let flush = async {
+                    while self.tasks.join_next().await.is_some() {}
+                    let _ = self.out.send(Outgoing::Close).await;
+                    join_opt(&mut self.writer).await
+                };
+                if timeout(SHUTDOWN_FLUSH, flush).await.is_err() {
+                    tracing::warn!("could not flush the last frames in time");
+                }
+            }
+            SessionEnd::Lost(_) | SessionEnd::Rejected { .. } => {
+                if let Some(w) = self.writer.take() {
+                    w.abort();
+                }
+                let grace = async { while self.tasks.join_next().await.is_some() {} };
+                if timeout(TASK_GRACE, grace).await.is_err() {
+                    tracing::warn!("assignment tasks slow to stop; aborting them");
+                }
+            }
+        }
+        if let Some(w) = self.writer.take() {
+            w.abort();
+        }
+        self.tasks.shutdown().await;
+        self.sh.stats.set_in_flight(0);
+    }
+}
+
+/// Awaits a task that may already have been awaited (then never resolves).
+async fn join_opt<T>(h: &mut Option<JoinHandle<T>>) -> Result<T, tokio::task::JoinError> {
+    match h {
+        Some(h) => h.await,
+        None => std::future::pending().await,
+    }
+}
+
+/// Sleeps until the deadline, or forever without one.
+async fn sleep_opt(deadline: Option<Instant>) {
+    match deadline {
+        Some(d) => sleep_until(d).await,
+        None => std::future::pending().await,
+    }
+}

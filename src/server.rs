@@ -1,0 +1,203 @@
+//! Assembly of one server replica: storage and coordination, the actors (a queue per model,
+//! the generation supervisor), the HTTP routes, and a graceful stop. `serve`, `demo` and the
+//! integration tests all start a replica through [`Server::start`].
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::num::NonZeroU32;
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Duration;
+
+use axum::serve::ListenerExt;
+use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+use switchyard_actors::generation::{Directory, Generations};
+use switchyard_actors::model_queue::{ModelQueueActor, ModelQueueHandle, QueueArgs};
+use switchyard_actors::node::NodeHandle;
+use switchyard_actors::ports::{Clock, Coordinator, SystemClock};
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+
+use crate::auth::Authenticator;
+use crate::config::Config;
+use crate::store::Store;
+
+/// Registration limiter: a GCRA bucket shared by every node connection of this replica.
+pub type RegistrationLimiter = governor::DefaultDirectRateLimiter;
+
+/// Everything the HTTP handlers share.
+#[derive(Debug)]
+pub struct AppState {
+    /// The validated configuration.
+    pub config: Config,
+    /// This replica's id.
+    pub replica_id: String,
+    /// Ledger and configuration storage.
+    pub store: Arc<dyn Store>,
+    /// Cluster coordination.
+    pub coordinator: Arc<dyn Coordinator>,
+    /// Starts generations.
+    pub generations: Generations,
+    /// The queue of every model, by resolved name.
+    pub queues: BTreeMap<String, ModelQueueHandle>,
+    /// Node connections held by this replica, by node id.
+    pub nodes: Mutex<BTreeMap<String, NodeHandle>>,
+    /// API-key verification.
+    pub auth: Authenticator,
+    /// Registrations per second.
+    pub registrations: RegistrationLimiter,
+    /// Renders `/metrics`.
+    pub metrics: PrometheusHandle,
+    /// Time.
+    pub clock: Arc<dyn Clock>,
+    /// Cancelled when the replica stops accepting work.
+    pub shutdown: CancellationToken,
+}
+
+/// Failures while starting a replica.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    /// An actor could not be spawned.
+    #[error("starting actors: {0}")]
+    Actors(String),
+    /// Binding or serving failed.
+    #[error("io: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+/// The process-wide Prometheus recorder (one per process, however many replicas a test runs).
+fn metrics_handle() -> PrometheusHandle {
+    static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
+    HANDLE
+        .get_or_init(|| {
+            let recorder = PrometheusBuilder::new().build_recorder();
+            let handle = recorder.handle();
+            if metrics::set_global_recorder(recorder).is_err() {
+                tracing::warn!("a metrics recorder was already installed");
+            }
+            handle
+        })
+        .clone()
+}
+
+/// A running replica.
+#[derive(Debug)]
+pub struct Server {
+    addr: SocketAddr,
+    state: Arc<AppState>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Server {
+    /// Starts a replica on `listener` with the given backends.
+    pub async fn start(
+        config: Config,
+        store: Arc<dyn Store>,
+        coordinator: Arc<dyn Coordinator>,
+        listener: TcpListener,
+    ) -> Result<Self, StartError> {
+        let clock: Arc<dyn Clock> = Arc::new(SystemClock);
+        let replica_id = config
+            .replica_id
+            .clone()
+            .unwrap_or_else(|| format!("replica-{:08x}", rand::random::<u32>()));
+        let ledger: Arc<dyn switchyard_actors::ports::Ledger> = store.clone();
+        let generations = Generations::start(ledger, Directory::default())
+            .await
+            .map_err(|e| StartError::Actors(e.to_string()))?;
+        let mut queues = BTreeMap::new();
+        for model in &config.models {
+            let args = QueueArgs {
+                model: model.name.clone(),
+                config: config.queue_config(model),
+                clock: clock.clone(),
+            };
+            let queue = ModelQueueActor::start(args)
+                .await
+                .map_err(|e| StartError::Actors(e.to_string()))?;
+            queues.insert(model.name.clone(), queue);
+        }
+        let per_second =
+            NonZeroU32::new(config.nodes.registrations_per_second).unwrap_or(NonZeroU32::MIN);
+        let state = Arc::new(AppState {
+            auth: Authenticator::new(store.clone(), clock.clone()),
+            registrations: governor::RateLimiter::direct(governor::Quota::per_second(per_second)),
+            replica_id,
+            store,
+            coordinator,
+            generations,
+            queues,
+            nodes: Mutex::new(BTreeMap::new()),
+            metrics: metrics_handle(),
+            clock,
+            shutdown: CancellationToken::new(),
+            config,
+        });
+        let addr = listener.local_addr()?;
+        let app = crate::http::router(state.clone());
+        let shutdown = state.shutdown.clone();
+        let task = tokio::spawn(async move {
+            let listener = listener.tap_io(|tcp| {
+                if let Err(e) = tcp.set_nodelay(true) {
+                    tracing::warn!(error = %e, "could not set TCP_NODELAY");
+                }
+            });
+            let serve =
+                axum::serve(listener, app).with_graceful_shutdown(shutdown.cancelled_owned());
+            if let Err(e) = serve.await {
+                tracing::error!(error = %e, "server failed");
+            }
+        });
+        tracing::info!(%addr, replica_id = %state.replica_id, "switchyard listening");
+        Ok(Self { addr, state, task })
+    }
+
+    /// Binds `addr` and starts.
+    pub async fn bind(
+        config: Config,
+        store: Arc<dyn Store>,
+        coordinator: Arc<dyn Coordinator>,
+    ) -> Result<Self, StartError> {
+        let listener = TcpListener::bind(config.listen).await?;
+        Self::start(config, store, coordinator, listener).await
+    }
+
+    /// The address it listens on.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// `http://ADDR`.
+    pub fn base_url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// Shared state (for tests and the demo).
+    pub fn state(&self) -> &Arc<AppState> {
+        &self.state
+    }
+
+    /// Stops accepting requests, lets in-flight ones finish for up to `grace`, then closes
+    /// node connections and stops the actors.
+    pub async fn shutdown(self, grace: Duration) {
+        self.state.shutdown.cancel();
+        let mut task = self.task;
+        if tokio::time::timeout(grace, &mut task).await.is_err() {
+            task.abort();
+        }
+        let nodes: Vec<NodeHandle> = self
+            .state
+            .nodes
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .values()
+            .cloned()
+            .collect();
+        for node in nodes {
+            node.stop();
+        }
+        for queue in self.state.queues.values() {
+            queue.stop();
+        }
+        self.state.generations.stop();
+    }
+}

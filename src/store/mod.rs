@@ -1,0 +1,434 @@
+//! The authoritative store: configuration (teams, credits, API keys, nodes) and the usage
+//! ledger, behind one [`Store`] trait that extends the actors' [`Ledger`] port.
+//! [`SqliteStore`] backs the embedded mode; PostgreSQL joins it behind the same trait, and
+//! every [`Ledger`] must pass the [`conformance`] suite.
+//!
+//! Secrets never reach the store: callers keep the plaintext from [`new_secret`] and store
+//! [`hash_secret`] of it.
+
+pub mod conformance;
+pub mod sqlite;
+
+use async_trait::async_trait;
+use chrono::{DateTime, Utc};
+use rand::TryRngCore;
+use serde::Serialize;
+use sha2::{Digest, Sha256};
+
+pub use sqlite::SqliteStore;
+pub use switchyard_actors::ports::{
+    Ledger, LedgerError, Microcredits, Reservation, SettleOutcome, Settlement, cost_of,
+};
+
+/// Prefix of API keys handed to callers.
+pub const API_KEY_PREFIX: &str = "sk-sy-";
+/// Prefix of node tokens handed to node agents.
+pub const NODE_TOKEN_PREFIX: &str = "nt-";
+/// Characters of a secret kept as its display prefix (`sk-sy-` plus six random ones): enough
+/// to tell keys apart in a listing, far too few to guess the rest.
+pub const DISPLAY_PREFIX_CHARS: usize = 12;
+/// Node locations the store accepts.
+pub const NODE_LOCATIONS: [&str; 2] = ["onprem", "cloud"];
+
+/// Failures of the store.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum StoreError {
+    /// The team, key or node named does not exist.
+    #[error("not found")]
+    NotFound,
+    /// A unique name, hash or live node token exists already.
+    #[error("conflict: {0}")]
+    Conflict(String),
+    /// The database could not be reached or failed; callers fail closed.
+    #[error("store unavailable: {0}")]
+    Unavailable(String),
+    /// The input (or a stored value read back) breaks the schema's rules.
+    #[error("invalid: {0}")]
+    Invalid(String),
+}
+
+/// A team: the unit that pays.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Team {
+    /// Database id.
+    pub id: i64,
+    /// Unique name, also accepted wherever the admin API takes a team.
+    pub name: String,
+    /// Credits minus settled costs; may be negative after a request that cost more than its
+    /// estimate.
+    pub balance_microcredits: Microcredits,
+}
+
+/// What [`Store::create_api_key`] needs. `None` limits mean "configured default or none".
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct NewApiKey {
+    /// The owning team.
+    pub team_id: i64,
+    /// [`hash_secret`] of the plaintext key.
+    pub hash: String,
+    /// The key's first characters ([`display_prefix`]), for listings.
+    pub prefix: String,
+    /// Models the key may use; `None` allows all.
+    pub model_allowlist: Option<Vec<String>>,
+    /// Requests per minute.
+    pub rpm: Option<u32>,
+    /// Tokens per UTC day.
+    pub tokens_per_day: Option<u64>,
+    /// Concurrent generations.
+    pub max_streams: Option<u32>,
+    /// After this instant the key is refused.
+    pub expires_at: Option<DateTime<Utc>>,
+    /// Messages per quota window.
+    pub message_quota: Option<u32>,
+    /// Token-bucket capacity.
+    pub burst_capacity: Option<u32>,
+    /// Seconds per token refilled into the bucket.
+    pub burst_refill_seconds: Option<u32>,
+}
+
+/// A stored API key. The hash stays in the database: nothing downstream of the lookup needs
+/// it, and what is not carried cannot leak into a log or a response.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct ApiKeyRecord {
+    /// Database id (the key id of ledger rows and rate-limit keys).
+    pub id: i64,
+    /// The owning team.
+    pub team_id: i64,
+    /// Display prefix.
+    pub prefix: String,
+    /// Models the key may use; `None` allows all.
+    pub model_allowlist: Option<Vec<String>>,
+    /// Requests per minute.
+    pub rpm: Option<u32>,
+    /// Tokens per UTC day.
+    pub tokens_per_day: Option<u64>,
+    /// Concurrent generations.
+    pub max_streams: Option<u32>,
+    /// After this instant the key is refused.
+    pub expires_at: Option<DateTime<Utc>>,
+    /// Set once revoked; a revoked key is refused.
+    pub revoked_at: Option<DateTime<Utc>>,
+    /// Messages per quota window.
+    pub message_quota: Option<u32>,
+    /// Token-bucket capacity.
+    pub burst_capacity: Option<u32>,
+    /// Seconds per token refilled into the bucket.
+    pub burst_refill_seconds: Option<u32>,
+    /// When the key was created.
+    pub created_at: DateTime<Utc>,
+}
+
+impl ApiKeyRecord {
+    /// Whether the key may authenticate at `now`: neither revoked nor expired.
+    pub fn is_usable(&self, now: DateTime<Utc>) -> bool {
+        self.revoked_at.is_none() && self.expires_at.is_none_or(|at| now < at)
+    }
+
+    /// Whether the allowlist admits `model` (a resolved model name or an alias, as the
+    /// caller decides to check).
+    pub fn allows_model(&self, model: &str) -> bool {
+        self.model_allowlist
+            .as_ref()
+            .is_none_or(|allowed| allowed.iter().any(|m| m == model))
+    }
+}
+
+/// A registered GPU node, as the database knows it: registration, drain and revocation.
+/// Liveness (heartbeats) lives in the coordinator, not here.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct NodeRecord {
+    /// Node id chosen by the admin.
+    pub id: String,
+    /// `onprem` or `cloud`.
+    pub location: String,
+    /// [`hash_secret`] of the node token; `None` once revoked.
+    pub token_hash: Option<String>,
+    /// GPUs as last registered (a JSON array).
+    pub gpus: serde_json::Value,
+    /// Models as last registered.
+    pub models: Vec<String>,
+    /// Time of the last registration.
+    pub last_seen: Option<DateTime<Utc>>,
+    /// Replica that accepted the last registration.
+    pub orchestrator_id: Option<String>,
+    /// Set when an admin drained the node.
+    pub drained_at: Option<DateTime<Utc>>,
+    /// When the node was first created.
+    pub created_at: DateTime<Utc>,
+}
+
+/// Where a ledger row stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LedgerStatus {
+    /// Admitted; its estimate holds against the balance.
+    Reserved,
+    /// Final, with exact usage; its cost was debited.
+    Settled,
+    /// Final without GPU work; nothing was debited.
+    Cancelled,
+}
+
+impl LedgerStatus {
+    /// The value stored in `usage_ledger.status`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            LedgerStatus::Reserved => "reserved",
+            LedgerStatus::Settled => "settled",
+            LedgerStatus::Cancelled => "cancelled",
+        }
+    }
+}
+
+impl std::str::FromStr for LedgerStatus {
+    type Err = StoreError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "reserved" => Ok(LedgerStatus::Reserved),
+            "settled" => Ok(LedgerStatus::Settled),
+            "cancelled" => Ok(LedgerStatus::Cancelled),
+            other => Err(StoreError::Invalid(format!("ledger status {other:?}"))),
+        }
+    }
+}
+
+/// One request's row in the usage ledger.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct LedgerRow {
+    /// Database id.
+    pub id: i64,
+    /// The request (unique).
+    pub request_id: String,
+    /// The paying team.
+    pub team_id: i64,
+    /// The API key used, if any.
+    pub key_id: Option<i64>,
+    /// The resolved model version.
+    pub model: String,
+    /// Exact prompt tokens; 0 until settled.
+    pub prompt_tokens: i64,
+    /// Exact completion tokens; 0 until settled.
+    pub completion_tokens: i64,
+    /// Exact cost at the row's prices ([`cost_of`]); 0 until settled, and stays 0 when
+    /// cancelled.
+    pub cost_microcredits: Microcredits,
+    /// The estimate reserved at admission.
+    pub estimated_cost_microcredits: Microcredits,
+    /// Input price at admission, microcredits per million tokens.
+    pub price_input_per_mtok: Microcredits,
+    /// Output price at admission, microcredits per million tokens.
+    pub price_output_per_mtok: Microcredits,
+    /// Where the row stands.
+    pub status: LedgerStatus,
+    /// When the reservation was made.
+    pub created_at: DateTime<Utc>,
+    /// When the row became final (settled or cancelled).
+    pub settled_at: Option<DateTime<Utc>>,
+}
+
+/// Configuration and ledger storage. The [`Ledger`] supertrait carries the request path's
+/// reserve/settle/cancel; everything else serves the admin API, authentication and the node
+/// control plane.
+#[async_trait]
+pub trait Store: Ledger {
+    /// Creates a team with a zero balance; `Conflict` if the name is taken.
+    async fn create_team(&self, name: &str) -> Result<Team, StoreError>;
+    /// The team with this id.
+    async fn team(&self, id: i64) -> Result<Option<Team>, StoreError>;
+    /// The team with this name.
+    async fn team_by_name(&self, name: &str) -> Result<Option<Team>, StoreError>;
+    /// All teams, by id.
+    async fn teams(&self) -> Result<Vec<Team>, StoreError>;
+    /// Appends a credit entry (negative for a correction) and adds it to the balance, in one
+    /// transaction; returns the new balance. `NotFound` for an unknown team, `Invalid` for a
+    /// zero amount or an overflowing balance.
+    async fn add_credits(&self, team_id: i64, amount: i64, note: &str) -> Result<i64, StoreError>;
+
+    /// Stores a key; `NotFound` for an unknown team, `Conflict` for a hash already stored.
+    async fn create_api_key(&self, key: NewApiKey) -> Result<ApiKeyRecord, StoreError>;
+    /// The key with this hash, revoked and expired ones included: the caller decides with
+    /// [`ApiKeyRecord::is_usable`].
+    async fn api_key_by_hash(&self, hash: &str) -> Result<Option<ApiKeyRecord>, StoreError>;
+    /// A team's keys, by id, revoked ones included.
+    async fn api_keys(&self, team_id: i64) -> Result<Vec<ApiKeyRecord>, StoreError>;
+    /// Revokes a key; `true` if it was live and is now revoked, `false` if it is unknown or
+    /// was revoked already.
+    async fn revoke_api_key(&self, id: i64) -> Result<bool, StoreError>;
+
+    /// Creates node `id` with a token hash, or issues a new token to a node whose token was
+    /// revoked (its location is updated, the rest kept). `Conflict` if the node exists with
+    /// a live token; `Invalid` for a location outside [`NODE_LOCATIONS`].
+    async fn create_node(
+        &self,
+        id: &str,
+        location: &str,
+        token_hash: &str,
+    ) -> Result<NodeRecord, StoreError>;
+    /// The node with this id.
+    async fn node(&self, id: &str) -> Result<Option<NodeRecord>, StoreError>;
+    /// All nodes, by id.
+    async fn nodes(&self) -> Result<Vec<NodeRecord>, StoreError>;
+    /// Clears the node's token hash; `true` if it had a live token.
+    async fn revoke_node_token(&self, id: &str) -> Result<bool, StoreError>;
+    /// Records a successful registration: GPUs, models, accepting replica and time. A drain
+    /// stays in force. `NotFound` for an unknown node.
+    async fn record_node_registration(
+        &self,
+        id: &str,
+        gpus: serde_json::Value,
+        models: &[String],
+        orchestrator_id: &str,
+        at: DateTime<Utc>,
+    ) -> Result<(), StoreError>;
+    /// Records that an admin drained the node. `NotFound` for an unknown node.
+    async fn mark_node_drained(&self, id: &str, at: DateTime<Utc>) -> Result<(), StoreError>;
+
+    /// The ledger row of a request.
+    async fn ledger_row(&self, request_id: &str) -> Result<Option<LedgerRow>, StoreError>;
+    /// Ledger rows by id, of one team or of all.
+    async fn ledger_rows(&self, team_id: Option<i64>) -> Result<Vec<LedgerRow>, StoreError>;
+    /// Rows still `reserved` (the `switchyard_ledger_open_reservations` gauge).
+    async fn open_reservations(&self) -> Result<i64, StoreError>;
+    /// Succeeds when the database answers (`/readyz`).
+    async fn ping(&self) -> Result<(), StoreError>;
+}
+
+/// Hex SHA-256 of a secret: what the store keeps instead of an API key or node token. The
+/// secrets are 256-bit random, so an unsalted fast hash is enough (no dictionary to try).
+pub fn hash_secret(secret: &str) -> String {
+    hex::encode(Sha256::digest(secret.as_bytes()))
+}
+
+/// A new secret: `prefix` followed by 32 bytes from the operating system's RNG in unpadded
+/// URL-safe base64 (43 characters), e.g. `sk-sy-…` for an API key ([`API_KEY_PREFIX`]) or
+/// `nt-…` for a node token ([`NODE_TOKEN_PREFIX`]). `Unavailable` if the OS RNG fails, so a
+/// key is never minted from weaker randomness.
+pub fn new_secret(prefix: &str) -> Result<String, StoreError> {
+    let mut bytes = [0u8; 32];
+    rand::rngs::OsRng
+        .try_fill_bytes(&mut bytes)
+        .map_err(|e| StoreError::Unavailable(format!("operating system RNG: {e}")))?;
+    let mut out = String::with_capacity(prefix.len() + 43);
+    out.push_str(prefix);
+    base64url(&bytes, &mut out);
+    Ok(out)
+}
+
+/// The first [`DISPLAY_PREFIX_CHARS`] characters of a secret, kept to recognise it.
+pub fn display_prefix(secret: &str) -> String {
+    secret.chars().take(DISPLAY_PREFIX_CHARS).collect()
+}
+
+/// Unpadded URL-safe base64 (RFC 4648 §5), so secrets survive headers, URLs and shells
+/// without quoting. Written out because it is a dozen lines and not worth a dependency.
+fn base64url(bytes: &[u8], out: &mut String) {
+    const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_";
+    let sextet = |v: u32, shift: u32| char::from(ALPHABET[((v >> shift) & 0x3f) as usize]);
+    for chunk in bytes.chunks(3) {
+        let b = |i: usize| u32::from(chunk.get(i).copied().unwrap_or(0));
+        let v = (b(0) << 16) | (b(1) << 8) | b(2);
+        out.push(sextet(v, 18));
+        out.push(sextet(v, 12));
+        if chunk.len() > 1 {
+            out.push(sextet(v, 6));
+        }
+        if chunk.len() > 2 {
+            out.push(sextet(v, 0));
+        }
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+mod tests {
+    use super::*;
+
+    fn b64(bytes: &[u8]) -> String {
+        let mut s = String::new();
+        base64url(bytes, &mut s);
+        s
+    }
+
+    #[test]
+    fn base64url_matches_rfc4648_vectors() {
+        // RFC 4648 §10, without padding.
+        assert_eq!(b64(b""), "");
+        assert_eq!(b64(b"f"), "Zg");
+        assert_eq!(b64(b"fo"), "Zm8");
+        assert_eq!(b64(b"foo"), "Zm9v");
+        assert_eq!(b64(b"foob"), "Zm9vYg");
+        assert_eq!(b64(b"fooba"), "Zm9vYmE");
+        assert_eq!(b64(b"foobar"), "Zm9vYmFy");
+        // The URL-safe alphabet's two differing characters.
+        assert_eq!(b64(&[0xfb, 0xff]), "-_8");
+    }
+
+    #[test]
+    fn secrets_are_prefixed_long_and_distinct() {
+        let a = new_secret(API_KEY_PREFIX).unwrap();
+        let b = new_secret(API_KEY_PREFIX).unwrap();
+        assert!(a.starts_with("sk-sy-"));
+        assert_eq!(a.len(), 6 + 43);
+        assert_ne!(a, b);
+        assert!(
+            a[6..]
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
+        );
+        let t = new_secret(NODE_TOKEN_PREFIX).unwrap();
+        assert!(t.starts_with("nt-") && t.len() == 3 + 43);
+        assert_eq!(display_prefix(&a), a[..12]);
+    }
+
+    #[test]
+    fn hash_is_hex_sha256() {
+        assert_eq!(
+            hash_secret("abc"),
+            "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
+        );
+    }
+
+    #[test]
+    fn key_usability_and_allowlist() {
+        let now = Utc::now();
+        let mut key = ApiKeyRecord {
+            id: 1,
+            team_id: 1,
+            prefix: "sk-sy-abcdef".to_owned(),
+            model_allowlist: None,
+            rpm: None,
+            tokens_per_day: None,
+            max_streams: None,
+            expires_at: None,
+            revoked_at: None,
+            message_quota: None,
+            burst_capacity: None,
+            burst_refill_seconds: None,
+            created_at: now,
+        };
+        assert!(key.is_usable(now) && key.allows_model("anything"));
+        key.expires_at = Some(now);
+        assert!(!key.is_usable(now));
+        key.expires_at = None;
+        key.revoked_at = Some(now);
+        assert!(!key.is_usable(now));
+        key.model_allowlist = Some(vec!["small".to_owned()]);
+        assert!(key.allows_model("small") && !key.allows_model("large"));
+        key.model_allowlist = Some(vec![]);
+        assert!(!key.allows_model("small"));
+    }
+
+    #[test]
+    fn ledger_status_round_trips() {
+        for s in [
+            LedgerStatus::Reserved,
+            LedgerStatus::Settled,
+            LedgerStatus::Cancelled,
+        ] {
+            assert_eq!(s.as_str().parse::<LedgerStatus>().unwrap(), s);
+            assert_eq!(serde_json::to_value(s).unwrap(), s.as_str());
+        }
+        assert!("open".parse::<LedgerStatus>().is_err());
+    }
+}

@@ -1,0 +1,775 @@
+//! [`SqliteStore`]: the [`Store`] and [`Ledger`] of the embedded mode, on one SQLite file
+//! (or an in-memory database for tests). Write transactions start with `BEGIN IMMEDIATE`, so
+//! concurrent writers queue on the busy timeout instead of failing on a lock upgrade.
+//!
+//! Timestamps are stored as INTEGER unix milliseconds (see `migrations/sqlite/0001_init.sql`).
+
+use std::str::FromStr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use chrono::{DateTime, Utc};
+use sqlx::sqlite::{
+    SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteRow,
+    SqliteSynchronous,
+};
+use sqlx::{ConnectOptions, Row, Sqlite, Transaction};
+use tokio::sync::{Mutex, OwnedMutexGuard};
+
+use switchyard_actors::ports::{
+    Clock, Ledger, LedgerError, Reservation, SettleOutcome, Settlement, SystemClock, cost_of,
+};
+
+use super::{
+    ApiKeyRecord, LedgerRow, LedgerStatus, NODE_LOCATIONS, NewApiKey, NodeRecord, Store,
+    StoreError, Team,
+};
+
+/// How long a statement waits for another connection's write lock before failing.
+const BUSY_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long a caller waits for a pooled connection; past it, the store is unavailable.
+const ACQUIRE_TIMEOUT: Duration = Duration::from_secs(5);
+/// Connections to a file database. Writers serialise on SQLite's lock anyway; the extra
+/// connections let WAL readers (auth lookups, reports) run beside a writer.
+const FILE_POOL_SIZE: u32 = 8;
+/// Starts every write transaction: takes the write lock up front, so a transaction that
+/// reads before it writes (the balance check) cannot lose a lock upgrade to another writer.
+const BEGIN_WRITE: &str = "BEGIN IMMEDIATE";
+
+/// Columns of `api_keys` read into an [`ApiKeyRecord`] (the hash is left out on purpose).
+macro_rules! key_columns {
+    () => {
+        "id, team_id, prefix, model_allowlist, rpm, tokens_per_day, max_streams, expires_at, \
+         revoked_at, message_quota, burst_capacity, burst_refill_seconds, created_at"
+    };
+}
+
+/// Columns of `nodes` read into a [`NodeRecord`].
+macro_rules! node_columns {
+    () => {
+        "id, location, token_hash, gpus, models, last_seen, orchestrator_id, drained_at, \
+         created_at"
+    };
+}
+
+/// Columns of `usage_ledger` read into a [`LedgerRow`].
+macro_rules! ledger_columns {
+    () => {
+        "id, request_id, team_id, key_id, model, prompt_tokens, completion_tokens, \
+         cost_microcredits, estimated_cost_microcredits, price_input_per_mtok, \
+         price_output_per_mtok, status, created_at, settled_at"
+    };
+}
+
+/// The embedded store over SQLite. Cloning shares the pool.
+#[derive(Debug, Clone)]
+pub struct SqliteStore {
+    pool: SqlitePool,
+    /// Writers of this process take turns here before SQLite's write lock. SQLite admits one
+    /// writer at a time anyway, and its busy handler waits by polling with sleeps of up to
+    /// 100 ms; an async queue hands the lock over at once. The busy timeout still covers
+    /// other processes on the same file.
+    writer: Arc<Mutex<()>>,
+    /// Source of every timestamp the store writes itself, so simulations control them.
+    clock: Arc<dyn Clock>,
+}
+
+impl SqliteStore {
+    /// Opens the database at `url` (`sqlite://path/to.db?mode=rwc`, `sqlite::memory:`) with
+    /// WAL journaling, foreign keys, full fsync on commit and a 5 s busy timeout; creates the
+    /// file's directory when `mode=rwc` asks for the file to be created. Does not migrate:
+    /// call [`SqliteStore::migrate`].
+    pub async fn connect(url: &str) -> Result<Self, StoreError> {
+        // Without this check a `postgres://` URL would be taken for a file name.
+        if !url.starts_with("sqlite:") {
+            return Err(StoreError::Invalid(
+                "database url must start with sqlite:".to_owned(),
+            ));
+        }
+        let options = SqliteConnectOptions::from_str(url)
+            .map_err(|e| StoreError::Invalid(format!("database url: {e}")))?
+            .journal_mode(SqliteJournalMode::Wal)
+            .synchronous(SqliteSynchronous::Full)
+            .foreign_keys(true)
+            .busy_timeout(BUSY_TIMEOUT);
+        // The parser marks in-memory databases internally but offers no getter.
+        let in_memory = url.contains(":memory:") || url.contains("mode=memory");
+
+        let pool = if in_memory {
+            // One connection, kept forever: an in-memory database lives exactly as long as
+            // its last connection, and a single connection sees one consistent database.
+            SqlitePoolOptions::new()
+                .max_connections(1)
+                .min_connections(1)
+                .idle_timeout(None)
+                .max_lifetime(None)
+                .acquire_timeout(ACQUIRE_TIMEOUT)
+                .connect_with(options)
+                .await
+                .map_err(unavailable)?
+        } else {
+            if url.contains("mode=rwc")
+                && let Some(dir) = options.get_filename().parent()
+                && !dir.as_os_str().is_empty()
+            {
+                tokio::fs::create_dir_all(dir).await.map_err(|e| {
+                    StoreError::Unavailable(format!("creating {}: {e}", dir.display()))
+                })?;
+            }
+            // Switching a database to WAL needs an exclusive lock that the busy timeout does
+            // not wait for; doing it once on a lone connection keeps the pool's connections
+            // from racing for it.
+            let first = options.connect().await.map_err(unavailable)?;
+            drop(first);
+            SqlitePoolOptions::new()
+                .max_connections(FILE_POOL_SIZE)
+                .acquire_timeout(ACQUIRE_TIMEOUT)
+                .connect_with(options)
+                .await
+                .map_err(unavailable)?
+        };
+        Ok(Self {
+            pool,
+            writer: Arc::new(Mutex::new(())),
+            clock: Arc::new(SystemClock),
+        })
+    }
+
+    /// Uses `clock` for the timestamps the store writes itself (creation, revocation,
+    /// settlement); the default is the system clock.
+    #[must_use]
+    pub fn with_clock(mut self, clock: Arc<dyn Clock>) -> Self {
+        self.clock = clock;
+        self
+    }
+
+    /// Applies the migrations in `migrations/sqlite` (embedded at compile time); applied ones
+    /// are skipped, so calling it at every start is fine.
+    pub async fn migrate(&self) -> Result<(), StoreError> {
+        sqlx::migrate!("./migrations/sqlite")
+            .run(&self.pool)
+            .await
+            .map_err(|e| StoreError::Unavailable(format!("migration: {e}")))
+    }
+
+    /// Closes the pool, waiting for connections in use (a clean shutdown checkpoints WAL).
+    pub async fn close(&self) {
+        self.pool.close().await;
+    }
+
+    /// Begins a write transaction once this store's previous writer is done.
+    async fn begin_write(&self) -> Result<WriteTx, sqlx::Error> {
+        let turn = Arc::clone(&self.writer).lock_owned().await;
+        let tx = self.pool.begin_with(BEGIN_WRITE).await?;
+        Ok(WriteTx { tx, _turn: turn })
+    }
+
+    fn now_millis(&self) -> i64 {
+        self.clock.wall().timestamp_millis()
+    }
+
+    /// Moves a `reserved` row to `settled` (with `usage`: prompt and completion tokens) or
+    /// to `cancelled` (without), in one transaction; a settlement prices the usage with the
+    /// row's own prices and debits the team.
+    async fn finish(
+        &self,
+        request_id: &str,
+        usage: Option<(u64, u64)>,
+    ) -> Result<SettleOutcome, LedgerError> {
+        let usage = usage
+            .map(|(p, c)| Ok::<_, LedgerError>((p, c, tokens(p)?, tokens(c)?)))
+            .transpose()?;
+        let now = self.now_millis();
+        // The write lock is held from the first statement, so the row read here cannot
+        // change before the update: of any number of concurrent or retried settles, exactly
+        // one sees it `reserved`. Returning early drops `w`, which rolls back and releases
+        // the lock.
+        let mut w = self.begin_write().await.map_err(ledger_unavailable)?;
+        let row = sqlx::query(
+            "SELECT team_id, status, price_input_per_mtok, price_output_per_mtok \
+             FROM usage_ledger WHERE request_id = ?",
+        )
+        .bind(request_id)
+        .fetch_optional(&mut *w.tx)
+        .await
+        .map_err(ledger_unavailable)?;
+        let Some(row) = row else {
+            return Ok(SettleOutcome::Unknown);
+        };
+        let status: String = row.try_get("status").map_err(ledger_unavailable)?;
+        if status != LedgerStatus::Reserved.as_str() {
+            return Ok(SettleOutcome::AlreadyFinal);
+        }
+        let team_id: i64 = row.try_get("team_id").map_err(ledger_unavailable)?;
+
+        let changed = match usage {
+            Some((prompt, completion, prompt_db, completion_db)) => {
+                let cost = cost_of(
+                    prompt,
+                    completion,
+                    row.try_get("price_input_per_mtok")
+                        .map_err(ledger_unavailable)?,
+                    row.try_get("price_output_per_mtok")
+                        .map_err(ledger_unavailable)?,
+                );
+                // `status = 'reserved'` again: redundant under the write lock, kept so the
+                // statement is exactly-once on its own.
+                let changed = sqlx::query(
+                    "UPDATE usage_ledger SET status = 'settled', prompt_tokens = ?, \
+                     completion_tokens = ?, cost_microcredits = ?, settled_at = ? \
+                     WHERE request_id = ? AND status = 'reserved'",
+                )
+                .bind(prompt_db)
+                .bind(completion_db)
+                .bind(cost)
+                .bind(now)
+                .bind(request_id)
+                .execute(&mut *w.tx)
+                .await
+                .map_err(ledger_unavailable)?
+                .rows_affected();
+                if changed == 1 {
+                    // An overflow would become REAL in SQLite; the STRICT table refuses it
+                    // and the whole settlement rolls back.
+                    sqlx::query(
+                        "UPDATE teams SET balance_microcredits = balance_microcredits - ? \
+                         WHERE id = ?",
+                    )
+                    .bind(cost)
+                    .bind(team_id)
+                    .execute(&mut *w.tx)
+                    .await
+                    .map_err(ledger_unavailable)?;
+                }
+                changed
+            }
+            None => sqlx::query(
+                "UPDATE usage_ledger SET status = 'cancelled', settled_at = ? \
+                 WHERE request_id = ? AND status = 'reserved'",
+            )
+            .bind(now)
+            .bind(request_id)
+            .execute(&mut *w.tx)
+            .await
+            .map_err(ledger_unavailable)?
+            .rows_affected(),
+        };
+        if changed != 1 {
+            return Ok(SettleOutcome::AlreadyFinal);
+        }
+        w.tx.commit().await.map_err(ledger_unavailable)?;
+        Ok(SettleOutcome::Applied)
+    }
+}
+
+/// A write transaction holding this store's writer turn. Field order matters: the
+/// transaction (rolled back if not committed) drops before the turn passes on.
+struct WriteTx {
+    tx: Transaction<'static, Sqlite>,
+    _turn: OwnedMutexGuard<()>,
+}
+
+#[async_trait]
+impl Ledger for SqliteStore {
+    async fn reserve(&self, r: &Reservation) -> Result<(), LedgerError> {
+        let mut w = self.begin_write().await.map_err(ledger_unavailable)?;
+        // The balance check (balance minus open reservations must cover the estimate) joins
+        // here, inside this transaction: `BEGIN IMMEDIATE` already holds the write lock, so
+        // no other reservation can slip between the check and the insert.
+        sqlx::query(
+            "INSERT INTO usage_ledger \
+             (request_id, team_id, key_id, model, estimated_cost_microcredits, \
+             price_input_per_mtok, price_output_per_mtok, status, created_at) \
+             VALUES (?, ?, ?, ?, ?, ?, ?, 'reserved', ?)",
+        )
+        .bind(&r.request_id)
+        .bind(r.team_id)
+        .bind(r.key_id)
+        .bind(&r.model)
+        .bind(r.estimated_cost)
+        .bind(r.price_input_per_mtok)
+        .bind(r.price_output_per_mtok)
+        .bind(self.now_millis())
+        .execute(&mut *w.tx)
+        .await
+        .map_err(|e| match &e {
+            sqlx::Error::Database(d) if d.is_unique_violation() => LedgerError::Duplicate,
+            _ => ledger_unavailable(e),
+        })?;
+        w.tx.commit().await.map_err(ledger_unavailable)
+    }
+
+    async fn settle(&self, s: &Settlement) -> Result<SettleOutcome, LedgerError> {
+        self.finish(&s.request_id, Some((s.prompt_tokens, s.completion_tokens)))
+            .await
+    }
+
+    async fn cancel(&self, request_id: &str) -> Result<SettleOutcome, LedgerError> {
+        self.finish(request_id, None).await
+    }
+}
+
+#[async_trait]
+impl Store for SqliteStore {
+    async fn create_team(&self, name: &str) -> Result<Team, StoreError> {
+        if name.trim().is_empty() {
+            return Err(StoreError::Invalid("team name is empty".to_owned()));
+        }
+        let _turn = self.writer.lock().await;
+        let row = sqlx::query(
+            "INSERT INTO teams (name, balance_microcredits, created_at) VALUES (?, 0, ?) \
+             RETURNING id, name, balance_microcredits",
+        )
+        .bind(name)
+        .bind(self.now_millis())
+        .fetch_one(&self.pool)
+        .await
+        .map_err(|e| conflict_or(e, || format!("a team named {name:?} exists")))?;
+        team_from_row(&row)
+    }
+
+    async fn team(&self, id: i64) -> Result<Option<Team>, StoreError> {
+        sqlx::query("SELECT id, name, balance_microcredits FROM teams WHERE id = ?")
+            .bind(id)
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(unavailable)?
+            .as_ref()
+            .map(team_from_row)
+            .transpose()
+    }
+
+    async fn team_by_name(&self, name: &str) -> Result<Option<Team>, StoreError> {
+        sqlx::query("SELECT id, name, balance_microcredits FROM teams WHERE name = ?")
+            .bind(name)
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(unavailable)?
+            .as_ref()
+            .map(team_from_row)
+            .transpose()
+    }
+
+    async fn teams(&self) -> Result<Vec<Team>, StoreError> {
+        sqlx::query("SELECT id, name, balance_microcredits FROM teams ORDER BY id")
+            .fetch_all(&self.pool)
+            .await
+            .map_err(unavailable)?
+            .iter()
+            .map(team_from_row)
+            .collect()
+    }
+
+    async fn add_credits(&self, team_id: i64, amount: i64, note: &str) -> Result<i64, StoreError> {
+        if amount == 0 {
+            return Err(StoreError::Invalid("credit amount is zero".to_owned()));
+        }
+        let now = self.now_millis();
+        let mut w = self.begin_write().await.map_err(unavailable)?;
+        let balance: i64 =
+            sqlx::query_scalar("SELECT balance_microcredits FROM teams WHERE id = ?")
+                .bind(team_id)
+                .fetch_optional(&mut *w.tx)
+                .await
+                .map_err(unavailable)?
+                .ok_or(StoreError::NotFound)?;
+        let new_balance = balance.checked_add(amount).ok_or_else(|| {
+            StoreError::Invalid(format!("balance {balance} + {amount} overflows"))
+        })?;
+        sqlx::query(
+            "INSERT INTO credit_entries (team_id, amount_microcredits, note, created_at) \
+             VALUES (?, ?, ?, ?)",
+        )
+        .bind(team_id)
+        .bind(amount)
+        .bind(note)
+        .bind(now)
+        .execute(&mut *w.tx)
+        .await
+        .map_err(unavailable)?;
+        sqlx::query("UPDATE teams SET balance_microcredits = ? WHERE id = ?")
+            .bind(new_balance)
+            .bind(team_id)
+            .execute(&mut *w.tx)
+            .await
+            .map_err(unavailable)?;
+        w.tx.commit().await.map_err(unavailable)?;
+        Ok(new_balance)
+    }
+
+    async fn create_api_key(&self, key: NewApiKey) -> Result<ApiKeyRecord, StoreError> {
+        if key.hash.is_empty() {
+            return Err(StoreError::Invalid("key hash is empty".to_owned()));
+        }
+        let allowlist = key
+            .model_allowlist
+            .as_ref()
+            .map(serde_json::to_string)
+            .transpose()
+            .map_err(|e| StoreError::Invalid(format!("model allowlist: {e}")))?;
+        let tokens_per_day = key
+            .tokens_per_day
+            .map(|t| {
+                i64::try_from(t)
+                    .map_err(|_| StoreError::Invalid(format!("tokens_per_day {t} too large")))
+            })
+            .transpose()?;
+        let _turn = self.writer.lock().await;
+        let row = sqlx::query(concat!(
+            "INSERT INTO api_keys (team_id, hash, prefix, model_allowlist, rpm, tokens_per_day, \
+             max_streams, expires_at, message_quota, burst_capacity, burst_refill_seconds, \
+             created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) RETURNING ",
+            key_columns!()
+        ))
+        .bind(key.team_id)
+        .bind(&key.hash)
+        .bind(&key.prefix)
+        .bind(allowlist)
+        .bind(key.rpm.map(i64::from))
+        .bind(tokens_per_day)
+        .bind(key.max_streams.map(i64::from))
+        .bind(key.expires_at.map(|t| t.timestamp_millis()))
+        .bind(key.message_quota.map(i64::from))
+        .bind(key.burst_capacity.map(i64::from))
+        .bind(key.burst_refill_seconds.map(i64::from))
+        .bind(self.now_millis())
+        .fetch_one(&self.pool)
+        .await
+        .map_err(|e| match &e {
+            sqlx::Error::Database(d) if d.is_foreign_key_violation() => StoreError::NotFound,
+            _ => conflict_or(e, || "a key with this hash exists".to_owned()),
+        })?;
+        key_from_row(&row)
+    }
+
+    async fn api_key_by_hash(&self, hash: &str) -> Result<Option<ApiKeyRecord>, StoreError> {
+        sqlx::query(concat!(
+            "SELECT ",
+            key_columns!(),
+            " FROM api_keys WHERE hash = ?"
+        ))
+        .bind(hash)
+        .fetch_optional(&self.pool)
+        .await
+        .map_err(unavailable)?
+        .as_ref()
+        .map(key_from_row)
+        .transpose()
+    }
+
+    async fn api_keys(&self, team_id: i64) -> Result<Vec<ApiKeyRecord>, StoreError> {
+        sqlx::query(concat!(
+            "SELECT ",
+            key_columns!(),
+            " FROM api_keys WHERE team_id = ? ORDER BY id"
+        ))
+        .bind(team_id)
+        .fetch_all(&self.pool)
+        .await
+        .map_err(unavailable)?
+        .iter()
+        .map(key_from_row)
+        .collect()
+    }
+
+    async fn revoke_api_key(&self, id: i64) -> Result<bool, StoreError> {
+        let _turn = self.writer.lock().await;
+        let done =
+            sqlx::query("UPDATE api_keys SET revoked_at = ? WHERE id = ? AND revoked_at IS NULL")
+                .bind(self.now_millis())
+                .bind(id)
+                .execute(&self.pool)
+                .await
+                .map_err(unavailable)?;
+        Ok(done.rows_affected() == 1)
+    }
+
+    async fn create_node(
+        &self,
+        id: &str,
+        location: &str,
+        token_hash: &str,
+    ) -> Result<NodeRecord, StoreError> {
+        if id.trim().is_empty() {
+            return Err(StoreError::Invalid("node id is empty".to_owned()));
+        }
+        if !NODE_LOCATIONS.contains(&location) {
+            return Err(StoreError::Invalid(format!(
+                "node location {location:?} is not one of {NODE_LOCATIONS:?}"
+            )));
+        }
+        if token_hash.is_empty() {
+            return Err(StoreError::Invalid("token hash is empty".to_owned()));
+        }
+        // One statement decides atomically: a new node is inserted, a revoked one gets the
+        // new token, and a node with a live token matches neither and returns no row.
+        let _turn = self.writer.lock().await;
+        let row = sqlx::query(concat!(
+            "INSERT INTO nodes (id, location, token_hash, created_at) VALUES (?, ?, ?, ?) \
+             ON CONFLICT (id) DO UPDATE SET token_hash = excluded.token_hash, \
+             location = excluded.location WHERE nodes.token_hash IS NULL RETURNING ",
+            node_columns!()
+        ))
+        .bind(id)
+        .bind(location)
+        .bind(token_hash)
+        .bind(self.now_millis())
+        .fetch_optional(&self.pool)
+        .await
+        .map_err(|e| conflict_or(e, || "another node has this token hash".to_owned()))?
+        .ok_or_else(|| StoreError::Conflict(format!("node {id:?} has a live token")))?;
+        node_from_row(&row)
+    }
+
+    async fn node(&self, id: &str) -> Result<Option<NodeRecord>, StoreError> {
+        sqlx::query(concat!(
+            "SELECT ",
+            node_columns!(),
+            " FROM nodes WHERE id = ?"
+        ))
+        .bind(id)
+        .fetch_optional(&self.pool)
+        .await
+        .map_err(unavailable)?
+        .as_ref()
+        .map(node_from_row)
+        .transpose()
+    }
+
+    async fn nodes(&self) -> Result<Vec<NodeRecord>, StoreError> {
+        sqlx::query(concat!(
+            "SELECT ",
+            node_columns!(),
+            " FROM nodes ORDER BY id"
+        ))
+        .fetch_all(&self.pool)
+        .await
+        .map_err(unavailable)?
+        .iter()
+        .map(node_from_row)
+        .collect()
+    }
+
+    async fn revoke_node_token(&self, id: &str) -> Result<bool, StoreError> {
+        let _turn = self.writer.lock().await;
+        let done = sqlx::query(
+            "UPDATE nodes SET token_hash = NULL WHERE id = ? AND token_hash IS NOT NULL",
+        )
+        .bind(id)
+        .execute(&self.pool)
+        .await
+        .map_err(unavailable)?;
+        Ok(done.rows_affected() == 1)
+    }
+
+    async fn record_node_registration(
+        &self,
+        id: &str,
+        gpus: serde_json::Value,
+        models: &[String],
+        orchestrator_id: &str,
+        at: DateTime<Utc>,
+    ) -> Result<(), StoreError> {
+        let models = serde_json::to_string(models)
+            .map_err(|e| StoreError::Invalid(format!("models: {e}")))?;
+        let _turn = self.writer.lock().await;
+        let done = sqlx::query(
+            "UPDATE nodes SET gpus = ?, models = ?, orchestrator_id = ?, last_seen = ? \
+             WHERE id = ?",
+        )
+        .bind(gpus.to_string())
+        .bind(models)
+        .bind(orchestrator_id)
+        .bind(at.timestamp_millis())
+        .bind(id)
+        .execute(&self.pool)
+        .await
+        .map_err(unavailable)?;
+        found(done.rows_affected())
+    }
+
+    async fn mark_node_drained(&self, id: &str, at: DateTime<Utc>) -> Result<(), StoreError> {
+        let _turn = self.writer.lock().await;
+        let done = sqlx::query("UPDATE nodes SET drained_at = ? WHERE id = ?")
+            .bind(at.timestamp_millis())
+            .bind(id)
+            .execute(&self.pool)
+            .await
+            .map_err(unavailable)?;
+        found(done.rows_affected())
+    }
+
+    async fn ledger_row(&self, request_id: &str) -> Result<Option<LedgerRow>, StoreError> {
+        sqlx::query(concat!(
+            "SELECT ",
+            ledger_columns!(),
+            " FROM usage_ledger WHERE request_id = ?"
+        ))
+        .bind(request_id)
+        .fetch_optional(&self.pool)
+        .await
+        .map_err(unavailable)?
+        .as_ref()
+        .map(ledger_from_row)
+        .transpose()
+    }
+
+    async fn ledger_rows(&self, team_id: Option<i64>) -> Result<Vec<LedgerRow>, StoreError> {
+        sqlx::query(concat!(
+            "SELECT ",
+            ledger_columns!(),
+            " FROM usage_ledger WHERE ?1 IS NULL OR team_id = ?1 ORDER BY id"
+        ))
+        .bind(team_id)
+        .fetch_all(&self.pool)
+        .await
+        .map_err(unavailable)?
+        .iter()
+        .map(ledger_from_row)
+        .collect()
+    }
+
+    async fn open_reservations(&self) -> Result<i64, StoreError> {
+        sqlx::query_scalar("SELECT COUNT(*) FROM usage_ledger WHERE status = 'reserved'")
+            .fetch_one(&self.pool)
+            .await
+            .map_err(unavailable)
+    }
+
+    async fn ping(&self) -> Result<(), StoreError> {
+        sqlx::query("SELECT 1")
+            .execute(&self.pool)
+            .await
+            .map(|_| ())
+            .map_err(unavailable)
+    }
+}
+
+fn unavailable(e: sqlx::Error) -> StoreError {
+    StoreError::Unavailable(e.to_string())
+}
+
+fn ledger_unavailable(e: sqlx::Error) -> LedgerError {
+    LedgerError::Unavailable(e.to_string())
+}
+
+/// A unique violation becomes `Conflict(message())`; anything else is `Unavailable`.
+fn conflict_or(e: sqlx::Error, message: impl FnOnce() -> String) -> StoreError {
+    match &e {
+        sqlx::Error::Database(d) if d.is_unique_violation() => StoreError::Conflict(message()),
+        sqlx::Error::Database(d) if d.is_check_violation() => StoreError::Invalid(d.to_string()),
+        _ => unavailable(e),
+    }
+}
+
+fn found(rows_affected: u64) -> Result<(), StoreError> {
+    if rows_affected == 0 {
+        Err(StoreError::NotFound)
+    } else {
+        Ok(())
+    }
+}
+
+/// Token counts are u64 at the port and INTEGER in SQLite; a count beyond i64 is refused
+/// rather than clamped, so the ledger never records a number nobody produced.
+fn tokens(n: u64) -> Result<i64, LedgerError> {
+    i64::try_from(n).map_err(|_| LedgerError::Unavailable(format!("token count {n} out of range")))
+}
+
+fn time(ms: i64) -> Result<DateTime<Utc>, StoreError> {
+    DateTime::from_timestamp_millis(ms)
+        .ok_or_else(|| StoreError::Invalid(format!("timestamp {ms} out of range")))
+}
+
+fn opt_time(ms: Option<i64>) -> Result<Option<DateTime<Utc>>, StoreError> {
+    ms.map(time).transpose()
+}
+
+/// Reads a column, mapping a decode failure (a corrupt or foreign row) to `Invalid`.
+fn col<'r, T>(row: &'r SqliteRow, name: &str) -> Result<T, StoreError>
+where
+    T: sqlx::Decode<'r, sqlx::Sqlite> + sqlx::Type<sqlx::Sqlite>,
+{
+    row.try_get(name)
+        .map_err(|e| StoreError::Invalid(format!("column {name}: {e}")))
+}
+
+/// Reads a nullable INTEGER column into a narrower unsigned type.
+fn opt_int<T: TryFrom<i64>>(row: &SqliteRow, name: &str) -> Result<Option<T>, StoreError> {
+    col::<Option<i64>>(row, name)?
+        .map(|v| {
+            T::try_from(v)
+                .map_err(|_| StoreError::Invalid(format!("column {name}: {v} out of range")))
+        })
+        .transpose()
+}
+
+fn json<T: serde::de::DeserializeOwned>(text: &str, name: &str) -> Result<T, StoreError> {
+    serde_json::from_str(text).map_err(|e| StoreError::Invalid(format!("column {name}: {e}")))
+}
+
+fn team_from_row(row: &SqliteRow) -> Result<Team, StoreError> {
+    Ok(Team {
+        id: col(row, "id")?,
+        name: col(row, "name")?,
+        balance_microcredits: col(row, "balance_microcredits")?,
+    })
+}
+
+fn key_from_row(row: &SqliteRow) -> Result<ApiKeyRecord, StoreError> {
+    let allowlist: Option<String> = col(row, "model_allowlist")?;
+    Ok(ApiKeyRecord {
+        id: col(row, "id")?,
+        team_id: col(row, "team_id")?,
+        prefix: col(row, "prefix")?,
+        model_allowlist: allowlist
+            .map(|text| json(&text, "model_allowlist"))
+            .transpose()?,
+        rpm: opt_int(row, "rpm")?,
+        tokens_per_day: opt_int(row, "tokens_per_day")?,
+        max_streams: opt_int(row, "max_streams")?,
+        expires_at: opt_time(col(row, "expires_at")?)?,
+        revoked_at: opt_time(col(row, "revoked_at")?)?,
+        message_quota: opt_int(row, "message_quota")?,
+        burst_capacity: opt_int(row, "burst_capacity")?,
+        burst_refill_seconds: opt_int(row, "burst_refill_seconds")?,
+        created_at: time(col(row, "created_at")?)?,
+    })
+}
+
+fn node_from_row(row: &SqliteRow) -> Result<NodeRecord, StoreError> {
+    let gpus: String = col(row, "gpus")?;
+    let models: String = col(row, "models")?;
+    Ok(NodeRecord {
+        id: col(row, "id")?,
+        location: col(row, "location")?,
+        token_hash: col(row, "token_hash")?,
+        gpus: json(&gpus, "gpus")?,
+        models: json(&models, "models")?,
+        last_seen: opt_time(col(row, "last_seen")?)?,
+        orchestrator_id: col(row, "orchestrator_id")?,
+        drained_at: opt_time(col(row, "drained_at")?)?,
+        created_at: time(col(row, "created_at")?)?,
+    })
+}
+
+fn ledger_from_row(row: &SqliteRow) -> Result<LedgerRow, StoreError> {
+    let status: String = col(row, "status")?;
+    Ok(LedgerRow {
+        id: col(row, "id")?,
+        request_id: col(row, "request_id")?,
+        team_id: col(row, "team_id")?,
+        key_id: col(row, "key_id")?,
+        model: col(row, "model")?,
+        prompt_tokens: col(row, "prompt_tokens")?,
+        completion_tokens: col(row, "completion_tokens")?,
+        cost_microcredits: col(row, "cost_microcredits")?,
+        estimated_cost_microcredits: col(row, "estimated_cost_microcredits")?,
+        price_input_per_mtok: col(row, "price_input_per_mtok")?,
+        price_output_per_mtok: col(row, "price_output_per_mtok")?,
+        status: LedgerStatus::from_str(&status)?,
+        created_at: time(col(row, "created_at")?)?,
+        settled_at: opt_time(col(row, "settled_at")?)?,
+    })
+}
