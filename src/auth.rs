@@ -28,12 +28,15 @@ pub struct Principal {
     pub key: ApiKeyRecord,
 }
 
+/// Key hash → (when it was read, the record if one exists).
+type KeyCache = BTreeMap<String, (Instant, Option<ApiKeyRecord>)>;
+
 /// Verifies bearer keys against the store, with a short cache.
 #[derive(Debug, Clone)]
 pub struct Authenticator {
     store: Arc<dyn Store>,
     clock: Arc<dyn Clock>,
-    cache: Arc<Mutex<BTreeMap<String, (Instant, Option<ApiKeyRecord>)>>>,
+    cache: Arc<Mutex<KeyCache>>,
 }
 
 impl Authenticator {

@@ -247,12 +247,14 @@ async fn node(args: NodeArgs) -> anyhow::Result<()> {
     let mut config = AgentConfig::new(args.server, args.node_id, args.token, args.engine);
     config.location = args.location;
     let stop = CancellationToken::new();
-    let agent = tokio::spawn(node_agent::run(config, stop.clone()));
+    let mut agent = tokio::spawn(node_agent::run(config, stop.clone()));
     tokio::select! {
-        () = shutdown_signal() => stop.cancel(),
-        _ = std::future::pending::<()>() => {}
+        () = shutdown_signal() => {
+            stop.cancel();
+            agent.await??;
+        }
+        ended = &mut agent => ended??,
     }
-    agent.await??;
     Ok(())
 }
 

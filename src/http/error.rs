@@ -17,8 +17,8 @@ pub struct ApiError {
     pub failure: Failure,
     /// The request's id, echoed in the body.
     pub request_id: Option<String>,
-    /// Extra machine-readable facts (limits, ids).
-    pub details: Option<serde_json::Value>,
+    /// Extra machine-readable facts (limits, ids); boxed to keep results small.
+    pub details: Option<Box<serde_json::Value>>,
 }
 
 impl ApiError {
@@ -74,7 +74,7 @@ impl ApiError {
             "request_id": self.request_id,
         });
         if let (Some(details), Some(obj)) = (&self.details, error.as_object_mut()) {
-            obj.insert("details".into(), details.clone());
+            obj.insert("details".into(), details.as_ref().clone());
         }
         json!({ "error": error })
     }

@@ -124,8 +124,10 @@ enum End {
     Completed,
     /// `cancel`, a lost connection, or shutdown.
     Cancelled,
-    /// Body error, EOF without `[DONE]`, an oversized or unparsable event, an error event.
-    Broken(String),
+    /// Body error, EOF without `[DONE]`, an oversized or unparsable event, an error event:
+    /// what went wrong (for the log) and the message for the server (which may quote the
+    /// engine, so it is not logged).
+    Broken(&'static str, String),
 }
 
 async fn stream(id: &Id, ctx: &AssignCtx, mut resp: reqwest::Response) {
@@ -149,9 +151,9 @@ async fn stream(id: &Id, ctx: &AssignCtx, mut resp: reqwest::Response) {
             ctx.finish(id, usage, reason, None).await;
         }
         End::Cancelled => ctx.finish(id, usage, "abort", None).await,
-        End::Broken(why) => {
-            tracing::warn!(reason = %why, "engine stream broke");
-            ctx.finish(id, usage, "error", Some(why)).await;
+        End::Broken(kind, message) => {
+            tracing::warn!(kind, "engine stream broke");
+            ctx.finish(id, usage, "error", Some(message)).await;
         }
     }
 }
@@ -173,11 +175,14 @@ async fn relay_events(
         let eof = match read {
             Ok(Some(bytes)) => parser.push(&bytes, &mut events).map(|()| false),
             Ok(None) => parser.finish(&mut events).map(|()| true),
-            Err(e) => return End::Broken(format!("engine stream broke: {e}")),
+            Err(e) => {
+                tracing::debug!(error = %e, "engine body error");
+                return End::Broken("body error", format!("engine stream broke: {e}"));
+            }
         };
         let eof = match eof {
             Ok(eof) => eof,
-            Err(e) => return End::Broken(format!("engine sent a {e}")),
+            Err(e) => return End::Broken("oversized event", format!("engine sent a {e}")),
         };
         for data in events.drain(..) {
             match relay.event(&data) {
@@ -195,11 +200,11 @@ async fn relay_events(
                     }
                 }
                 Event::Done => return End::Completed,
-                Event::Broken(why) => return End::Broken(why),
+                Event::Broken(kind, message) => return End::Broken(kind, message),
             }
         }
         if eof {
-            return End::Broken("engine stream ended without [DONE]".into());
+            return End::Broken("eof", "engine stream ended without [DONE]".into());
         }
     }
 }
@@ -271,7 +276,7 @@ enum Event {
     Nothing,
     Text(String),
     Done,
-    Broken(String),
+    Broken(&'static str, String),
 }
 
 /// The state of one relayed stream.
@@ -341,15 +346,18 @@ impl Relay {
             return Event::Nothing;
         }
         let Ok(chunk) = serde_json::from_slice::<EngineChunk>(data) else {
-            return Event::Broken("engine sent an event that is not a chunk".into());
+            return Event::Broken(
+                "unparsable event",
+                "engine sent an event that is not a chunk".into(),
+            );
         };
         if let Some(e) = chunk.error {
             let m = e.message.unwrap_or_default();
-            return Event::Broken(format!("engine error: {m}"));
+            return Event::Broken("error event", format!("engine error: {m}"));
         }
         if chunk.object.as_deref() == Some("error") {
             let m = chunk.message.unwrap_or_default();
-            return Event::Broken(format!("engine error: {m}"));
+            return Event::Broken("error event", format!("engine error: {m}"));
         }
         if let Some(u) = chunk.usage {
             self.usage = Some((u.prompt_tokens, u.completion_tokens));
@@ -429,13 +437,13 @@ mod tests {
         let mut r = Relay::default();
         assert!(matches!(
             r.event(br#"{"error":{"message":"boom","type":"InternalServerError","code":500}}"#),
-            Event::Broken(m) if m.contains("boom")
+            Event::Broken(_, m) if m.contains("boom")
         ));
         assert!(matches!(
             r.event(br#"{"object":"error","message":"old"}"#),
-            Event::Broken(_)
+            Event::Broken(..)
         ));
-        assert!(matches!(r.event(b"{not json"), Event::Broken(_)));
-        assert!(matches!(r.event(b"\xff\xfe"), Event::Broken(_)));
+        assert!(matches!(r.event(b"{not json"), Event::Broken(..)));
+        assert!(matches!(r.event(b"\xff\xfe"), Event::Broken(..)));
     }
 }

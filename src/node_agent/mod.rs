@@ -14,7 +14,7 @@
 //! ```
 //!
 //! Decisions the server relies on are documented where they are made: no heartbeat when the
-//! engine's metrics cannot be read ([`heartbeat`]), `load_model` is logged and ignored (vLLM
+//! engine's metrics cannot be read (see `heartbeat.rs`), `load_model` is logged and ignored (vLLM
 //! serves one model per process), a lost connection cancels in-flight work and keeps its
 //! `done` (`finish_reason: "abort"`, usage so far) for resending, and drain waits for in-flight
 //! work and then at most 60 s for the last acks.

@@ -162,31 +162,30 @@ fn lost(what: &str, e: impl std::fmt::Display) -> SessionEnd {
     SessionEnd::Lost(format!("{what}: {e}"))
 }
 
-/// Parses a server frame; unknown types and malformed text are logged (type and size only,
-/// never the content: an `assign` carries a prompt) and give `None`.
+/// Parses a server frame; unknown types and malformed text are logged and give `None`. The log
+/// names the type, the error category and the position only: serde's own message can quote
+/// values, and an `assign` carries a prompt.
 fn parse_frame(text: &str) -> Option<ServerFrame> {
-    match serde_json::from_str::<ServerFrame>(text) {
-        Ok(f) => Some(f),
-        Err(e) => {
-            let kind = serde_json::from_str::<serde_json::Value>(text)
-                .ok()
-                .and_then(|v| {
-                    v.get("type")
-                        .and_then(|t| t.as_str())
-                        .map(|t| t.chars().take(64).collect::<String>())
-                });
-            match kind {
-                Some(kind) => {
-                    tracing::warn!(%kind, error = %e, "unknown or malformed server frame ignored")
-                }
-                None => tracing::warn!(
-                    bytes = text.len(),
-                    "server frame that is not a typed JSON object ignored"
-                ),
-            }
-            None
-        }
-    }
+    let e = match serde_json::from_str::<ServerFrame>(text) {
+        Ok(f) => return Some(f),
+        Err(e) => e,
+    };
+    let kind = serde_json::from_str::<serde_json::Value>(text)
+        .ok()
+        .and_then(|v| {
+            v.get("type")
+                .and_then(|t| t.as_str())
+                .map(|t| t.chars().take(64).collect::<String>())
+        })
+        .unwrap_or_default();
+    tracing::warn!(
+        %kind,
+        category = ?e.classify(),
+        column = e.column(),
+        bytes = text.len(),
+        "unknown or malformed server frame ignored"
+    );
+    None
 }
 
 /// An assignment running on the engine.

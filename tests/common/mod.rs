@@ -237,3 +237,71 @@ pub async fn run_python(script: &str, args: &[&str]) -> String {
     );
     stdout
 }
+
+/// A fleet (server + simulated nodes with real agents) on port 0 over a fresh SQLite file.
+pub async fn fleet(
+    nodes: &[(&str, u32)],
+    time_scale: f64,
+    tweak: impl FnOnce(&mut switchyard::demo::FleetConfig),
+) -> switchyard::demo::Fleet {
+    let mut config = switchyard::demo::FleetConfig {
+        nodes: nodes.iter().map(|(a, n)| ((*a).to_owned(), *n)).collect(),
+        time_scale,
+        agent_backoff_min: Duration::from_millis(100),
+        ..Default::default()
+    };
+    config.server.listen = "127.0.0.1:0".parse().unwrap();
+    tweak(&mut config);
+    let db = std::env::temp_dir().join(format!(
+        "switchyard-test-{}-{:016x}.db",
+        std::process::id(),
+        rand::random::<u64>()
+    ));
+    let url = format!("sqlite://{}?mode=rwc", db.display());
+    let fleet = switchyard::demo::Fleet::start(config, &url).await.unwrap();
+    assert!(
+        fleet.wait_registered(Duration::from_secs(10)).await,
+        "nodes registered"
+    );
+    fleet
+}
+
+/// A chat request to the server with the fleet's key.
+pub async fn post_chat(
+    fleet: &switchyard::demo::Fleet,
+    body: &serde_json::Value,
+) -> reqwest::Response {
+    http()
+        .post(format!("{}/chat/completions", fleet.openai_base_url()))
+        .bearer_auth(&fleet.api_key)
+        .json(body)
+        .send()
+        .await
+        .unwrap()
+}
+
+/// The `data:` events of a streamed server response, read to the end (error → cut).
+pub async fn read_events(resp: reqwest::Response) -> (Vec<serde_json::Value>, bool) {
+    let text = resp.text().await.unwrap_or_default();
+    let mut done = false;
+    let mut events = Vec::new();
+    for data in sse_data(&text) {
+        if data == "[DONE]" {
+            done = true;
+        } else {
+            events.push(serde_json::from_str(&data).unwrap());
+        }
+    }
+    (events, done)
+}
+
+/// Polls until `cond` holds or `limit` passes; panics with `what` otherwise.
+pub async fn wait_for<F, Fut>(limit: Duration, what: &str, mut cond: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    if eventually(limit, &mut cond).await.is_none() {
+        panic!("timed out waiting for {what}");
+    }
+}

@@ -181,8 +181,18 @@ impl Actor for GenerationActor {
             t.abort();
         }
         if !state.ledger_final {
-            // Stopped from outside mid-flight: release the reservation rather than leak it.
-            let _ = state.args.ledger.cancel(&state.args.request_id).await;
+            match state.phase {
+                // Stopped before any GPU work: release the reservation rather than leak it.
+                Phase::New | Phase::Queued => {
+                    let _ = state.args.ledger.cancel(&state.args.request_id).await;
+                }
+                // Stopped (a replica shutting down) while a node may still be working: the
+                // row stays reserved for the node's `done`, which it resends to whichever
+                // replica it reconnects to.
+                _ => {
+                    tracing::info!(request_id = %state.args.request_id, "stopped mid-flight; the row awaits the node's done")
+                }
+            }
         }
         if !state.told_client {
             state.tell(GenEvent::Failed(Failure::new(

@@ -164,13 +164,20 @@ impl Actor for ModelQueueActor {
             QueueMsg::Tick => {
                 state.expire();
                 state.dispatch();
-                metrics::gauge!(QUEUE_DEPTH, "model" => state.args.model.clone())
-                    .set(state.waiting.len() as f64);
             }
             QueueMsg::Stats(reply) => {
                 let _ = reply.send(state.stats());
             }
         }
+        Ok(())
+    }
+
+    async fn post_start(
+        &self,
+        _myself: ActorRef<QueueMsg>,
+        state: &mut QueueState,
+    ) -> Result<(), ActorProcessingErr> {
+        state.publish_depth();
         Ok(())
     }
 
@@ -247,8 +254,19 @@ impl QueueState {
         recent as f64 / RATE_WINDOW.as_secs_f64()
     }
 
+    /// `switchyard_queue_depth`: the signal that scales a model up, from zero too.
+    fn publish_depth(&self) {
+        metrics::gauge!(QUEUE_DEPTH, "model" => self.args.model.clone())
+            .set(self.waiting.len() as f64);
+    }
+
     /// Hands waiting generations to nodes with room, head first.
     fn dispatch(&mut self) {
+        self.dispatch_waiting();
+        self.publish_depth();
+    }
+
+    fn dispatch_waiting(&mut self) {
         while !self.waiting.is_empty() {
             let capacity = self.args.config.node_capacity;
             let candidates: Vec<NodeView<'_>> = self

@@ -1,0 +1,15 @@
+//! Integration tests of a request's whole path: an HTTP client, the server's actors, a node
+//! agent dialing in over WebSocket, a simulated engine, and the ledger.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod common;
+
+#[path = "server/failures.rs"]
+mod failures;
+#[path = "server/leaks.rs"]
+mod leaks;
+#[path = "server/path.rs"]
+mod path;
+#[path = "server/sdk.rs"]
+mod sdk;
