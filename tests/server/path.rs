@@ -295,3 +295,53 @@ async fn health_readiness_and_metrics() {
     }
     fleet.shutdown(Duration::from_secs(1)).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_queued_stream_receives_keep_alive_comments_until_a_node_frees_up() {
+    let fleet = fleet(&[("small", 1)], 1.0, |c| {
+        c.server.models[0].node_concurrency = 1
+    })
+    .await;
+    let _running = post_chat(&fleet, &chat("small", 400, true)).await;
+    let queued = post_chat(&fleet, &chat("small", 4, true)).await;
+    assert_eq!(
+        queued.status(),
+        200,
+        "admitted to the queue: headers go out at once"
+    );
+    let mut body = futures::StreamExt::boxed(queued.bytes_stream());
+    let first = tokio::time::timeout(Duration::from_secs(8), futures::StreamExt::next(&mut body))
+        .await
+        .expect("something within the keep-alive interval")
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        &first[..],
+        b": keep-alive\n\n",
+        "a comment, not data, while queued"
+    );
+    fleet.shutdown(Duration::from_secs(1)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn round_robin_routing_can_be_chosen_in_configuration() {
+    let fleet = fleet(&[("small", 2)], 20.0, |c| {
+        c.server.routing = switchyard_actors::model_queue::RoutingStrategy::RoundRobin;
+    })
+    .await;
+    for _ in 0..4 {
+        let r = post_chat(&fleet, &chat("small", 2, false)).await;
+        assert_eq!(r.status(), 200);
+    }
+    let per_node: Vec<u64> = fleet
+        .nodes
+        .iter()
+        .map(|n| n.sim.stats().generation_tokens)
+        .collect();
+    assert_eq!(
+        per_node,
+        [4, 4],
+        "sequential requests alternate between the two nodes"
+    );
+    fleet.shutdown(Duration::from_secs(1)).await;
+}

@@ -412,3 +412,64 @@ async fn heartbeats_go_to_the_coordinator_and_a_silent_node_is_dropped() {
     );
     assert!(h.queue.stats().await.unwrap().nodes.is_empty());
 }
+
+#[tokio::test(start_paused = true)]
+async fn no_first_token_in_time_is_a_generation_timeout_and_cancels_on_the_node() {
+    let h = harness(8, 4).await;
+    let (node, mut out) = connect(&h, "n1").await;
+    let beating = node.clone();
+    tokio::spawn(async move {
+        loop {
+            tokio::time::sleep(Duration::from_secs(5)).await;
+            beating.deliver(NodeFrame::Heartbeat {
+                queue_depth: 0,
+                running: 1,
+                kv_cache_usage: 0.1,
+                gpu_util: 0.0,
+                models: vec![MODEL.into()],
+            });
+        }
+    });
+    let mut stream = start(&h, "r1").await.unwrap();
+    expect_assign(&mut out).await;
+    node.deliver(NodeFrame::Accepted {
+        request_id: "r1".into(),
+        attempt: 1,
+    });
+    tokio::time::sleep(Timeouts::default().first_token + Duration::from_secs(1)).await;
+    let Some(GenEvent::Failed(f)) = stream.next().await else {
+        panic!("timeout expected")
+    };
+    assert_eq!(f.code, ErrorCode::GenerationTimeout);
+    assert!(matches!(
+        out.recv().await,
+        Some(ServerFrame::Cancel { attempt: 1, .. })
+    ));
+    node.deliver(done("r1", 1, 12, 0, "abort"));
+    assert!(matches!(out.recv().await, Some(ServerFrame::Ack { .. })));
+    let row = h.ledger.row("r1").unwrap();
+    assert_eq!((row.status, row.completion_tokens), (RowStatus::Settled, 0));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_stale_done_from_an_older_attempt_is_acked_but_not_billed() {
+    let h = harness(8, 4).await;
+    let (n1, mut out1) = connect(&h, "n1").await;
+    let (_n2, mut out2) = connect(&h, "n2").await;
+    let _stream = start(&h, "r1").await.unwrap();
+    expect_assign(&mut out1).await;
+    n1.connection_lost();
+    assert_eq!(expect_assign(&mut out2).await.1, 2);
+    // The first node comes back and reports its abandoned attempt.
+    let (again, mut out_again) = connect(&h, "n1").await;
+    again.deliver(done("r1", 1, 12, 5, "abort"));
+    assert!(matches!(
+        out_again.recv().await,
+        Some(ServerFrame::Ack { attempt: 1, .. })
+    ));
+    assert_eq!(
+        h.ledger.row("r1").unwrap().status,
+        RowStatus::Reserved,
+        "attempt 2 still owns the row"
+    );
+}
