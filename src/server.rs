@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use axum::serve::ListenerExt;
-use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use switchyard_actors::generation::{Directory, Generations};
 use switchyard_actors::model_queue::{ModelQueueActor, ModelQueueHandle, QueueArgs};
 use switchyard_actors::node::NodeHandle;
@@ -69,7 +69,25 @@ fn metrics_handle() -> PrometheusHandle {
     static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
     HANDLE
         .get_or_init(|| {
-            let recorder = PrometheusBuilder::new().build_recorder();
+            // Histograms with buckets (Prometheus `histogram`, not summaries), so latency SLOs
+            // can be aggregated across replicas.
+            let seconds = [
+                0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 3.0, 5.0, 10.0, 30.0, 60.0,
+            ];
+            let rates = [1.0, 5.0, 10.0, 20.0, 30.0, 40.0, 50.0, 75.0, 100.0, 200.0];
+            let builder = PrometheusBuilder::new()
+                .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), &seconds)
+                .and_then(|b| {
+                    b.set_buckets_for_metric(Matcher::Suffix("_per_second".into()), &rates)
+                });
+            let builder = match builder {
+                Ok(b) => b,
+                Err(e) => {
+                    tracing::warn!(error = %e, "histogram buckets rejected; using summaries");
+                    PrometheusBuilder::new()
+                }
+            };
+            let recorder = builder.build_recorder();
             let handle = recorder.handle();
             if metrics::set_global_recorder(recorder).is_err() {
                 tracing::warn!("a metrics recorder was already installed");

@@ -5,6 +5,8 @@
 
 mod common;
 
+#[path = "server/admin.rs"]
+mod admin;
 #[path = "server/failures.rs"]
 mod failures;
 #[path = "server/leaks.rs"]

@@ -1,5 +1,6 @@
 //! The HTTP surface: the route table only. Handlers live in a file per endpoint group.
 
+mod admin;
 pub mod error;
 mod health;
 mod nodes_ws;
@@ -9,8 +10,9 @@ pub mod sse;
 use std::sync::Arc;
 
 use axum::Router;
-use axum::routing::{get, post};
-use tower_http::limit::RequestBodyLimitLayer;
+use axum::extract::DefaultBodyLimit;
+use axum::routing::{delete, get, post};
+use switchyard_actors::error::ErrorCode;
 
 use crate::server::AppState;
 
@@ -20,9 +22,29 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/chat/completions", post(openai::chat_completions))
         .route("/v1/models", get(openai::models))
         .route("/v1/nodes/connect", get(nodes_ws::connect))
+        .route(
+            "/admin/teams",
+            post(admin::create_team).get(admin::list_teams),
+        )
+        .route("/admin/keys", post(admin::create_key).get(admin::list_keys))
+        .route("/admin/keys/{id}", delete(admin::revoke_key))
+        .route("/admin/credits", post(admin::add_credits))
+        .route(
+            "/admin/nodes",
+            post(admin::create_node).get(admin::list_nodes),
+        )
+        .route("/admin/nodes/{id}/token", delete(admin::revoke_node_token))
+        .route("/admin/nodes/{id}/drain", post(admin::drain_node))
         .route("/healthz", get(health::healthz))
         .route("/readyz", get(health::readyz))
         .route("/metrics", get(health::metrics))
-        .layer(RequestBodyLimitLayer::new(state.config.max_body_bytes))
+        .fallback(not_found)
+        // Enforced by the body extractors, so an oversized body gets the error envelope
+        // (413 `request_too_large`), not a bare status.
+        .layer(DefaultBodyLimit::max(state.config.max_body_bytes))
         .with_state(state)
+}
+
+async fn not_found() -> error::ApiError {
+    error::ApiError::new(ErrorCode::NotFound, "No such route.")
 }

@@ -93,7 +93,7 @@ async fn serve_node(state: Arc<AppState>, mut socket: WebSocket) {
         old.stop();
     }
     tracing::info!(node_id = %registered.node_id, models = ?registered.models, "node registered");
-    relay(&state, socket, &node, &mut frames).await;
+    relay(socket, &node, &mut frames).await;
     node.connection_lost();
     let mut nodes = state.nodes.lock().unwrap_or_else(PoisonError::into_inner);
     if nodes
@@ -104,13 +104,9 @@ async fn serve_node(state: Arc<AppState>, mut socket: WebSocket) {
     }
 }
 
-/// Pumps frames both ways until either side ends.
-async fn relay(
-    state: &AppState,
-    socket: WebSocket,
-    node: &NodeHandle,
-    frames: &mut mpsc::Receiver<ServerFrame>,
-) {
+/// Pumps frames both ways until either side ends. A replica shutting down keeps node sockets
+/// open while its in-flight streams drain; it closes them by stopping the node actors.
+async fn relay(socket: WebSocket, node: &NodeHandle, frames: &mut mpsc::Receiver<ServerFrame>) {
     let (mut sink, mut stream) = socket.split();
     loop {
         tokio::select! {
@@ -135,10 +131,6 @@ async fn relay(
                 Some(Ok(Message::Close(_))) | None | Some(Err(_)) => return,
                 Some(Ok(_)) => {}
             },
-            () = state.shutdown.cancelled() => {
-                let _ = sink.send(Message::Close(None)).await;
-                return;
-            }
         }
     }
 }

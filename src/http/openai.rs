@@ -174,6 +174,14 @@ fn validate(state: &AppState, body: Value) -> Result<ChatRequest, ApiError> {
             },
         }
     }
+    // The model's output cap applies when the client sets none, so the reservation covers
+    // what the engine may produce.
+    if max_tokens.is_none() {
+        obj.insert(
+            "max_tokens".into(),
+            Value::from(resolved.default_max_tokens),
+        );
+    }
     obj.insert("model".into(), Value::String(resolved.name.clone()));
     obj.remove("stream_options");
     Ok(ChatRequest {

@@ -199,3 +199,16 @@ async fn the_agent_reconnects_after_a_server_restart_and_resends_its_unacked_don
     );
     fleet.shutdown(Duration::from_secs(1)).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_shutting_down_lets_running_streams_finish() {
+    let fleet = fleet(&[("small", 1)], 10.0, |_| {}).await;
+    let resp = post_chat(&fleet, &long_chat(60)).await;
+    assert_eq!(resp.status(), 200);
+    let reading = tokio::spawn(read_events(resp));
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    fleet.shutdown(Duration::from_secs(10)).await;
+    let (events, done) = reading.await.unwrap();
+    assert!(done, "the stream completed during the drain");
+    assert!(events.iter().all(|e| e.get("error").is_none()));
+}

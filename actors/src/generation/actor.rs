@@ -356,9 +356,11 @@ impl GenerationState {
             node.ack(&self.args.request_id, self.attempt);
         }
         match usage.finish_reason.as_str() {
+            // After our own cancel the client was already told; otherwise the node stopped on
+            // its own (its agent shut down): a backend failure.
             "abort" => self.fail_client(Failure::new(
-                ErrorCode::GenerationTimeout,
-                "The generation was stopped.",
+                ErrorCode::ModelBackendError,
+                "The node stopped the generation.",
             )),
             "error" => self.fail_client(Failure::new(
                 ErrorCode::ModelBackendError,

@@ -1,0 +1,709 @@
+//! [`RedisCoordinator`]: the production [`Coordinator`], shared by every replica through one
+//! Redis. Multi-command operations are Lua scripts, so each is as atomic as the in-process
+//! [`MemoryCoordinator`](super::MemoryCoordinator) it must behave like; every call is bounded
+//! by a timeout and every failure is [`CoordError::Unavailable`], so callers fail closed.
+//!
+//! Key layout under the deployment's prefix `P` (callers' names are never mangled otherwise):
+//! - `P k:<key>` hashes, counters and leases: the one keyspace of the port;
+//! - `P f:<lease>` the lease's fencing counter, never expiring, outside the port's keyspace
+//!   so that no `delete` or `put_hash` can reset it;
+//! - `P c:<channel>` pub/sub channels (Redis channels ignore the database number, so the
+//!   prefix is what keeps deployments apart);
+//! - `P x:<instance>:<n>` the private control channel of one pub/sub connection.
+//!
+//! A lease is a string `lease:<token>:<owner>`: a hash read or a counter increment on it
+//! fails as on any other kind mismatch, and the scripts refuse strings not in that shape.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::future::Future;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, LazyLock, Mutex, MutexGuard, PoisonError};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use futures::StreamExt;
+use redis::aio::{ConnectionManager, ConnectionManagerConfig, PubSubSink, PubSubStream};
+use redis::{Client, Msg, RedisError, RedisResult, Script};
+use tokio::sync::mpsc::{self, UnboundedReceiver, UnboundedSender};
+use tokio_util::sync::CancellationToken;
+
+use switchyard_actors::ports::{CoordError, Coordinator};
+
+/// How long one call may wait for Redis before it fails with `Unavailable`.
+pub const DEFAULT_COMMAND_TIMEOUT: Duration = Duration::from_secs(2);
+/// How often the pub/sub connection is pinged; an unanswered ping ends its subscriptions.
+pub const DEFAULT_HEALTH_INTERVAL: Duration = Duration::from_secs(5);
+
+/// Longest TTL handed to Redis, in milliseconds: far beyond any real TTL, and small enough
+/// that Redis never rejects `now + ttl` as an overflow.
+const MAX_TTL_MS: u64 = 1 << 60;
+
+/// `put_hash`: replace the hash whole, like the in-process `DEL` + `HSET` + `PEXPIRE`.
+/// KEYS[1] the key; ARGV[1] TTL in ms, then field, value, field, value… An empty field list
+/// leaves no key (Redis has no empty hashes). HSET goes in slices so that `unpack` stays
+/// within Lua's stack however many fields there are.
+static PUT_HASH: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r"
+redis.call('DEL', KEYS[1])
+if #ARGV > 1 then
+  for i = 2, #ARGV, 200 do
+    redis.call('HSET', KEYS[1], unpack(ARGV, i, math.min(i + 199, #ARGV)))
+  end
+  redis.call('PEXPIRE', KEYS[1], ARGV[1])
+end
+return 1
+",
+    )
+});
+
+/// `acquire_lease`. KEYS[1] the lease, KEYS[2] its fencing counter; ARGV[1] owner, ARGV[2]
+/// TTL in ms. Free: INCR the fence and take it. Held by the owner: renew, same token. Held by
+/// another: nil. Any other kind at the key: an error (GET itself fails on a hash).
+static ACQUIRE_LEASE: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r"
+local held = redis.call('GET', KEYS[1])
+if held then
+  local token, owner = string.match(held, '^lease:(%d+):(.*)$')
+  if not token then
+    return redis.error_reply('WRONGTYPE key holds a counter, not a lease')
+  end
+  if owner == ARGV[1] then
+    redis.call('PEXPIRE', KEYS[1], ARGV[2])
+    return tonumber(token)
+  end
+  return false
+end
+local token = redis.call('INCR', KEYS[2])
+redis.call('SET', KEYS[1], 'lease:' .. string.format('%d', token) .. ':' .. ARGV[1], 'PX', ARGV[2])
+return token
+",
+    )
+});
+
+/// `release_lease`: compare-and-delete. KEYS[1] the lease; ARGV[1] owner. A late release
+/// from a fenced-out owner leaves its successor's lease alone.
+static RELEASE_LEASE: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r"
+local held = redis.call('GET', KEYS[1])
+if not held then
+  return 0
+end
+local token, owner = string.match(held, '^lease:(%d+):(.*)$')
+if not token then
+  return redis.error_reply('WRONGTYPE key holds a counter, not a lease')
+end
+if owner == ARGV[1] then
+  redis.call('DEL', KEYS[1])
+  return 1
+end
+return 0
+",
+    )
+});
+
+/// `incr`. KEYS[1] the counter; ARGV[1] the amount, ARGV[2] TTL in ms. A new counter is
+/// created with its expiry (SET NX PX); an existing one only adds, keeping its expiry. The
+/// sum goes back as a string: Lua numbers are doubles and would round counters above 2^53.
+/// A counter found without expiry (written by something else) gets one rather than living
+/// forever.
+static INCR: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r"
+if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
+  return ARGV[1]
+end
+redis.call('INCRBY', KEYS[1], ARGV[1])
+if redis.call('PTTL', KEYS[1]) == -1 then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+end
+return redis.call('GET', KEYS[1])
+",
+    )
+});
+
+/// Tunables of [`RedisCoordinator::connect_with`].
+#[derive(Debug, Clone, Copy)]
+pub struct RedisCoordinatorOptions {
+    /// Bound on every call (and on connecting): a partitioned Redis answers `Unavailable`
+    /// after this long instead of hanging the request.
+    pub command_timeout: Duration,
+    /// Period of the pub/sub connection's ping; a missed answer closes its subscriptions.
+    pub health_interval: Duration,
+}
+
+impl Default for RedisCoordinatorOptions {
+    fn default() -> Self {
+        Self {
+            command_timeout: DEFAULT_COMMAND_TIMEOUT,
+            health_interval: DEFAULT_HEALTH_INTERVAL,
+        }
+    }
+}
+
+/// The [`Coordinator`] of a multi-replica deployment, over Redis.
+///
+/// Commands go through a [`ConnectionManager`] (which reconnects after a dropped connection;
+/// after a timeout the whole connection is replaced, as a half-open socket would otherwise
+/// keep timing out). Subscriptions share one dedicated pub/sub connection. If that
+/// connection is lost, every receiver it feeds is closed — messages may have been missed,
+/// and a closed receiver says so — and the next `subscribe` opens a new one.
+pub struct RedisCoordinator {
+    client: Client,
+    /// Prepended to every key and channel.
+    prefix: String,
+    /// Random per instance: names the control channels of its pub/sub connections.
+    instance: u64,
+    options: RedisCoordinatorOptions,
+    manager_config: ConnectionManagerConfig,
+    /// The command connection and its generation, bumped whenever a timeout replaces it.
+    commands: Mutex<(u64, ConnectionManager)>,
+    /// The live pub/sub connection, opened at connect and again after a loss.
+    pubsub: tokio::sync::Mutex<Option<Arc<PubSubConn>>>,
+    /// Generations of pub/sub connections, for their control channel names.
+    pubsub_generation: AtomicU64,
+    /// Cancelled on drop: stops the background tasks of every pub/sub connection.
+    shutdown: CancellationToken,
+}
+
+impl fmt::Debug for RedisCoordinator {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // The client's connection info may carry a password: leave it out.
+        f.debug_struct("RedisCoordinator")
+            .field("prefix", &self.prefix)
+            .field("instance", &self.instance)
+            .field("options", &self.options)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Drop for RedisCoordinator {
+    fn drop(&mut self) {
+        self.shutdown.cancel();
+    }
+}
+
+fn unavailable(what: &str, err: &RedisError) -> CoordError {
+    CoordError::Unavailable(format!("redis {what}: {err}"))
+}
+
+fn timed_out(what: &str, after: Duration) -> CoordError {
+    CoordError::Unavailable(format!("redis {what}: no answer within {after:?}"))
+}
+
+/// A TTL in whole milliseconds, rounded up (a sub-millisecond TTL still expires) and kept
+/// in the range Redis accepts.
+fn ttl_millis(ttl: Duration) -> u64 {
+    u64::try_from(ttl.as_nanos().div_ceil(1_000_000))
+        .unwrap_or(MAX_TTL_MS)
+        .clamp(1, MAX_TTL_MS)
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // Nothing panics while these locks are held, so a poisoned one still guards sound data.
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+impl RedisCoordinator {
+    /// Connects with the default options (2 s timeouts). Fails with `Unavailable` if Redis
+    /// cannot be reached now: a replica should not start without its coordination.
+    pub async fn connect(url: &str, key_prefix: &str) -> Result<Self, CoordError> {
+        Self::connect_with(url, key_prefix, RedisCoordinatorOptions::default()).await
+    }
+
+    /// Connects the command and pub/sub connections, each within `command_timeout`.
+    pub async fn connect_with(
+        url: &str,
+        key_prefix: &str,
+        options: RedisCoordinatorOptions,
+    ) -> Result<Self, CoordError> {
+        let client = Client::open(url)
+            .map_err(|e| CoordError::Unavailable(format!("invalid redis url: {e}")))?;
+        let timeout = options.command_timeout;
+        let manager_config = ConnectionManagerConfig::new()
+            .set_connection_timeout(Some(timeout))
+            .set_response_timeout(Some(timeout))
+            // Few, quick reconnection attempts: calls are bounded by `command_timeout`
+            // anyway, and the next call starts a fresh attempt.
+            .set_number_of_retries(2)
+            .set_min_delay(Duration::from_millis(50))
+            .set_max_delay(Duration::from_secs(1));
+        let manager = tokio::time::timeout(
+            timeout,
+            ConnectionManager::new_with_config(client.clone(), manager_config.clone()),
+        )
+        .await
+        .map_err(|_| timed_out("connect", timeout))?
+        .map_err(|e| unavailable("connect", &e))?;
+
+        let coordinator = Self {
+            client,
+            prefix: key_prefix.to_owned(),
+            instance: rand::random(),
+            options,
+            manager_config,
+            commands: Mutex::new((0, manager)),
+            pubsub: tokio::sync::Mutex::new(None),
+            pubsub_generation: AtomicU64::new(0),
+            shutdown: CancellationToken::new(),
+        };
+        coordinator.pubsub_conn().await?;
+        Ok(coordinator)
+    }
+
+    /// The prefix every key and channel of this coordinator starts with.
+    pub fn key_prefix(&self) -> &str {
+        &self.prefix
+    }
+
+    fn key(&self, key: &str) -> String {
+        format!("{}k:{key}", self.prefix)
+    }
+
+    fn fence_key(&self, lease: &str) -> String {
+        format!("{}f:{lease}", self.prefix)
+    }
+
+    fn channel(&self, channel: &str) -> String {
+        format!("{}c:{channel}", self.prefix)
+    }
+
+    fn commands(&self) -> (u64, ConnectionManager) {
+        let guard = lock(&self.commands);
+        (guard.0, guard.1.clone())
+    }
+
+    /// Runs one call on the command connection within the timeout. A timeout replaces the
+    /// connection (once per generation): the socket may be half-open, and a late answer on
+    /// it must not be taken for the next command's.
+    async fn bounded<T, F>(&self, what: &str, generation: u64, call: F) -> Result<T, CoordError>
+    where
+        F: Future<Output = RedisResult<T>>,
+    {
+        let timeout = self.options.command_timeout;
+        match tokio::time::timeout(timeout, call).await {
+            Ok(Ok(value)) => Ok(value),
+            Ok(Err(e)) => Err(unavailable(what, &e)),
+            Err(_) => {
+                self.replace_commands(generation);
+                Err(timed_out(what, timeout))
+            }
+        }
+    }
+
+    fn replace_commands(&self, generation: u64) {
+        let mut guard = lock(&self.commands);
+        if guard.0 != generation {
+            return; // another caller replaced it already
+        }
+        match ConnectionManager::new_lazy_with_config(
+            self.client.clone(),
+            self.manager_config.clone(),
+        ) {
+            Ok(fresh) => {
+                *guard = (generation + 1, fresh);
+                tracing::warn!("redis command connection timed out; replaced it");
+            }
+            Err(e) => tracing::warn!(error = %e, "redis command connection not replaced"),
+        }
+    }
+
+    /// The live pub/sub connection, opening a new one if there is none or it was lost.
+    async fn pubsub_conn(&self) -> Result<Arc<PubSubConn>, CoordError> {
+        let mut slot = self.pubsub.lock().await;
+        if let Some(conn) = slot.as_ref()
+            && !conn.closed.is_cancelled()
+        {
+            return Ok(Arc::clone(conn));
+        }
+        let generation = self.pubsub_generation.fetch_add(1, Ordering::Relaxed);
+        let control = format!("{}x:{:016x}:{generation}", self.prefix, self.instance);
+        let conn = PubSubConn::open(
+            &self.client,
+            control,
+            self.options,
+            self.shutdown.child_token(),
+        )
+        .await?;
+        *slot = Some(Arc::clone(&conn));
+        Ok(conn)
+    }
+}
+
+#[async_trait]
+impl Coordinator for RedisCoordinator {
+    async fn put_hash(
+        &self,
+        key: &str,
+        fields: &BTreeMap<String, String>,
+        ttl: Duration,
+    ) -> Result<(), CoordError> {
+        let mut invocation = PUT_HASH.prepare_invoke();
+        invocation.key(self.key(key)).arg(ttl_millis(ttl));
+        for (field, value) in fields {
+            invocation.arg(field).arg(value);
+        }
+        let (generation, mut conn) = self.commands();
+        self.bounded(
+            "put_hash",
+            generation,
+            invocation.invoke_async::<redis::Value>(&mut conn),
+        )
+        .await?;
+        Ok(())
+    }
+
+    async fn get_hash(&self, key: &str) -> Result<Option<BTreeMap<String, String>>, CoordError> {
+        let (generation, mut conn) = self.commands();
+        let fields: BTreeMap<String, String> = self
+            .bounded(
+                "get_hash",
+                generation,
+                redis::cmd("HGETALL")
+                    .arg(self.key(key))
+                    .query_async(&mut conn),
+            )
+            .await?;
+        // Redis has no empty hashes: no fields means no key.
+        Ok((!fields.is_empty()).then_some(fields))
+    }
+
+    async fn delete(&self, key: &str) -> Result<(), CoordError> {
+        let (generation, mut conn) = self.commands();
+        self.bounded(
+            "delete",
+            generation,
+            redis::cmd("DEL")
+                .arg(self.key(key))
+                .query_async::<redis::Value>(&mut conn),
+        )
+        .await?;
+        Ok(())
+    }
+
+    async fn acquire_lease(
+        &self,
+        name: &str,
+        owner: &str,
+        ttl: Duration,
+    ) -> Result<Option<u64>, CoordError> {
+        let mut invocation = ACQUIRE_LEASE.prepare_invoke();
+        invocation
+            .key(self.key(name))
+            .key(self.fence_key(name))
+            .arg(owner)
+            .arg(ttl_millis(ttl));
+        let (generation, mut conn) = self.commands();
+        self.bounded(
+            "acquire_lease",
+            generation,
+            invocation.invoke_async::<Option<u64>>(&mut conn),
+        )
+        .await
+    }
+
+    async fn release_lease(&self, name: &str, owner: &str) -> Result<(), CoordError> {
+        let mut invocation = RELEASE_LEASE.prepare_invoke();
+        invocation.key(self.key(name)).arg(owner);
+        let (generation, mut conn) = self.commands();
+        self.bounded(
+            "release_lease",
+            generation,
+            invocation.invoke_async::<redis::Value>(&mut conn),
+        )
+        .await?;
+        Ok(())
+    }
+
+    async fn incr(&self, key: &str, by: i64, ttl: Duration) -> Result<i64, CoordError> {
+        let mut invocation = INCR.prepare_invoke();
+        invocation.key(self.key(key)).arg(by).arg(ttl_millis(ttl));
+        let (generation, mut conn) = self.commands();
+        self.bounded(
+            "incr",
+            generation,
+            invocation.invoke_async::<i64>(&mut conn),
+        )
+        .await
+    }
+
+    async fn publish(&self, channel: &str, payload: Vec<u8>) -> Result<(), CoordError> {
+        let (generation, mut conn) = self.commands();
+        self.bounded(
+            "publish",
+            generation,
+            redis::cmd("PUBLISH")
+                .arg(self.channel(channel))
+                .arg(payload)
+                .query_async::<redis::Value>(&mut conn),
+        )
+        .await?;
+        Ok(())
+    }
+
+    async fn subscribe(&self, channel: &str) -> Result<UnboundedReceiver<Vec<u8>>, CoordError> {
+        let channel = self.channel(channel);
+        let conn = self.pubsub_conn().await?;
+        let (tx, rx) = mpsc::unbounded_channel();
+        let id = conn.add_route(&channel, tx)?;
+
+        let timeout = self.options.command_timeout;
+        {
+            // Serialised with every other SUBSCRIBE and UNSUBSCRIBE of this connection, so
+            // that a concurrent last-unsubscribe cannot undo this subscription.
+            let mut sink = conn.sink.lock().await;
+            if conn.is_first_route(&channel, id) {
+                match tokio::time::timeout(timeout, sink.subscribe(&channel)).await {
+                    Ok(Ok(())) => {}
+                    Ok(Err(e)) => {
+                        conn.close();
+                        return Err(unavailable("subscribe", &e));
+                    }
+                    Err(_) => {
+                        conn.close();
+                        return Err(timed_out("subscribe", timeout));
+                    }
+                }
+            }
+        }
+
+        // The route stays inactive until this marker comes back through the pub/sub stream:
+        // whatever the stream delivers before it was published before this call returned
+        // (even on a channel the connection already listened to), and whatever is published
+        // after this call returns comes after it.
+        let (generation, mut commands) = self.commands();
+        self.bounded(
+            "subscribe",
+            generation,
+            redis::cmd("PUBLISH")
+                .arg(&conn.control)
+                .arg(id)
+                .query_async::<redis::Value>(&mut commands),
+        )
+        .await?;
+        // On any early return above, dropping `rx` lets the route's watcher remove it.
+        Ok(rx)
+    }
+}
+
+/// One pub/sub connection and the routes from its Redis channels to subscribers.
+struct PubSubConn {
+    /// Subscribes and unsubscribes, one at a time (see [`Coordinator::subscribe`]).
+    sink: tokio::sync::Mutex<PubSubSink>,
+    /// This connection's private channel, carrying the activation markers.
+    control: String,
+    routes: Mutex<Routes>,
+    /// Ids of routes, unique within the connection.
+    next_route: AtomicU64,
+    timeout: Duration,
+    /// Cancelled when the connection is lost or the coordinator dropped: the reader, the
+    /// pinger and every route watcher stop, and all senders are dropped.
+    closed: CancellationToken,
+}
+
+#[derive(Default)]
+struct Routes {
+    /// Subscribers per Redis channel, in subscription order.
+    channels: BTreeMap<String, Vec<Route>>,
+    /// Channel of every route still waiting for its marker, by route id.
+    pending: BTreeMap<u64, String>,
+}
+
+struct Route {
+    id: u64,
+    tx: UnboundedSender<Vec<u8>>,
+    /// Set when the route's marker arrives; only active routes receive messages.
+    active: bool,
+}
+
+impl PubSubConn {
+    async fn open(
+        client: &Client,
+        control: String,
+        options: RedisCoordinatorOptions,
+        closed: CancellationToken,
+    ) -> Result<Arc<Self>, CoordError> {
+        let timeout = options.command_timeout;
+        let (mut sink, stream) = tokio::time::timeout(timeout, async {
+            let (mut sink, stream) = client.get_async_pubsub().await?.split();
+            sink.subscribe(&control).await?;
+            Ok::<_, RedisError>((sink, stream))
+        })
+        .await
+        .map_err(|_| timed_out("pub/sub connect", timeout))?
+        .map_err(|e| unavailable("pub/sub connect", &e))?;
+
+        let conn = Arc::new(Self {
+            sink: tokio::sync::Mutex::new(sink.clone()),
+            control,
+            routes: Mutex::new(Routes::default()),
+            next_route: AtomicU64::new(0),
+            timeout,
+            closed,
+        });
+        tokio::spawn(Arc::clone(&conn).read(stream));
+        let pinger = Arc::clone(&conn);
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(options.health_interval);
+            tick.tick().await; // the first tick is immediate
+            loop {
+                tokio::select! {
+                    () = pinger.closed.cancelled() => return,
+                    _ = tick.tick() => {}
+                }
+                let answer = tokio::time::timeout(timeout, sink.ping::<redis::Value>()).await;
+                if !matches!(answer, Ok(Ok(_))) {
+                    tracing::warn!("redis pub/sub connection missed its ping; closing it");
+                    pinger.close();
+                    return;
+                }
+            }
+        });
+        Ok(conn)
+    }
+
+    /// Reads the stream until the connection ends or is closed, routing each message.
+    async fn read(self: Arc<Self>, mut stream: PubSubStream) {
+        loop {
+            tokio::select! {
+                () = self.closed.cancelled() => break,
+                msg = stream.next() => match msg {
+                    Some(msg) => self.route(&msg),
+                    None => {
+                        tracing::warn!("redis pub/sub connection lost; closing its subscriptions");
+                        break;
+                    }
+                },
+            }
+        }
+        self.close();
+        // Dropping the stream stops the connection's driver task and closes the socket.
+    }
+
+    fn route(&self, msg: &Msg) {
+        let channel = msg.get_channel_name();
+        let payload = msg.get_payload_bytes();
+        let mut routes = lock(&self.routes);
+        if channel == self.control {
+            let marker = std::str::from_utf8(payload)
+                .ok()
+                .and_then(|s| s.parse::<u64>().ok());
+            let Some(id) = marker else { return };
+            let Some(channel) = routes.pending.remove(&id) else {
+                return;
+            };
+            if let Some(route) = routes
+                .channels
+                .get_mut(&channel)
+                .and_then(|subs| subs.iter_mut().find(|r| r.id == id))
+            {
+                route.active = true;
+            }
+            return;
+        }
+        if let Some(subs) = routes.channels.get(channel) {
+            for route in subs.iter().filter(|r| r.active) {
+                // A failed send means the receiver is gone; its watcher removes the route.
+                let _ = route.tx.send(payload.to_vec());
+            }
+        }
+    }
+
+    /// Registers an inactive route for `tx` and the watcher that removes it once the
+    /// receiver is dropped. Returns the route id.
+    fn add_route(
+        self: &Arc<Self>,
+        channel: &str,
+        tx: UnboundedSender<Vec<u8>>,
+    ) -> Result<u64, CoordError> {
+        let id = self.next_route.fetch_add(1, Ordering::Relaxed);
+        {
+            let mut routes = lock(&self.routes);
+            // Checked under the lock `close` clears: no route outlives the connection.
+            if self.closed.is_cancelled() {
+                return Err(CoordError::Unavailable(
+                    "redis subscribe: pub/sub connection lost".to_owned(),
+                ));
+            }
+            routes
+                .channels
+                .entry(channel.to_owned())
+                .or_default()
+                .push(Route {
+                    id,
+                    tx: tx.clone(),
+                    active: false,
+                });
+            routes.pending.insert(id, channel.to_owned());
+        }
+        let conn = Arc::clone(self);
+        let channel = channel.to_owned();
+        tokio::spawn(async move {
+            tokio::select! {
+                () = tx.closed() => conn.remove_route(&channel, id).await,
+                () = conn.closed.cancelled() => {}
+            }
+        });
+        Ok(id)
+    }
+
+    /// Whether `id` is the only route of `channel`, so the connection must SUBSCRIBE.
+    fn is_first_route(&self, channel: &str, id: u64) -> bool {
+        lock(&self.routes)
+            .channels
+            .get(channel)
+            .is_some_and(|subs| subs.len() == 1 && subs.first().is_some_and(|r| r.id == id))
+    }
+
+    /// Drops route `id`; the last route of a channel takes the Redis subscription with it.
+    async fn remove_route(&self, channel: &str, id: u64) {
+        let mut sink = self.sink.lock().await;
+        let now_empty = {
+            let mut routes = lock(&self.routes);
+            routes.pending.remove(&id);
+            match routes.channels.get_mut(channel) {
+                Some(subs) => {
+                    subs.retain(|r| r.id != id);
+                    let empty = subs.is_empty();
+                    if empty {
+                        routes.channels.remove(channel);
+                    }
+                    empty
+                }
+                None => false,
+            }
+        };
+        if now_empty && !self.closed.is_cancelled() {
+            let answer = tokio::time::timeout(self.timeout, sink.unsubscribe(channel)).await;
+            if !matches!(answer, Ok(Ok(()))) {
+                tracing::warn!("redis pub/sub unsubscribe failed; closing the connection");
+                self.close();
+            }
+        }
+    }
+
+    /// Ends the connection: its tasks stop and every subscriber's receiver closes.
+    fn close(&self) {
+        let mut routes = lock(&self.routes);
+        self.closed.cancel();
+        routes.channels.clear();
+        routes.pending.clear();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ttls_round_up_to_a_millisecond_and_stay_in_range() {
+        assert_eq!(ttl_millis(Duration::ZERO), 1);
+        assert_eq!(ttl_millis(Duration::from_micros(1)), 1);
+        assert_eq!(ttl_millis(Duration::from_micros(1_500)), 2);
+        assert_eq!(ttl_millis(Duration::from_secs(15)), 15_000);
+        assert_eq!(ttl_millis(Duration::MAX), MAX_TTL_MS);
+    }
+}
