@@ -15,3 +15,5 @@ mod leaks;
 mod path;
 #[path = "server/sdk.rs"]
 mod sdk;
+#[path = "server/usage.rs"]
+mod usage;

@@ -6,6 +6,8 @@ mod health;
 mod nodes_ws;
 mod openai;
 pub mod sse;
+pub mod ssrf;
+mod usage;
 
 use std::sync::Arc;
 
@@ -21,6 +23,7 @@ pub fn router(state: Arc<AppState>) -> Router {
     Router::new()
         .route("/v1/chat/completions", post(openai::chat_completions))
         .route("/v1/models", get(openai::models))
+        .route("/v1/usage", get(usage::usage))
         .route("/v1/nodes/connect", get(nodes_ws::connect))
         .route(
             "/admin/teams",

@@ -53,6 +53,15 @@ async fn run(
 ) -> Result<Response, ApiError> {
     let principal = state.auth.authenticate(headers).await?;
     tracing::Span::current().record("team_id", principal.team_id);
+    if let Err(unsafe_ref) = super::ssrf::check(&body) {
+        let message = match unsafe_ref {
+            super::ssrf::Unsafe::Reference(what) => {
+                format!("The request references an internal resource ({what}).")
+            }
+            super::ssrf::Unsafe::TooDeep => "The request body is nested too deeply.".to_owned(),
+        };
+        return Err(ApiError::new(ErrorCode::UnsafeReference, message));
+    }
     let req = validate(state, body)?;
     tracing::Span::current().record("model", req.resolved.name.as_str());
     if !principal.key.allows_model(&req.resolved.name) && !principal.key.allows_model(&req.model) {
