@@ -5,8 +5,9 @@
 
 use std::sync::{Arc, PoisonError};
 
-use axum::extract::{Path, Query, State};
-use axum::http::{HeaderMap, StatusCode};
+use axum::extract::{FromRequestParts, Path, Query, State};
+use axum::http::StatusCode;
+use axum::http::request::Parts;
 use axum::response::{IntoResponse, Response};
 use chrono::{DateTime, Utc};
 use serde::Deserialize;
@@ -21,22 +22,33 @@ use crate::store::{
     new_secret,
 };
 
-/// Checks the bearer token against the bootstrap admin token.
-fn authorize(state: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
-    let presented = headers
-        .get(axum::http::header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .ok_or_else(|| ApiError::new(ErrorCode::Unauthorized, "Missing bearer credential."))?;
-    let expected = state.config.admin_token.as_deref().unwrap_or_default();
-    let ok = !expected.is_empty() && bool::from(presented.as_bytes().ct_eq(expected.as_bytes()));
-    if ok {
-        Ok(())
-    } else {
-        Err(ApiError::new(
-            ErrorCode::Forbidden,
-            "Admin rights are required.",
-        ))
+/// Proof that the caller presented the bootstrap admin token (compared in constant time).
+/// Taking it as a handler argument is what makes a route admin-only.
+#[derive(Debug, Clone, Copy)]
+pub struct Admin;
+
+impl FromRequestParts<Arc<AppState>> for Admin {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(
+        parts: &mut Parts,
+        state: &Arc<AppState>,
+    ) -> Result<Self, ApiError> {
+        let presented = parts
+            .headers
+            .get(axum::http::header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .ok_or_else(|| ApiError::new(ErrorCode::Unauthorized, "Missing bearer credential."))?;
+        let expected = state.config.admin_token.as_deref().unwrap_or_default();
+        if !expected.is_empty() && bool::from(presented.as_bytes().ct_eq(expected.as_bytes())) {
+            Ok(Admin)
+        } else {
+            Err(ApiError::new(
+                ErrorCode::Forbidden,
+                "Admin rights are required.",
+            ))
+        }
     }
 }
 
@@ -84,10 +96,9 @@ pub struct NewTeam {
 
 pub async fn create_team(
     State(state): State<Arc<AppState>>,
-    headers: HeaderMap,
+    _admin: Admin,
     Json(body): Json<NewTeam>,
 ) -> Result<Response, ApiError> {
-    authorize(&state, &headers)?;
     let team = state
         .store
         .create_team(&body.name)
@@ -99,9 +110,8 @@ pub async fn create_team(
 
 pub async fn list_teams(
     State(state): State<Arc<AppState>>,
-    headers: HeaderMap,
+    _admin: Admin,
 ) -> Result<Response, ApiError> {
-    authorize(&state, &headers)?;
     let teams = state.store.teams().await.map_err(store_error)?;
     Ok(ok(StatusCode::OK, json!({ "data": teams })))
 }
@@ -130,10 +140,9 @@ pub struct NewKey {
 
 pub async fn create_key(
     State(state): State<Arc<AppState>>,
-    headers: HeaderMap,
+    _admin: Admin,
     Json(body): Json<NewKey>,
 ) -> Result<Response, ApiError> {
-    authorize(&state, &headers)?;
     let team = resolve_team(&state, &body.team).await?;
     if let Some(models) = &body.model_allowlist
         && let Some(unknown) = models
@@ -178,10 +187,9 @@ pub struct KeysQuery {
 
 pub async fn list_keys(
     State(state): State<Arc<AppState>>,
-    headers: HeaderMap,
+    _admin: Admin,
     Query(q): Query<KeysQuery>,
 ) -> Result<Response, ApiError> {
-    authorize(&state, &headers)?;
     let team_ref = match q.team {
         Some(t) => t.parse().map(TeamRef::Id).unwrap_or(TeamRef::Name(t)),
         None => {
@@ -198,10 +206,9 @@ pub async fn list_keys(
 
 pub async fn revoke_key(
     State(state): State<Arc<AppState>>,
-    headers: HeaderMap,
+    _admin: Admin,
     Path(id): Path<i64>,
 ) -> Result<Response, ApiError> {
-    authorize(&state, &headers)?;
     let revoked = state.store.revoke_api_key(id).await.map_err(store_error)?;
     tracing::info!(key_id = id, revoked, "api key revoked");
     Ok(ok(StatusCode::OK, json!({ "id": id, "revoked": true })))
@@ -216,10 +223,9 @@ pub struct Credits {
 
 pub async fn add_credits(
     State(state): State<Arc<AppState>>,
-    headers: HeaderMap,
+    _admin: Admin,
     Json(body): Json<Credits>,
 ) -> Result<Response, ApiError> {
-    authorize(&state, &headers)?;
     let team = resolve_team(&state, &body.team).await?;
     let balance = state
         .store
@@ -247,10 +253,9 @@ fn default_location() -> String {
 
 pub async fn create_node(
     State(state): State<Arc<AppState>>,
-    headers: HeaderMap,
+    _admin: Admin,
     Json(body): Json<NewNode>,
 ) -> Result<Response, ApiError> {
-    authorize(&state, &headers)?;
     let valid_id = !body.node_id.is_empty()
         && body.node_id.len() <= 128
         && body
@@ -278,10 +283,9 @@ pub async fn create_node(
 
 pub async fn revoke_node_token(
     State(state): State<Arc<AppState>>,
-    headers: HeaderMap,
+    _admin: Admin,
     Path(id): Path<String>,
 ) -> Result<Response, ApiError> {
-    authorize(&state, &headers)?;
     let revoked = state
         .store
         .revoke_node_token(&id)
@@ -305,9 +309,8 @@ pub async fn revoke_node_token(
 
 pub async fn list_nodes(
     State(state): State<Arc<AppState>>,
-    headers: HeaderMap,
+    _admin: Admin,
 ) -> Result<Response, ApiError> {
-    authorize(&state, &headers)?;
     let records = state.store.nodes().await.map_err(store_error)?;
     let mut data = Vec::new();
     for node in records {
@@ -350,10 +353,9 @@ pub async fn list_nodes(
 
 pub async fn drain_node(
     State(state): State<Arc<AppState>>,
-    headers: HeaderMap,
+    _admin: Admin,
     Path(id): Path<String>,
 ) -> Result<Response, ApiError> {
-    authorize(&state, &headers)?;
     state
         .store
         .mark_node_drained(&id, state.clock.wall())
