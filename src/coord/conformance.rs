@@ -57,8 +57,10 @@ pub async fn conformance_suite(c: &dyn Coordinator, prefix: &str) -> Outcome {
     counter_sums_and_keeps_first_expiry(c, prefix).await?;
     pubsub_order_and_late_subscribers(c, prefix).await?;
     pubsub_fans_out_and_survives_dropped_subscribers(c, prefix).await?;
+    pubsub_late_subscriber_on_a_busy_channel(c, prefix).await?;
     delete_removes_any_kind(c, prefix).await?;
     wrong_kind_is_an_error(c, prefix).await?;
+    leases_and_other_kinds_do_not_mix(c, prefix).await?;
     Ok(())
 }
 
@@ -349,6 +351,40 @@ pub async fn pubsub_fans_out_and_survives_dropped_subscribers(
     Ok(())
 }
 
+/// A subscriber joining a channel that already has a subscriber sees nothing published
+/// before it subscribed, even messages not yet delivered to the earlier subscriber.
+pub async fn pubsub_late_subscriber_on_a_busy_channel(
+    c: &dyn Coordinator,
+    prefix: &str,
+) -> Outcome {
+    const CHECK: &str = "pubsub_late_subscriber_on_a_busy_channel";
+    let channel = format!("{prefix}ch:busy");
+
+    let mut early = c.subscribe(&channel).await?;
+    for i in 0..200 {
+        c.publish(&channel, format!("b{i}").into_bytes()).await?;
+    }
+    // Nothing read yet: the burst may still be on its way to `early`.
+    let mut late = c.subscribe(&channel).await?;
+    c.publish(&channel, b"after".to_vec()).await?;
+
+    expect_eq(
+        CHECK,
+        next_message(CHECK, &mut late).await?,
+        b"after".to_vec(),
+    )?;
+    for i in 0..200 {
+        let got = next_message(CHECK, &mut early).await?;
+        expect_eq(CHECK, got, format!("b{i}").into_bytes())?;
+    }
+    expect_eq(
+        CHECK,
+        next_message(CHECK, &mut early).await?,
+        b"after".to_vec(),
+    )?;
+    Ok(())
+}
+
 /// `delete` removes a hash, a counter or a lease alike; deleting nothing is fine.
 pub async fn delete_removes_any_kind(c: &dyn Coordinator, prefix: &str) -> Outcome {
     const CHECK: &str = "delete_removes_any_kind";
@@ -396,6 +432,55 @@ pub async fn wrong_kind_is_an_error(c: &dyn Coordinator, prefix: &str) -> Outcom
     expect_eq(CHECK, c.get_hash(&h).await?, Some(fields))?;
     expect_eq(CHECK, c.incr(&n, 0, LONG).await?, 1)?;
 
+    c.delete(&h).await?;
+    c.delete(&n).await?;
+    Ok(())
+}
+
+/// Leases share the keyspace too: a lease is neither a hash nor a counter, a hash or a
+/// counter is no lease, and `put_hash` over a lease replaces it without resetting its fence.
+pub async fn leases_and_other_kinds_do_not_mix(c: &dyn Coordinator, prefix: &str) -> Outcome {
+    const CHECK: &str = "leases_and_other_kinds_do_not_mix";
+    let l = format!("{prefix}mix:lease");
+    let h = format!("{prefix}mix:hash");
+    let n = format!("{prefix}mix:ctr");
+    let fields = hash(&[("f", "v")]);
+
+    let t1 = granted(CHECK, c.acquire_lease(&l, "a", LONG).await?)?;
+    c.put_hash(&h, &fields, LONG).await?;
+    c.incr(&n, 3, LONG).await?;
+
+    expect(CHECK, c.get_hash(&l).await.is_err(), || {
+        "get_hash on a lease succeeded".to_owned()
+    })?;
+    expect(CHECK, c.incr(&l, 1, LONG).await.is_err(), || {
+        "incr on a lease succeeded".to_owned()
+    })?;
+    expect(CHECK, c.acquire_lease(&h, "a", LONG).await.is_err(), || {
+        "acquire_lease on a hash succeeded".to_owned()
+    })?;
+    expect(CHECK, c.acquire_lease(&n, "a", LONG).await.is_err(), || {
+        "acquire_lease on a counter succeeded".to_owned()
+    })?;
+    expect(CHECK, c.release_lease(&n, "a").await.is_err(), || {
+        "release_lease on a counter succeeded".to_owned()
+    })?;
+    // The failed calls changed nothing.
+    expect_eq(CHECK, c.acquire_lease(&l, "a", LONG).await?, Some(t1))?;
+    expect_eq(CHECK, c.get_hash(&h).await?, Some(fields.clone()))?;
+    expect_eq(CHECK, c.incr(&n, 0, LONG).await?, 3)?;
+
+    // Overwritten by a hash, the lease is gone; once the hash goes too, the next holder's
+    // token is still above the overwritten one.
+    c.put_hash(&l, &fields, LONG).await?;
+    expect_eq(CHECK, c.get_hash(&l).await?, Some(fields))?;
+    c.delete(&l).await?;
+    let t2 = granted(CHECK, c.acquire_lease(&l, "b", LONG).await?)?;
+    expect(CHECK, t2 > t1, || {
+        format!("token {t2} after an overwrite not above {t1}")
+    })?;
+
+    c.delete(&l).await?;
     c.delete(&h).await?;
     c.delete(&n).await?;
     Ok(())

@@ -3,18 +3,18 @@
 //! [`MemoryCoordinator`](super::MemoryCoordinator) it must behave like; every call is bounded
 //! by a timeout and every failure is [`CoordError::Unavailable`], so callers fail closed.
 //!
-//! Key layout under the deployment's prefix `P` (callers' names are never mangled otherwise):
-//! - `P k:<key>` hashes, counters and leases: the one keyspace of the port;
-//! - `P f:<lease>` the lease's fencing counter, never expiring, outside the port's keyspace
-//!   so that no `delete` or `put_hash` can reset it;
-//! - `P c:<channel>` pub/sub channels (Redis channels ignore the database number, so the
-//!   prefix is what keeps deployments apart);
-//! - `P x:<instance>:<n>` the private control channel of one pub/sub connection.
+//! Key layout under the deployment's prefix (callers' names are otherwise kept as given):
+//! - `{prefix}k:{key}` hashes, counters and leases: the one keyspace of the port;
+//! - `{prefix}f:{lease}` the lease's fencing counter, never expiring, outside the port's
+//!   keyspace so that no `delete` or `put_hash` can reset it;
+//! - `{prefix}c:{channel}` pub/sub channels (Redis channels ignore the database number, so
+//!   the prefix is what keeps deployments apart);
+//! - `{prefix}x:{instance}:{n}` the private control channel of one pub/sub connection.
 //!
 //! A lease is a string `lease:<token>:<owner>`: a hash read or a counter increment on it
 //! fails as on any other kind mismatch, and the scripts refuse strings not in that shape.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -60,7 +60,9 @@ return 1
 
 /// `acquire_lease`. KEYS[1] the lease, KEYS[2] its fencing counter; ARGV[1] owner, ARGV[2]
 /// TTL in ms. Free: INCR the fence and take it. Held by the owner: renew, same token. Held by
-/// another: nil. Any other kind at the key: an error (GET itself fails on a hash).
+/// another: nil. Any other kind at the key: an error (GET itself fails on a hash). A renewal
+/// returns the stored digits as a string, so a token Lua's doubles cannot hold is an error
+/// on parsing, never a rounded token.
 static ACQUIRE_LEASE: LazyLock<Script> = LazyLock::new(|| {
     Script::new(
         r"
@@ -72,7 +74,7 @@ if held then
   end
   if owner == ARGV[1] then
     redis.call('PEXPIRE', KEYS[1], ARGV[2])
-    return tonumber(token)
+    return token
   end
   return false
 end
@@ -277,8 +279,8 @@ impl RedisCoordinator {
     }
 
     /// Runs one call on the command connection within the timeout. A timeout replaces the
-    /// connection (once per generation): the socket may be half-open, and a late answer on
-    /// it must not be taken for the next command's.
+    /// connection (once per generation): the socket may be half-open, and nothing else would
+    /// ever notice — it reports no error, every call on it just times out.
     async fn bounded<T, F>(&self, what: &str, generation: u64, call: F) -> Result<T, CoordError>
     where
         F: Future<Output = RedisResult<T>>,
@@ -286,6 +288,11 @@ impl RedisCoordinator {
         let timeout = self.options.command_timeout;
         match tokio::time::timeout(timeout, call).await {
             Ok(Ok(value)) => Ok(value),
+            // The connection's own response timeout (the same length) may fire first.
+            Ok(Err(e)) if e.is_timeout() => {
+                self.replace_commands(generation);
+                Err(unavailable(what, &e))
+            }
             Ok(Err(e)) => Err(unavailable(what, &e)),
             Err(_) => {
                 self.replace_commands(generation);
@@ -455,7 +462,10 @@ impl Coordinator for RedisCoordinator {
             // Serialised with every other SUBSCRIBE and UNSUBSCRIBE of this connection, so
             // that a concurrent last-unsubscribe cannot undo this subscription.
             let mut sink = conn.sink.lock().await;
-            if conn.is_first_route(&channel, id) {
+            if !conn.is_subscribed(&channel) {
+                // Marked first: if this call is cancelled mid-SUBSCRIBE, the route's watcher
+                // still finds the channel subscribed and unsubscribes it.
+                conn.mark_subscribed(&channel);
                 match tokio::time::timeout(timeout, sink.subscribe(&channel)).await {
                     Ok(Ok(())) => {}
                     Ok(Err(e)) => {
@@ -470,10 +480,11 @@ impl Coordinator for RedisCoordinator {
             }
         }
 
-        // The route stays inactive until this marker comes back through the pub/sub stream:
-        // whatever the stream delivers before it was published before this call returned
-        // (even on a channel the connection already listened to), and whatever is published
-        // after this call returns comes after it.
+        // The route stays inactive until this marker comes back through the pub/sub stream.
+        // Redis delivers in execution order, so no message published before this call began
+        // reaches the new subscriber (even on a channel the connection already listened to,
+        // with older messages still in flight), and every one published after it returns
+        // does.
         let (generation, mut commands) = self.commands();
         self.bounded(
             "subscribe",
@@ -510,6 +521,9 @@ struct Routes {
     channels: BTreeMap<String, Vec<Route>>,
     /// Channel of every route still waiting for its marker, by route id.
     pending: BTreeMap<u64, String>,
+    /// Channels the connection has SUBSCRIBEd to on Redis. A channel can have routes before
+    /// it is in here (its first subscriber is on the way) but never stays in here without.
+    subscribed: BTreeSet<String>,
 }
 
 struct Route {
@@ -650,12 +664,17 @@ impl PubSubConn {
         Ok(id)
     }
 
-    /// Whether `id` is the only route of `channel`, so the connection must SUBSCRIBE.
-    fn is_first_route(&self, channel: &str, id: u64) -> bool {
-        lock(&self.routes)
-            .channels
-            .get(channel)
-            .is_some_and(|subs| subs.len() == 1 && subs.first().is_some_and(|r| r.id == id))
+    /// Whether the connection listens to `channel` on Redis. Changes only under `sink`.
+    fn is_subscribed(&self, channel: &str) -> bool {
+        lock(&self.routes).subscribed.contains(channel)
+    }
+
+    fn mark_subscribed(&self, channel: &str) {
+        let mut routes = lock(&self.routes);
+        // After a `close` nothing is listened to any more.
+        if !self.closed.is_cancelled() {
+            routes.subscribed.insert(channel.to_owned());
+        }
     }
 
     /// Drops route `id`; the last route of a channel takes the Redis subscription with it.
@@ -664,17 +683,13 @@ impl PubSubConn {
         let now_empty = {
             let mut routes = lock(&self.routes);
             routes.pending.remove(&id);
-            match routes.channels.get_mut(channel) {
-                Some(subs) => {
-                    subs.retain(|r| r.id != id);
-                    let empty = subs.is_empty();
-                    if empty {
-                        routes.channels.remove(channel);
-                    }
-                    empty
+            if let Some(subs) = routes.channels.get_mut(channel) {
+                subs.retain(|r| r.id != id);
+                if subs.is_empty() {
+                    routes.channels.remove(channel);
                 }
-                None => false,
             }
+            !routes.channels.contains_key(channel) && routes.subscribed.remove(channel)
         };
         if now_empty && !self.closed.is_cancelled() {
             let answer = tokio::time::timeout(self.timeout, sink.unsubscribe(channel)).await;
@@ -691,6 +706,7 @@ impl PubSubConn {
         self.closed.cancel();
         routes.channels.clear();
         routes.pending.clear();
+        routes.subscribed.clear();
     }
 }
 
