@@ -1,76 +1,81 @@
-//! Integration tests of the SQLite store: configuration round trips, the ledger's
-//! exactly-once transitions under concurrency, and `balance = credits - settled cost` after a
-//! seeded random mix. Real SQLite files live in a fresh directory under the temp dir.
+//! Integration tests of the store, each behaviour run on both backends: SQLite (a file in a
+//! fresh temp directory) and PostgreSQL (a fresh database per test, see `store/harness.rs`).
+//! Here: connecting, migrating and configuration round trips; the ledger's bodies are in
+//! `store/ledger.rs`, PostgreSQL's lock waits in `store/postgres.rs`. Each body is a plain
+//! async fn; `on_both!` runs it once per backend, as `<body>::sqlite` and
+//! `<body>::postgres`.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+#[path = "store/harness.rs"]
+mod harness;
+
 use std::collections::BTreeMap;
-use std::path::PathBuf;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU32, Ordering};
 
 use chrono::{DateTime, TimeZone, Utc};
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use sqlx::SqlitePool;
 
 use switchyard::store::conformance::{self, reservation, settlement};
 use switchyard::store::{
-    API_KEY_PREFIX, Ledger, LedgerError, LedgerStatus, NODE_TOKEN_PREFIX, NewApiKey, SettleOutcome,
-    SqliteStore, Store, StoreError, cost_of, display_prefix, hash_secret, new_secret,
+    API_KEY_PREFIX, Ledger, LedgerError, LedgerStatus, NODE_TOKEN_PREFIX, NewApiKey, PostgresStore,
+    Reservation, SettleOutcome, SqliteStore, Store, StoreError, connect_store, cost_of,
+    display_prefix, hash_secret, new_secret,
 };
 use switchyard_actors::ports::Clock;
 use switchyard_actors::ports::memory::MemoryLedger;
 
-/// A database file in its own fresh directory, removed with it.
-struct TempDb {
-    dir: PathBuf,
+use harness::{Backend, Db};
+
+/// Runs each named body on both backends, in a fresh database each: bodies taking
+/// `Arc<dyn Store>` under `store:`, bodies that need the database itself (a second
+/// connection, plain SQL) under `db:`.
+macro_rules! on_both {
+    ($arg:ident: $($body:ident),+ $(,)?) => {
+        $(
+            mod $body {
+                use super::*;
+
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn sqlite() {
+                    let db = Db::new(Backend::Sqlite, stringify!($body)).await;
+                    on_both!(@call $arg, $body, db);
+                }
+
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn postgres() {
+                    let db = Db::new(Backend::Postgres, stringify!($body)).await;
+                    on_both!(@call $arg, $body, db);
+                }
+            }
+        )+
+    };
+    (@call store, $body:ident, $db:ident) => {
+        super::$body($db.store()).await
+    };
+    (@call db, $body:ident, $db:ident) => {
+        super::$body(&$db).await
+    };
 }
 
-impl TempDb {
-    fn new(name: &str) -> Self {
-        static SEQ: AtomicU32 = AtomicU32::new(0);
-        let dir = std::env::temp_dir().join(format!(
-            "switchyard-store-{}-{}-{name}",
-            std::process::id(),
-            SEQ.fetch_add(1, Ordering::Relaxed)
-        ));
-        let _ = std::fs::remove_dir_all(&dir);
-        Self { dir }
-    }
+#[path = "store/ledger.rs"]
+mod ledger;
+#[path = "store/postgres.rs"]
+mod postgres;
 
-    /// The directory does not exist yet: `connect` creates it.
-    fn url(&self) -> String {
-        format!(
-            "sqlite://{}?mode=rwc",
-            self.dir.join("nested/switchyard.db").display()
-        )
-    }
-
-    /// A second, independent pool on the same file, to check the tables with plain SQL.
-    async fn raw(&self) -> SqlitePool {
-        SqlitePool::connect(&self.url()).await.unwrap()
-    }
-}
-
-impl Drop for TempDb {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
-
-async fn memory_store() -> SqliteStore {
-    let store = SqliteStore::connect("sqlite::memory:").await.unwrap();
-    store.migrate().await.unwrap();
-    store
-}
-
-async fn file_store(db: &TempDb) -> SqliteStore {
-    let store = SqliteStore::connect(&db.url()).await.unwrap();
-    store.migrate().await.unwrap();
-    store
-}
+on_both!(store:
+    teams_round_trip,
+    api_keys_round_trip_by_hash_and_revoke,
+    nodes_register_drain_revoke_and_reissue,
+);
+on_both!(db:
+    reopening_finds_the_data_and_migrating_again_changes_nothing,
+    a_closed_store_is_unavailable_and_fails_closed,
+    credits_append_entries_and_move_the_balance,
+    store_timestamps_come_from_the_injected_clock,
+);
 
 fn new_key(team_id: i64, secret: &str) -> NewApiKey {
     NewApiKey {
@@ -79,6 +84,22 @@ fn new_key(team_id: i64, secret: &str) -> NewApiKey {
         prefix: display_prefix(secret),
         ..NewApiKey::default()
     }
+}
+
+/// A team named `name` holding `credits`.
+async fn funded(store: &dyn Store, name: &str, credits: i64) -> i64 {
+    let team = store.create_team(name).await.unwrap();
+    store.add_credits(team.id, credits, "start").await.unwrap();
+    team.id
+}
+
+async fn balance(store: &dyn Store, team_id: i64) -> i64 {
+    store
+        .team(team_id)
+        .await
+        .unwrap()
+        .unwrap()
+        .balance_microcredits
 }
 
 /// A wall clock stuck at one instant, to check the timestamps the store writes itself.
@@ -94,44 +115,17 @@ impl Clock for FixedClock {
     }
 }
 
-#[tokio::test]
-async fn file_database_persists_in_wal_mode_and_migrates_idempotently() {
-    let db = TempDb::new("persist");
-    let store = file_store(&db).await;
-    store.migrate().await.unwrap();
-    store.ping().await.unwrap();
-    let team = store.create_team("persisted").await.unwrap();
-    store.close().await;
+// ---------------------------------------------------------------------------------------
+// Backend-specific and backend-free checks.
 
-    let reopened = file_store(&db).await;
-    assert_eq!(
-        reopened.team_by_name("persisted").await.unwrap(),
-        Some(team)
-    );
+#[tokio::test]
+async fn sqlite_file_database_runs_in_wal_mode() {
+    let db = Db::new(Backend::Sqlite, "wal").await;
     let mode: String = sqlx::query_scalar("PRAGMA journal_mode")
-        .fetch_one(&db.raw().await)
+        .fetch_one(db.raw().await.sqlite())
         .await
         .unwrap();
     assert_eq!(mode, "wal");
-}
-
-#[tokio::test]
-async fn a_closed_store_is_unavailable_and_fails_closed() {
-    let store = memory_store().await;
-    let team = store.create_team("t").await.unwrap();
-    store.close().await;
-    assert!(matches!(
-        store.ping().await,
-        Err(StoreError::Unavailable(_))
-    ));
-    assert!(matches!(
-        store.reserve(&reservation("r", team.id)).await,
-        Err(LedgerError::Unavailable(_))
-    ));
-    assert!(matches!(
-        store.settle(&settlement("r", 1, 1)).await,
-        Err(LedgerError::Unavailable(_))
-    ));
 }
 
 #[tokio::test]
@@ -140,11 +134,114 @@ async fn a_bad_url_is_invalid() {
         SqliteStore::connect("postgres://nope").await,
         Err(StoreError::Invalid(_))
     ));
+    assert!(matches!(
+        PostgresStore::connect("sqlite::memory:").await,
+        Err(StoreError::Invalid(_))
+    ));
+    assert!(matches!(
+        PostgresStore::connect("postgres://h:notaport/db").await,
+        Err(StoreError::Invalid(_))
+    ));
+    assert!(matches!(
+        connect_store("mysql://localhost/db").await,
+        Err(StoreError::Invalid(_))
+    ));
 }
 
 #[tokio::test]
-async fn teams_round_trip() {
-    let store = memory_store().await;
+async fn connect_store_picks_the_backend_by_scheme() {
+    let sqlite = connect_store("sqlite::memory:").await.unwrap();
+    sqlite.migrate().await.unwrap();
+    assert!(format!("{sqlite:?}").starts_with("SqliteStore"));
+    // `postgresql://` is PostgreSQL's other spelling.
+    let db = Db::new(Backend::Postgres, "scheme").await;
+    let url = db.url().replacen("postgres://", "postgresql://", 1);
+    let postgres = connect_store(&url).await.unwrap();
+    postgres.ping().await.unwrap();
+    assert!(format!("{postgres:?}").starts_with("PostgresStore"));
+}
+
+#[tokio::test]
+async fn an_unreachable_postgres_is_unavailable() {
+    // Nothing listens on port 1; the pool retries refused connections until its 5 s
+    // acquire timeout, then reports the store unavailable.
+    let started = std::time::Instant::now();
+    assert!(matches!(
+        PostgresStore::connect("postgres://postgres@127.0.0.1:1/postgres").await,
+        Err(StoreError::Unavailable(_))
+    ));
+    assert!(started.elapsed() < std::time::Duration::from_secs(10));
+}
+
+#[tokio::test]
+async fn ledger_conformance_in_memory_reference() {
+    conformance::ledger_conformance_suite(&MemoryLedger::default(), 1, "c:")
+        .await
+        .unwrap();
+}
+
+#[tokio::test]
+async fn ledger_conformance_sqlite_in_memory() {
+    let store = SqliteStore::connect("sqlite::memory:").await.unwrap();
+    store.migrate().await.unwrap();
+    let team = funded(&store, "conformance", conformance::SUITE_BALANCE).await;
+    conformance::ledger_conformance_suite(&store, team, "c:")
+        .await
+        .unwrap();
+    conformance::balance_conformance_suite(&store, "b:")
+        .await
+        .unwrap();
+}
+
+// ---------------------------------------------------------------------------------------
+// Bodies run on both backends.
+
+async fn reopening_finds_the_data_and_migrating_again_changes_nothing(db: &Db) {
+    let store = db.store();
+    store.migrate().await.unwrap();
+    store.ping().await.unwrap();
+    let team = store.create_team("persisted").await.unwrap();
+    drop(store);
+
+    let reopened = db.reopen().await;
+    assert_eq!(
+        reopened.team_by_name("persisted").await.unwrap(),
+        Some(team)
+    );
+}
+
+async fn a_closed_store_is_unavailable_and_fails_closed(db: &Db) {
+    let concrete = db.concrete().await;
+    let store = concrete.store();
+    let team = funded(store.as_ref(), "t", 1_000).await;
+    store.reserve(&reservation("open", team)).await.unwrap();
+    concrete.close().await;
+    assert!(matches!(
+        store.ping().await,
+        Err(StoreError::Unavailable(_))
+    ));
+    assert!(matches!(
+        store.team(team).await,
+        Err(StoreError::Unavailable(_))
+    ));
+    assert!(matches!(
+        store.reserve(&reservation("r", team)).await,
+        Err(LedgerError::Unavailable(_))
+    ));
+    assert!(matches!(
+        store.settle(&settlement("open", 1, 1)).await,
+        Err(LedgerError::Unavailable(_))
+    ));
+    assert!(matches!(
+        store.cancel("open").await,
+        Err(LedgerError::Unavailable(_))
+    ));
+    // Nothing happened to the row.
+    let row = db.store().ledger_row("open").await.unwrap().unwrap();
+    assert_eq!(row.status, LedgerStatus::Reserved);
+}
+
+async fn teams_round_trip(store: Arc<dyn Store>) {
     let a = store.create_team("alpha").await.unwrap();
     let b = store.create_team("beta").await.unwrap();
     assert_eq!(a.name, "alpha");
@@ -167,10 +264,8 @@ async fn teams_round_trip() {
     assert_eq!(store.teams().await.unwrap(), vec![a, b]);
 }
 
-#[tokio::test]
-async fn credits_append_entries_and_move_the_balance() {
-    let db = TempDb::new("credits");
-    let store = file_store(&db).await;
+async fn credits_append_entries_and_move_the_balance(db: &Db) {
+    let store = db.store();
     let team = store.create_team("payers").await.unwrap();
 
     assert_eq!(
@@ -210,13 +305,7 @@ async fn credits_append_entries_and_move_the_balance() {
         Err(StoreError::Invalid(_))
     ));
     // Refused credits left no entry and no balance change behind.
-    let entries: Vec<(i64, String)> = sqlx::query_as(
-        "SELECT amount_microcredits, note FROM credit_entries WHERE team_id = ? ORDER BY id",
-    )
-    .bind(team.id)
-    .fetch_all(&db.raw().await)
-    .await
-    .unwrap();
+    let entries = db.raw().await.credit_entries(team.id).await;
     assert_eq!(
         entries,
         vec![
@@ -235,12 +324,14 @@ async fn credits_append_entries_and_move_the_balance() {
     );
 }
 
-#[tokio::test]
-async fn api_keys_round_trip_by_hash_and_revoke() {
-    let store = memory_store().await;
+async fn api_keys_round_trip_by_hash_and_revoke(store: Arc<dyn Store>) {
     let team = store.create_team("keys").await.unwrap();
     let other = store.create_team("others").await.unwrap();
-    let expires = Utc.with_ymd_and_hms(2030, 1, 2, 3, 4, 5).unwrap();
+    // Both backends keep instants to the millisecond.
+    let expires = Utc.with_ymd_and_hms(2030, 1, 2, 3, 4, 5).unwrap()
+        + chrono::TimeDelta::nanoseconds(123_456_789);
+    let expires_ms =
+        Utc.with_ymd_and_hms(2030, 1, 2, 3, 4, 5).unwrap() + chrono::TimeDelta::milliseconds(123);
 
     let secret = new_secret(API_KEY_PREFIX).unwrap();
     let full = store
@@ -267,7 +358,7 @@ async fn api_keys_round_trip_by_hash_and_revoke() {
     assert_eq!(full.rpm, Some(60));
     assert_eq!(full.tokens_per_day, Some(1_000_000));
     assert_eq!(full.max_streams, Some(4));
-    assert_eq!(full.expires_at, Some(expires));
+    assert_eq!(full.expires_at, Some(expires_ms));
     assert_eq!(full.message_quota, Some(40));
     assert_eq!(full.burst_capacity, Some(20));
     assert_eq!(full.burst_refill_seconds, Some(3));
@@ -305,7 +396,24 @@ async fn api_keys_round_trip_by_hash_and_revoke() {
         store.api_keys(team.id).await.unwrap(),
         vec![full.clone(), open.clone()]
     );
-    assert_eq!(store.api_keys(other.id).await.unwrap(), vec![closed]);
+    // Limits at the top of their types survive the round trip.
+    let top = store
+        .create_api_key(NewApiKey {
+            rpm: Some(u32::MAX),
+            tokens_per_day: Some(u64::try_from(i64::MAX).unwrap()),
+            max_streams: Some(u32::MAX),
+            message_quota: Some(u32::MAX),
+            burst_capacity: Some(u32::MAX),
+            burst_refill_seconds: Some(u32::MAX),
+            ..new_key(other.id, "sk-sy-top")
+        })
+        .await
+        .unwrap();
+    assert_eq!(
+        (top.rpm, top.tokens_per_day, top.burst_refill_seconds),
+        (Some(u32::MAX), Some(i64::MAX as u64), Some(u32::MAX))
+    );
+    assert_eq!(store.api_keys(other.id).await.unwrap(), vec![closed, top]);
 
     assert!(matches!(
         store.create_api_key(new_key(team.id, &secret)).await,
@@ -343,9 +451,7 @@ async fn api_keys_round_trip_by_hash_and_revoke() {
     assert!(still_open.is_usable(Utc::now()));
 }
 
-#[tokio::test]
-async fn nodes_register_drain_revoke_and_reissue() {
-    let store = memory_store().await;
+async fn nodes_register_drain_revoke_and_reissue(store: Arc<dyn Store>) {
     let token = new_secret(NODE_TOKEN_PREFIX).unwrap();
     let node = store
         .create_node("gpu-b", "onprem", &hash_secret(&token))
@@ -375,7 +481,8 @@ async fn nodes_register_drain_revoke_and_reissue() {
     ));
 
     let at = Utc.with_ymd_and_hms(2026, 11, 6, 18, 0, 0).unwrap();
-    let gpus = serde_json::json!([{"index": 0, "name": "L40S", "memory_mib": 46068}]);
+    // Keys out of alphabetical order: the document comes back as the agent sent it.
+    let gpus = serde_json::json!([{"name": "L40S", "index": 0, "memory_mib": 46068}]);
     let models = vec!["llama-3.1-8b-instruct".to_owned()];
     store
         .record_node_registration("gpu-b", gpus.clone(), &models, "replica-1", at)
@@ -384,6 +491,7 @@ async fn nodes_register_drain_revoke_and_reissue() {
     store.mark_node_drained("gpu-b", at).await.unwrap();
     let registered = store.node("gpu-b").await.unwrap().unwrap();
     assert_eq!(registered.gpus, gpus);
+    assert_eq!(registered.gpus.to_string(), gpus.to_string());
     assert_eq!(registered.models, models);
     assert_eq!(registered.orchestrator_id.as_deref(), Some("replica-1"));
     assert_eq!(registered.last_seen, Some(at));
@@ -417,6 +525,11 @@ async fn nodes_register_drain_revoke_and_reissue() {
     assert_eq!(reissued.models, models);
     assert_eq!(reissued.created_at, node.created_at);
 
+    // Ids sort by byte, as SQLite compares text: upper case before lower case.
+    store
+        .create_node("gpu-B", "cloud", "h-upper")
+        .await
+        .unwrap();
     let ids: Vec<String> = store
         .nodes()
         .await
@@ -424,149 +537,22 @@ async fn nodes_register_drain_revoke_and_reissue() {
         .into_iter()
         .map(|n| n.id)
         .collect();
-    assert_eq!(ids, vec![first.id, "gpu-b".to_owned()]);
+    assert_eq!(ids, vec!["gpu-B".to_owned(), first.id, "gpu-b".to_owned()]);
 }
 
-#[tokio::test]
-async fn ledger_prices_settles_from_the_row_and_debits_once() {
-    let store = memory_store().await;
-    let team = store.create_team("ledger").await.unwrap();
-    let key = store
-        .create_api_key(new_key(team.id, "sk-sy-ledger"))
+async fn store_timestamps_come_from_the_injected_clock(db: &Db) {
+    // The clock reads to the nanosecond; both backends keep the millisecond.
+    let exact = Utc.with_ymd_and_hms(2026, 11, 6, 12, 30, 0).unwrap()
+        + chrono::TimeDelta::nanoseconds(987_654_321);
+    let at = Utc.with_ymd_and_hms(2026, 11, 6, 12, 30, 0).unwrap()
+        + chrono::TimeDelta::milliseconds(987);
+    let store = db
+        .concrete()
         .await
-        .unwrap();
-    store
-        .add_credits(team.id, 10_000_000, "start")
-        .await
-        .unwrap();
-
-    let mut r = reservation("req-1", team.id);
-    r.key_id = Some(key.id);
-    r.estimated_cost = 4_321;
-    r.price_input_per_mtok = 150_000;
-    r.price_output_per_mtok = 600_000;
-    store.reserve(&r).await.unwrap();
-    store.reserve(&reservation("req-2", team.id)).await.unwrap();
-    assert_eq!(store.open_reservations().await.unwrap(), 2);
-
-    let open = store.ledger_row("req-1").await.unwrap().unwrap();
-    assert_eq!(open.status, LedgerStatus::Reserved);
-    assert_eq!(open.key_id, Some(key.id));
-    assert_eq!(open.model, r.model);
-    assert_eq!(open.estimated_cost_microcredits, 4_321);
-    assert_eq!(open.price_input_per_mtok, 150_000);
-    assert_eq!(open.price_output_per_mtok, 600_000);
-    assert_eq!(
-        (
-            open.prompt_tokens,
-            open.completion_tokens,
-            open.cost_microcredits
-        ),
-        (0, 0, 0)
-    );
-    assert_eq!(open.settled_at, None);
-
-    assert_eq!(
-        store
-            .settle(&settlement("req-1", 1_234, 567))
-            .await
-            .unwrap(),
-        SettleOutcome::Applied
-    );
-    let cost = cost_of(1_234, 567, 150_000, 600_000);
-    assert_eq!(cost, 526, "185.1 + 340.2 microcredits, rounded up");
-    let settled = store.ledger_row("req-1").await.unwrap().unwrap();
-    assert_eq!(settled.status, LedgerStatus::Settled);
-    assert_eq!(
-        (settled.prompt_tokens, settled.completion_tokens),
-        (1_234, 567)
-    );
-    assert_eq!(settled.cost_microcredits, cost);
-    assert!(settled.settled_at.is_some());
-    let balance = || async {
-        store
-            .team(team.id)
-            .await
-            .unwrap()
-            .unwrap()
-            .balance_microcredits
-    };
-    assert_eq!(balance().await, 10_000_000 - cost);
-
-    // Retries and late cancels change nothing.
-    assert_eq!(
-        store
-            .settle(&settlement("req-1", 9_999, 9_999))
-            .await
-            .unwrap(),
-        SettleOutcome::AlreadyFinal
-    );
-    assert_eq!(
-        store.cancel("req-1").await.unwrap(),
-        SettleOutcome::AlreadyFinal
-    );
-    assert_eq!(store.ledger_row("req-1").await.unwrap(), Some(settled));
-    assert_eq!(balance().await, 10_000_000 - cost);
-    assert_eq!(store.open_reservations().await.unwrap(), 1);
-
-    // A cancel debits nothing, and a settle after it is refused.
-    assert_eq!(store.cancel("req-2").await.unwrap(), SettleOutcome::Applied);
-    assert_eq!(
-        store.settle(&settlement("req-2", 10, 10)).await.unwrap(),
-        SettleOutcome::AlreadyFinal
-    );
-    let cancelled = store.ledger_row("req-2").await.unwrap().unwrap();
-    assert_eq!(cancelled.status, LedgerStatus::Cancelled);
-    assert_eq!(cancelled.cost_microcredits, 0);
-    assert!(cancelled.settled_at.is_some());
-    assert_eq!(balance().await, 10_000_000 - cost);
-    assert_eq!(store.open_reservations().await.unwrap(), 0);
-
-    assert_eq!(
-        store.settle(&settlement("nope", 1, 1)).await.unwrap(),
-        SettleOutcome::Unknown
-    );
-    assert_eq!(store.cancel("nope").await.unwrap(), SettleOutcome::Unknown);
-    assert_eq!(store.ledger_row("nope").await.unwrap(), None);
-    assert_eq!(
-        store.reserve(&reservation("req-1", team.id)).await,
-        Err(LedgerError::Duplicate)
-    );
-
-    let other = store.create_team("other").await.unwrap();
-    store
-        .reserve(&reservation("req-3", other.id))
-        .await
-        .unwrap();
-    let ids = |rows: Vec<switchyard::store::LedgerRow>| {
-        rows.into_iter().map(|r| r.request_id).collect::<Vec<_>>()
-    };
-    assert_eq!(
-        ids(store.ledger_rows(Some(team.id)).await.unwrap()),
-        ["req-1", "req-2"]
-    );
-    assert_eq!(
-        ids(store.ledger_rows(None).await.unwrap()),
-        ["req-1", "req-2", "req-3"]
-    );
-    assert_eq!(store.open_reservations().await.unwrap(), 1);
-}
-
-#[tokio::test]
-async fn a_reservation_for_an_unknown_team_fails_closed() {
-    let store = memory_store().await;
-    assert!(matches!(
-        store.reserve(&reservation("orphan", 999)).await,
-        Err(LedgerError::Unavailable(_))
-    ));
-    assert_eq!(store.ledger_row("orphan").await.unwrap(), None);
-}
-
-#[tokio::test]
-async fn store_timestamps_come_from_the_injected_clock() {
-    let at = Utc.with_ymd_and_hms(2026, 11, 6, 12, 30, 0).unwrap();
-    let store = memory_store().await.with_clock(Arc::new(FixedClock(at)));
+        .with_clock(Arc::new(FixedClock(exact)))
+        .store();
     let team = store.create_team("clocked").await.unwrap();
+    store.add_credits(team.id, 1_000, "start").await.unwrap();
     let key = store
         .create_api_key(new_key(team.id, "sk-sy-clocked"))
         .await
@@ -593,232 +579,4 @@ async fn store_timestamps_come_from_the_injected_clock() {
             .created_at,
         at
     );
-}
-
-#[tokio::test]
-async fn the_store_is_usable_as_dyn_store_and_dyn_ledger() {
-    let store: Arc<dyn Store> = Arc::new(memory_store().await);
-    let team = store.create_team("dyn").await.unwrap();
-    let ledger: Arc<dyn Ledger> = store.clone();
-    ledger.reserve(&reservation("dyn", team.id)).await.unwrap();
-    assert_eq!(store.open_reservations().await.unwrap(), 1);
-}
-
-#[tokio::test]
-async fn ledger_conformance_in_memory_reference() {
-    conformance::ledger_conformance_suite(&MemoryLedger::default(), 1, "c:")
-        .await
-        .unwrap();
-}
-
-#[tokio::test]
-async fn ledger_conformance_sqlite_in_memory() {
-    let store = memory_store().await;
-    let team = store.create_team("conformance").await.unwrap();
-    conformance::ledger_conformance_suite(&store, team.id, "c:")
-        .await
-        .unwrap();
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn ledger_conformance_sqlite_file() {
-    let db = TempDb::new("conformance");
-    let store = file_store(&db).await;
-    let team = store.create_team("conformance").await.unwrap();
-    conformance::ledger_conformance_suite(&store, team.id, "c:")
-        .await
-        .unwrap();
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn fifty_concurrent_settles_of_one_row_debit_once() {
-    let db = TempDb::new("race");
-    let store = Arc::new(file_store(&db).await);
-    let team = store.create_team("racers").await.unwrap();
-    store
-        .add_credits(team.id, 1_000_000, "start")
-        .await
-        .unwrap();
-    let mut r = reservation("contended", team.id);
-    r.price_input_per_mtok = 1_000_000;
-    r.price_output_per_mtok = 1_000_000;
-    store.reserve(&r).await.unwrap();
-
-    let tasks: Vec<_> = (0..50)
-        .map(|_| {
-            let store = Arc::clone(&store);
-            tokio::spawn(async move { store.settle(&settlement("contended", 100, 200)).await })
-        })
-        .collect();
-    let mut outcomes = BTreeMap::new();
-    for task in tasks {
-        let outcome = task.await.unwrap().unwrap();
-        *outcomes.entry(format!("{outcome:?}")).or_insert(0) += 1;
-    }
-    assert_eq!(
-        outcomes,
-        BTreeMap::from([("AlreadyFinal".to_owned(), 49), ("Applied".to_owned(), 1)])
-    );
-    assert_eq!(
-        store
-            .team(team.id)
-            .await
-            .unwrap()
-            .unwrap()
-            .balance_microcredits,
-        1_000_000 - 300
-    );
-    assert_eq!(store.open_reservations().await.unwrap(), 0);
-}
-
-/// What the test expects of one row after its actions.
-#[derive(Debug, Clone, Copy)]
-enum Plan {
-    Settle,
-    Cancel,
-    SettleTwice,
-    CancelThenSettle,
-    SettleThenCancel,
-    LeaveOpen,
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn balance_equals_credits_minus_settled_costs_after_a_random_mix() {
-    const REQUESTS: usize = 500;
-    let db = TempDb::new("mix");
-    let store = Arc::new(file_store(&db).await);
-    let mut rng = ChaCha8Rng::seed_from_u64(0x5717_c4ad);
-
-    let mut teams = Vec::new();
-    let mut credited: BTreeMap<i64, i64> = BTreeMap::new();
-    for name in ["red", "green", "blue"] {
-        let team = store.create_team(name).await.unwrap();
-        store
-            .add_credits(team.id, 50_000_000, "start")
-            .await
-            .unwrap();
-        credited.insert(team.id, 50_000_000);
-        teams.push(team.id);
-    }
-
-    // Reserve everything first, concurrently in batches.
-    let mut rows = Vec::new();
-    for i in 0..REQUESTS {
-        let mut r = reservation(&format!("mix-{i}"), teams[rng.random_range(0..teams.len())]);
-        r.price_input_per_mtok = rng.random_range(0..=5_000_000);
-        r.price_output_per_mtok = rng.random_range(0..=20_000_000);
-        r.estimated_cost = rng.random_range(0..=50_000);
-        let plan = match rng.random_range(0..6) {
-            0 => Plan::Settle,
-            1 => Plan::Cancel,
-            2 => Plan::SettleTwice,
-            3 => Plan::CancelThenSettle,
-            4 => Plan::SettleThenCancel,
-            _ => Plan::LeaveOpen,
-        };
-        let usage = (rng.random_range(0..8_000), rng.random_range(0..2_000));
-        rows.push((r, plan, usage));
-    }
-    for batch in rows.chunks(50) {
-        let tasks: Vec<_> = batch
-            .iter()
-            .map(|(r, _, _)| {
-                let (store, r) = (Arc::clone(&store), r.clone());
-                tokio::spawn(async move { store.reserve(&r).await })
-            })
-            .collect();
-        for task in tasks {
-            task.await.unwrap().unwrap();
-        }
-    }
-    assert_eq!(
-        store.open_reservations().await.unwrap(),
-        i64::try_from(REQUESTS).unwrap()
-    );
-
-    // Then finish them in a shuffled order, concurrently, with credits arriving meanwhile.
-    let mut order: Vec<usize> = (0..REQUESTS).collect();
-    order.shuffle(&mut rng);
-    for batch in order.chunks(25) {
-        let mut tasks = Vec::new();
-        for &i in batch {
-            let (r, plan, (p, c)) = rows[i].clone();
-            let store = Arc::clone(&store);
-            tasks.push(tokio::spawn(async move {
-                let id = r.request_id.as_str();
-                let s = settlement(id, p, c);
-                let outcomes = match plan {
-                    Plan::Settle => vec![store.settle(&s).await],
-                    Plan::Cancel => vec![store.cancel(id).await],
-                    Plan::SettleTwice => vec![
-                        store.settle(&s).await,
-                        store.settle(&settlement(id, p + 1, c + 1)).await,
-                    ],
-                    Plan::CancelThenSettle => vec![store.cancel(id).await, store.settle(&s).await],
-                    Plan::SettleThenCancel => vec![store.settle(&s).await, store.cancel(id).await],
-                    Plan::LeaveOpen => vec![],
-                };
-                outcomes.into_iter().map(|o| o.unwrap()).collect::<Vec<_>>()
-            }));
-        }
-        if rng.random_bool(0.3) {
-            let team = teams[rng.random_range(0..teams.len())];
-            let amount = rng.random_range(1..1_000_000);
-            store.add_credits(team, amount, "top-up").await.unwrap();
-            *credited.get_mut(&team).unwrap() += amount;
-        }
-        for task in tasks {
-            let outcomes = task.await.unwrap();
-            if let Some((first, rest)) = outcomes.split_first() {
-                assert_eq!(*first, SettleOutcome::Applied);
-                assert!(rest.iter().all(|o| *o == SettleOutcome::AlreadyFinal));
-            }
-        }
-    }
-
-    // Every row ended as planned, priced from its own prices.
-    let mut settled_cost: BTreeMap<i64, i64> = BTreeMap::new();
-    let mut open = 0;
-    for (r, plan, (p, c)) in &rows {
-        let row = store.ledger_row(&r.request_id).await.unwrap().unwrap();
-        let (status, cost) = match plan {
-            Plan::Settle | Plan::SettleTwice | Plan::SettleThenCancel => (
-                LedgerStatus::Settled,
-                cost_of(*p, *c, r.price_input_per_mtok, r.price_output_per_mtok),
-            ),
-            Plan::Cancel | Plan::CancelThenSettle => (LedgerStatus::Cancelled, 0),
-            Plan::LeaveOpen => (LedgerStatus::Reserved, 0),
-        };
-        assert_eq!(
-            (row.status, row.cost_microcredits),
-            (status, cost),
-            "{row:?}"
-        );
-        *settled_cost.entry(r.team_id).or_insert(0) += cost;
-        open += i64::from(status == LedgerStatus::Reserved);
-    }
-    assert_eq!(store.open_reservations().await.unwrap(), open);
-
-    // balance = sum(credits) - sum(settled cost), by the test's own count and by the tables.
-    let raw = db.raw().await;
-    for team in &teams {
-        let balance = store
-            .team(*team)
-            .await
-            .unwrap()
-            .unwrap()
-            .balance_microcredits;
-        let expected = credited[team] - settled_cost.get(team).copied().unwrap_or(0);
-        assert_eq!(balance, expected, "team {team}");
-        let from_tables: i64 = sqlx::query_scalar(
-            "SELECT (SELECT COALESCE(SUM(amount_microcredits), 0) FROM credit_entries \
-             WHERE team_id = ?1) - (SELECT COALESCE(SUM(cost_microcredits), 0) \
-             FROM usage_ledger WHERE team_id = ?1 AND status = 'settled')",
-        )
-        .bind(team)
-        .fetch_one(&raw)
-        .await
-        .unwrap();
-        assert_eq!(balance, from_tables, "team {team}");
-    }
 }

@@ -2,14 +2,21 @@
 //! actors' in-memory ledger, SQLite and PostgreSQL alike. Compiled in every build so
 //! integration tests and other crates can call it.
 //!
-//! Each check opens rows with request ids starting with the caller's `prefix` for the team
-//! `team_id`, which must exist where the implementation checks teams.
+//! [`ledger_conformance_suite`] opens rows with request ids starting with the caller's
+//! `prefix` for the team `team_id`, which must exist where the implementation checks teams
+//! and hold at least [`SUITE_BALANCE`]. [`balance_conformance_suite`] checks the admission
+//! rule (balance minus open reservations must cover the estimate) on a [`Store`], which owns
+//! balances; it creates its own teams, named after `prefix`.
 
 use std::fmt::Debug;
 
 use futures::future::join_all;
 
-use switchyard_actors::ports::{Ledger, LedgerError, Reservation, SettleOutcome, Settlement};
+use switchyard_actors::ports::{
+    Ledger, LedgerError, Microcredits, Reservation, SettleOutcome, Settlement,
+};
+
+use super::{LedgerStatus, Store, StoreError};
 
 /// How a ledger conformance check failed.
 #[derive(Debug, thiserror::Error)]
@@ -17,6 +24,9 @@ pub enum LedgerConformanceError {
     /// The implementation returned an error where the contract expects success.
     #[error("ledger error: {0}")]
     Ledger(#[from] LedgerError),
+    /// A store call the check needs (creating teams, crediting, reading rows) failed.
+    #[error("store error: {0}")]
+    Store(#[from] StoreError),
     /// The implementation answered, but not as the contract says.
     #[error("{check}: {detail}")]
     Violated {
@@ -31,14 +41,32 @@ type Outcome = Result<(), LedgerConformanceError>;
 
 /// How many settles and cancels race for one row in [`concurrent_finishes_apply_once`].
 pub const RACERS: usize = 50;
+/// What the team given to [`ledger_conformance_suite`] must hold at least: its reservations
+/// are admitted only while the balance covers them, and its settles are debited.
+pub const SUITE_BALANCE: Microcredits = 1_000_000;
+/// How many reservations race for a balance that covers [`ADMITTED`] of them in
+/// [`concurrent_reserves_stop_at_the_balance`].
+pub const RESERVERS: usize = 200;
+/// How many estimates the balance covers in [`concurrent_reserves_stop_at_the_balance`].
+pub const ADMITTED: usize = 10;
+/// The estimate of every reservation in the balance checks.
+pub const ESTIMATE: Microcredits = 1_000;
 
-/// Runs every check in turn, stopping at the first failure.
+/// Runs every ledger check in turn, stopping at the first failure.
 pub async fn ledger_conformance_suite(l: &dyn Ledger, team_id: i64, prefix: &str) -> Outcome {
     settle_applies_once(l, team_id, prefix).await?;
     cancel_applies_once(l, team_id, prefix).await?;
     unknown_rows(l, prefix).await?;
     duplicate_reservations(l, team_id, prefix).await?;
     concurrent_finishes_apply_once(l, team_id, prefix).await?;
+    Ok(())
+}
+
+/// Runs every balance check in turn, stopping at the first failure.
+pub async fn balance_conformance_suite(s: &dyn Store, prefix: &str) -> Outcome {
+    concurrent_reserves_stop_at_the_balance(s, prefix).await?;
+    finishing_and_crediting_free_room(s, prefix).await?;
+    duplicates_are_refused_before_the_balance(s, prefix).await?;
     Ok(())
 }
 
@@ -173,4 +201,165 @@ pub async fn concurrent_finishes_apply_once(l: &dyn Ledger, team_id: i64, prefix
         }
     }
     expect_eq(CHECK, applied, 1)
+}
+
+/// A team named `{prefix}{name}` holding `balance`.
+async fn funded_team(
+    s: &dyn Store,
+    prefix: &str,
+    name: &str,
+    balance: Microcredits,
+) -> Result<i64, LedgerConformanceError> {
+    let team = s.create_team(&format!("{prefix}{name}")).await?;
+    if balance != 0 {
+        s.add_credits(team.id, balance, "conformance").await?;
+    }
+    Ok(team.id)
+}
+
+/// A reservation for `request_id` holding `estimate`.
+fn estimated(request_id: &str, team_id: i64, estimate: Microcredits) -> Reservation {
+    Reservation {
+        estimated_cost: estimate,
+        ..reservation(request_id, team_id)
+    }
+}
+
+/// The invariant: a team's open reservations never hold more than its balance.
+async fn open_within_balance(s: &dyn Store, check: &'static str, team_id: i64) -> Outcome {
+    let held: i128 = s
+        .ledger_rows(Some(team_id))
+        .await?
+        .iter()
+        .filter(|row| row.status == LedgerStatus::Reserved)
+        .map(|row| i128::from(row.estimated_cost_microcredits))
+        .sum();
+    let balance = s
+        .team(team_id)
+        .await?
+        .ok_or(LedgerConformanceError::Violated {
+            check,
+            detail: format!("team {team_id} vanished"),
+        })?
+        .balance_microcredits;
+    if held > i128::from(balance) {
+        return Err(LedgerConformanceError::Violated {
+            check,
+            detail: format!("open reservations hold {held}, the balance is {balance}"),
+        });
+    }
+    Ok(())
+}
+
+/// Expects a refused reservation: `InsufficientBalance`, and no row left behind.
+async fn refused(s: &dyn Store, check: &'static str, r: &Reservation) -> Outcome {
+    expect_eq(
+        check,
+        s.reserve(r).await,
+        Err(LedgerError::InsufficientBalance),
+    )?;
+    expect_eq(check, s.ledger_row(&r.request_id).await?.is_none(), true)
+}
+
+/// [`RESERVERS`] reservations at once against a balance that covers exactly [`ADMITTED`]:
+/// exactly that many are admitted, the rest refused with `InsufficientBalance`; another
+/// team's reservations are unaffected.
+pub async fn concurrent_reserves_stop_at_the_balance(s: &dyn Store, prefix: &str) -> Outcome {
+    const CHECK: &str = "concurrent_reserves_stop_at_the_balance";
+    let covered = Microcredits::try_from(ADMITTED).unwrap_or(Microcredits::MAX);
+    let team = funded_team(s, prefix, "stampede", covered * ESTIMATE).await?;
+    let bystander = funded_team(s, prefix, "bystander", ESTIMATE).await?;
+    let reservations: Vec<_> = (0..RESERVERS)
+        .map(|i| estimated(&format!("{prefix}stampede-{i}"), team, ESTIMATE))
+        .collect();
+    let outcomes = join_all(reservations.iter().map(|r| s.reserve(r))).await;
+    let (mut admitted, mut refused_count) = (0, 0);
+    for outcome in outcomes {
+        match outcome {
+            Ok(()) => admitted += 1,
+            Err(LedgerError::InsufficientBalance) => refused_count += 1,
+            Err(other) => return Err(other.into()),
+        }
+    }
+    expect_eq(
+        CHECK,
+        (admitted, refused_count),
+        (ADMITTED, RESERVERS - ADMITTED),
+    )?;
+    open_within_balance(s, CHECK, team).await?;
+    let open = s
+        .ledger_rows(Some(team))
+        .await?
+        .iter()
+        .filter(|row| row.status == LedgerStatus::Reserved)
+        .count();
+    expect_eq(CHECK, open, ADMITTED)?;
+    // A full team holds nothing against another team's balance.
+    s.reserve(&estimated(
+        &format!("{prefix}bystander"),
+        bystander,
+        ESTIMATE,
+    ))
+    .await?;
+    Ok(())
+}
+
+/// A full team gets room back as its reservations finish or credits arrive: a cancel frees
+/// the estimate, a settle frees the estimate and debits the cost, a credit adds its amount.
+pub async fn finishing_and_crediting_free_room(s: &dyn Store, prefix: &str) -> Outcome {
+    const CHECK: &str = "finishing_and_crediting_free_room";
+    let team = funded_team(s, prefix, "room", 3 * ESTIMATE).await?;
+    let id = |name: &str| format!("{prefix}room-{name}");
+    for name in ["a", "b", "c"] {
+        s.reserve(&estimated(&id(name), team, ESTIMATE)).await?;
+    }
+    refused(s, CHECK, &estimated(&id("d"), team, ESTIMATE)).await?;
+    // Room for exactly what is left, nothing more: a free request still fits.
+    s.reserve(&estimated(&id("free"), team, 0)).await?;
+
+    expect_eq(CHECK, s.cancel(&id("a")).await?, SettleOutcome::Applied)?;
+    s.reserve(&estimated(&id("d"), team, ESTIMATE)).await?;
+    refused(s, CHECK, &estimated(&id("e"), team, ESTIMATE)).await?;
+
+    // Settled at no cost: the estimate is released and nothing is debited.
+    expect_eq(
+        CHECK,
+        s.settle(&settlement(&id("b"), 0, 0)).await?,
+        SettleOutcome::Applied,
+    )?;
+    s.reserve(&estimated(&id("e"), team, ESTIMATE)).await?;
+
+    // Settled at half an estimate (1 microcredit per prompt token at the suite's prices):
+    // half an estimate of room comes back.
+    let half = ESTIMATE / 2;
+    let half_tokens = u64::try_from(half).unwrap_or(0);
+    expect_eq(
+        CHECK,
+        s.settle(&settlement(&id("c"), half_tokens, 0)).await?,
+        SettleOutcome::Applied,
+    )?;
+    refused(s, CHECK, &estimated(&id("f"), team, ESTIMATE)).await?;
+    s.reserve(&estimated(&id("f"), team, half)).await?;
+    refused(s, CHECK, &estimated(&id("g"), team, 1)).await?;
+
+    s.add_credits(team, ESTIMATE, "top-up").await?;
+    s.reserve(&estimated(&id("g"), team, ESTIMATE)).await?;
+    refused(s, CHECK, &estimated(&id("h"), team, 1)).await?;
+    open_within_balance(s, CHECK, team).await
+}
+
+/// A retried reservation is `Duplicate` even when the balance is spent (by itself, typically):
+/// the caller learns its row exists rather than that it cannot pay.
+pub async fn duplicates_are_refused_before_the_balance(s: &dyn Store, prefix: &str) -> Outcome {
+    const CHECK: &str = "duplicates_are_refused_before_the_balance";
+    let team = funded_team(s, prefix, "retry", ESTIMATE).await?;
+    let r = estimated(&format!("{prefix}retry"), team, ESTIMATE);
+    s.reserve(&r).await?;
+    expect_eq(CHECK, s.reserve(&r).await, Err(LedgerError::Duplicate))?;
+    refused(
+        s,
+        CHECK,
+        &estimated(&format!("{prefix}retry-2"), team, ESTIMATE),
+    )
+    .await
 }

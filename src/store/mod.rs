@@ -1,13 +1,16 @@
 //! The authoritative store: configuration (teams, credits, API keys, nodes) and the usage
 //! ledger, behind one [`Store`] trait that extends the actors' [`Ledger`] port.
-//! [`SqliteStore`] backs the embedded mode; PostgreSQL joins it behind the same trait, and
-//! every [`Ledger`] must pass the [`conformance`] suite.
+//! [`SqliteStore`] backs the embedded mode and [`PostgresStore`] production; [`connect_store`]
+//! picks one by URL. Both behave alike, and both must pass the [`conformance`] suite.
 //!
 //! Secrets never reach the store: callers keep the plaintext from [`new_secret`] and store
 //! [`hash_secret`] of it.
 
 pub mod conformance;
+pub mod postgres;
 pub mod sqlite;
+
+use std::sync::Arc;
 
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
@@ -15,6 +18,7 @@ use rand::TryRngCore;
 use serde::Serialize;
 use sha2::{Digest, Sha256};
 
+pub use postgres::PostgresStore;
 pub use sqlite::SqliteStore;
 pub use switchyard_actors::ports::{
     Ledger, LedgerError, Microcredits, Reservation, SettleOutcome, Settlement, cost_of,
@@ -232,6 +236,10 @@ pub struct LedgerRow {
 /// control plane.
 #[async_trait]
 pub trait Store: Ledger {
+    /// Applies the backend's pending migrations (embedded at compile time); applied ones are
+    /// skipped, so calling it at every start is fine.
+    async fn migrate(&self) -> Result<(), StoreError>;
+
     /// Creates a team with a zero balance; `Conflict` if the name is taken.
     async fn create_team(&self, name: &str) -> Result<Team, StoreError>;
     /// The team with this id.
@@ -292,6 +300,28 @@ pub trait Store: Ledger {
     async fn open_reservations(&self) -> Result<i64, StoreError>;
     /// Succeeds when the database answers (`/readyz`).
     async fn ping(&self) -> Result<(), StoreError>;
+}
+
+/// Connects to the store at `url`: [`SqliteStore`] for `sqlite:` URLs, [`PostgresStore`] for
+/// `postgres://` and `postgresql://` ones; `Invalid` for anything else. Does not migrate: call
+/// [`Store::migrate`].
+pub async fn connect_store(url: &str) -> Result<Arc<dyn Store>, StoreError> {
+    if url.starts_with("sqlite:") {
+        Ok(Arc::new(SqliteStore::connect(url).await?))
+    } else if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+        Ok(Arc::new(PostgresStore::connect(url).await?))
+    } else {
+        Err(StoreError::Invalid(
+            "database url must start with sqlite:, postgres:// or postgresql://".to_owned(),
+        ))
+    }
+}
+
+/// The admission rule both backends apply inside the reserving transaction: the balance,
+/// less the estimates its open reservations hold, must cover the new `estimate`. Summed in
+/// i128, so no total overflows.
+fn covers(balance: Microcredits, held: Microcredits, estimate: Microcredits) -> bool {
+    i128::from(held) + i128::from(estimate) <= i128::from(balance)
 }
 
 /// Hex SHA-256 of a secret: what the store keeps instead of an API key or node token. The
@@ -417,6 +447,24 @@ mod tests {
         assert!(key.allows_model("small") && !key.allows_model("large"));
         key.model_allowlist = Some(vec![]);
         assert!(!key.allows_model("small"));
+    }
+
+    #[test]
+    fn admission_covers_exactly_the_balance() {
+        assert!(covers(10, 0, 10));
+        assert!(covers(10, 9, 1));
+        assert!(!covers(10, 9, 2));
+        assert!(covers(0, 0, 0), "a free request needs no balance");
+        assert!(!covers(-1, 0, 0), "a team in debt admits nothing");
+        assert!(!covers(i64::MAX, i64::MAX, i64::MAX), "no overflow");
+    }
+
+    #[tokio::test]
+    async fn connect_store_refuses_unknown_schemes() {
+        assert!(matches!(
+            connect_store("mysql://localhost/db").await,
+            Err(StoreError::Invalid(_))
+        ));
     }
 
     #[test]

@@ -23,7 +23,7 @@ use switchyard_actors::ports::{
 
 use super::{
     ApiKeyRecord, LedgerRow, LedgerStatus, NODE_LOCATIONS, NewApiKey, NodeRecord, Store,
-    StoreError, Team,
+    StoreError, Team, covers,
 };
 
 /// How long a statement waits for another connection's write lock before failing.
@@ -274,9 +274,34 @@ struct WriteTx {
 impl Ledger for SqliteStore {
     async fn reserve(&self, r: &Reservation) -> Result<(), LedgerError> {
         let mut w = self.begin_write().await.map_err(ledger_unavailable)?;
-        // The balance check (balance minus open reservations must cover the estimate) joins
-        // here, inside this transaction: `BEGIN IMMEDIATE` already holds the write lock, so
-        // no other reservation can slip between the check and the insert.
+        // The balance check runs inside this transaction: `BEGIN IMMEDIATE` already holds
+        // the write lock, so no other reservation, settle or credit can slip between the
+        // check and the insert. Returning early drops `w`, which rolls back.
+        let row = sqlx::query(
+            "SELECT balance_microcredits, \
+             (SELECT COALESCE(SUM(estimated_cost_microcredits), 0) FROM usage_ledger \
+             WHERE team_id = ?1 AND status = 'reserved') AS held, \
+             EXISTS (SELECT 1 FROM usage_ledger WHERE request_id = ?2) AS taken \
+             FROM teams WHERE id = ?1",
+        )
+        .bind(r.team_id)
+        .bind(&r.request_id)
+        .fetch_optional(&mut *w.tx)
+        .await
+        .map_err(ledger_unavailable)?
+        .ok_or_else(|| LedgerError::Unavailable(format!("no team {}", r.team_id)))?;
+        let balance: i64 = row
+            .try_get("balance_microcredits")
+            .map_err(ledger_unavailable)?;
+        let held: i64 = row.try_get("held").map_err(ledger_unavailable)?;
+        let taken: bool = row.try_get("taken").map_err(ledger_unavailable)?;
+        // A retried reservation is a duplicate even when its own estimate fills the balance.
+        if taken {
+            return Err(LedgerError::Duplicate);
+        }
+        if !covers(balance, held, r.estimated_cost) {
+            return Err(LedgerError::InsufficientBalance);
+        }
         sqlx::query(
             "INSERT INTO usage_ledger \
              (request_id, team_id, key_id, model, estimated_cost_microcredits, \
@@ -312,6 +337,10 @@ impl Ledger for SqliteStore {
 
 #[async_trait]
 impl Store for SqliteStore {
+    async fn migrate(&self) -> Result<(), StoreError> {
+        SqliteStore::migrate(self).await
+    }
+
     async fn create_team(&self, name: &str) -> Result<Team, StoreError> {
         if name.trim().is_empty() {
             return Err(StoreError::Invalid("team name is empty".to_owned()));

@@ -1,0 +1,789 @@
+//! [`PostgresStore`]: the production [`Store`] and [`Ledger`], on a PostgreSQL pool shared by
+//! every replica. Its behaviour is [`super::SqliteStore`]'s, statement for statement; where
+//! SQLite serialises writers with one lock, PostgreSQL relies on row locks: a reservation
+//! locks its team's row before the balance check, a settle locks the ledger row it updates.
+//!
+//! Ledger transactions run at READ COMMITTED on purpose: each statement takes a fresh
+//! snapshot, so a statement issued after a lock wait sees what the previous holder committed.
+
+use std::str::FromStr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use chrono::{DateTime, Timelike, Utc};
+use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions, PgRow};
+use sqlx::{Postgres, Row, Transaction};
+
+use switchyard_actors::ports::{
+    Clock, Ledger, LedgerError, Reservation, SettleOutcome, Settlement, SystemClock, cost_of,
+};
+
+use super::{
+    ApiKeyRecord, LedgerRow, LedgerStatus, NODE_LOCATIONS, NewApiKey, NodeRecord, Store,
+    StoreError, Team, covers,
+};
+
+/// Connections per replica. Ledger transactions are a few short statements, so a small pool
+/// serves hundreds of requests per second, and a fleet of replicas stays far below
+/// PostgreSQL's default `max_connections` of 100.
+const POOL_SIZE: u32 = 10;
+/// How long a caller waits for a pooled connection (or a new one); past it, the store is
+/// unavailable and admission fails closed.
+const ACQUIRE_TIMEOUT: Duration = Duration::from_secs(5);
+/// Session settings of every connection. A lock wait is bounded, so a stuck holder of a
+/// team's row turns admissions into `Unavailable` instead of piling them up; a session
+/// that idles inside a transaction (a hung client) is ended, releasing its locks.
+const SESSION_SETTINGS: [(&str, &str); 2] = [
+    ("lock_timeout", "5s"),
+    ("idle_in_transaction_session_timeout", "60s"),
+];
+/// Starts every ledger transaction; see the module documentation for why the level matters.
+const BEGIN_LEDGER: &str = "BEGIN ISOLATION LEVEL READ COMMITTED";
+
+/// Columns of `api_keys` read into an [`ApiKeyRecord`] (the hash is left out on purpose).
+macro_rules! key_columns {
+    () => {
+        "id, team_id, prefix, model_allowlist, rpm, tokens_per_day, max_streams, expires_at, \
+         revoked_at, message_quota, burst_capacity, burst_refill_seconds, created_at"
+    };
+}
+
+/// Columns of `nodes` read into a [`NodeRecord`]; the GPU document comes back as the text
+/// the agent sent.
+macro_rules! node_columns {
+    () => {
+        "id, location, token_hash, gpus::text AS gpus, models, last_seen, orchestrator_id, \
+         drained_at, created_at"
+    };
+}
+
+/// Columns of `usage_ledger` read into a [`LedgerRow`].
+macro_rules! ledger_columns {
+    () => {
+        "id, request_id, team_id, key_id, model, prompt_tokens, completion_tokens, \
+         cost_microcredits, estimated_cost_microcredits, price_input_per_mtok, \
+         price_output_per_mtok, status, created_at, settled_at"
+    };
+}
+
+/// The production store over PostgreSQL. Cloning shares the pool.
+#[derive(Debug, Clone)]
+pub struct PostgresStore {
+    pool: PgPool,
+    /// Source of every timestamp the store writes itself, so simulations control them.
+    clock: Arc<dyn Clock>,
+}
+
+impl PostgresStore {
+    /// Connects to `url` (`postgres://user@host:5432/db`, `postgresql://…`) with a pool of
+    /// [`POOL_SIZE`] connections and a 5 s acquire timeout, and opens one connection to
+    /// prove the database answers. Does not migrate: call [`PostgresStore::migrate`].
+    pub async fn connect(url: &str) -> Result<Self, StoreError> {
+        // Without this check a `sqlite:` URL would fail later with a less helpful parse error.
+        if !(url.starts_with("postgres://") || url.starts_with("postgresql://")) {
+            return Err(StoreError::Invalid(
+                "database url must start with postgres:// or postgresql://".to_owned(),
+            ));
+        }
+        let mut options = PgConnectOptions::from_str(url)
+            .map_err(|e| StoreError::Invalid(format!("database url: {e}")))?
+            .options(SESSION_SETTINGS);
+        if options.get_application_name().is_none() {
+            options = options.application_name("switchyard");
+        }
+        let pool = PgPoolOptions::new()
+            .max_connections(POOL_SIZE)
+            .acquire_timeout(ACQUIRE_TIMEOUT)
+            .connect_with(options)
+            .await
+            .map_err(unavailable)?;
+        Ok(Self {
+            pool,
+            clock: Arc::new(SystemClock),
+        })
+    }
+
+    /// Uses `clock` for the timestamps the store writes itself (creation, revocation,
+    /// settlement); the default is the system clock.
+    #[must_use]
+    pub fn with_clock(mut self, clock: Arc<dyn Clock>) -> Self {
+        self.clock = clock;
+        self
+    }
+
+    /// Applies the migrations in `migrations/postgres` (embedded at compile time); applied
+    /// ones are skipped, and replicas starting together take turns on sqlx's advisory lock,
+    /// so calling it at every start is fine.
+    pub async fn migrate(&self) -> Result<(), StoreError> {
+        sqlx::migrate!("./migrations/postgres")
+            .run(&self.pool)
+            .await
+            .map_err(|e| StoreError::Unavailable(format!("migration: {e}")))
+    }
+
+    /// Closes the pool, waiting for connections in use.
+    pub async fn close(&self) {
+        self.pool.close().await;
+    }
+
+    /// The clock's wall time at the millisecond, the resolution SQLite keeps, so both
+    /// backends hand back the same instants.
+    fn now(&self) -> DateTime<Utc> {
+        millis(self.clock.wall())
+    }
+
+    async fn begin(&self) -> Result<Transaction<'static, Postgres>, sqlx::Error> {
+        self.pool.begin_with(BEGIN_LEDGER).await
+    }
+
+    /// What a settle or cancel that changed nothing reports: `Unknown` when no row existed
+    /// as its statement ran, `AlreadyFinal` when the row was final. A row that reads as
+    /// `reserved` now was inserted after that statement's snapshot: it was unknown then.
+    async fn unchanged<'e, E>(request_id: &str, db: E) -> Result<SettleOutcome, LedgerError>
+    where
+        E: sqlx::PgExecutor<'e>,
+    {
+        let status: Option<String> =
+            sqlx::query_scalar("SELECT status FROM usage_ledger WHERE request_id = $1")
+                .bind(request_id)
+                .fetch_optional(db)
+                .await
+                .map_err(ledger_unavailable)?;
+        Ok(match status.as_deref() {
+            None | Some("reserved") => SettleOutcome::Unknown,
+            Some(_) => SettleOutcome::AlreadyFinal,
+        })
+    }
+}
+
+#[async_trait]
+impl Ledger for PostgresStore {
+    async fn reserve(&self, r: &Reservation) -> Result<(), LedgerError> {
+        if !storable(&r.request_id) || !storable(&r.model) {
+            return Err(LedgerError::Unavailable(
+                "request id or model contains a NUL character".to_owned(),
+            ));
+        }
+        let now = self.now();
+        let mut tx = self.begin().await.map_err(ledger_unavailable)?;
+        // The team's row lock serialises this team's reservations (and its settles and
+        // credits, which update the row): the check below and the insert see no rival.
+        // Returning early drops `tx`, which rolls back and releases the lock.
+        let balance: i64 =
+            sqlx::query_scalar("SELECT balance_microcredits FROM teams WHERE id = $1 FOR UPDATE")
+                .bind(r.team_id)
+                .fetch_optional(&mut *tx)
+                .await
+                .map_err(ledger_unavailable)?
+                .ok_or_else(|| LedgerError::Unavailable(format!("no team {}", r.team_id)))?;
+        // A separate statement, so its snapshot starts after the lock was granted and counts
+        // the reservations the previous holder committed.
+        let row = sqlx::query(
+            "SELECT (SELECT COALESCE(SUM(estimated_cost_microcredits), 0) FROM usage_ledger \
+             WHERE team_id = $1 AND status = 'reserved')::BIGINT AS held, \
+             EXISTS (SELECT 1 FROM usage_ledger WHERE request_id = $2) AS taken",
+        )
+        .bind(r.team_id)
+        .bind(&r.request_id)
+        .fetch_one(&mut *tx)
+        .await
+        .map_err(ledger_unavailable)?;
+        let held: i64 = row.try_get("held").map_err(ledger_unavailable)?;
+        let taken: bool = row.try_get("taken").map_err(ledger_unavailable)?;
+        // A retried reservation is a duplicate even when its own estimate fills the balance.
+        if taken {
+            return Err(LedgerError::Duplicate);
+        }
+        if !covers(balance, held, r.estimated_cost) {
+            return Err(LedgerError::InsufficientBalance);
+        }
+        sqlx::query(
+            "INSERT INTO usage_ledger \
+             (request_id, team_id, key_id, model, estimated_cost_microcredits, \
+             price_input_per_mtok, price_output_per_mtok, status, created_at) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7, 'reserved', $8)",
+        )
+        .bind(&r.request_id)
+        .bind(r.team_id)
+        .bind(r.key_id)
+        .bind(&r.model)
+        .bind(r.estimated_cost)
+        .bind(r.price_input_per_mtok)
+        .bind(r.price_output_per_mtok)
+        .bind(now)
+        .execute(&mut *tx)
+        .await
+        .map_err(|e| match &e {
+            // The same id reserved concurrently for another team (whose lock we don't hold).
+            sqlx::Error::Database(d) if d.is_unique_violation() => LedgerError::Duplicate,
+            _ => ledger_unavailable(e),
+        })?;
+        tx.commit().await.map_err(ledger_unavailable)
+    }
+
+    async fn settle(&self, s: &Settlement) -> Result<SettleOutcome, LedgerError> {
+        if !storable(&s.request_id) {
+            return Ok(SettleOutcome::Unknown);
+        }
+        let (prompt, completion) = (tokens(s.prompt_tokens)?, tokens(s.completion_tokens)?);
+        let now = self.now();
+        let mut tx = self.begin().await.map_err(ledger_unavailable)?;
+        // Exactly once: a concurrent settle or cancel of the same row waits on this row's
+        // lock, then re-checks `status = 'reserved'` against the committed row, matches
+        // nothing and reports `AlreadyFinal`. The cost is `cost_of` at the row's prices,
+        // computed in exact NUMERIC (rounded up, saturated at i64::MAX) so it is priced in
+        // the same statement that claims the row; it is checked against `cost_of` below.
+        let row = sqlx::query(
+            "UPDATE usage_ledger SET status = 'settled', prompt_tokens = $2, \
+             completion_tokens = $3, \
+             cost_microcredits = LEAST(div($2::NUMERIC * price_input_per_mtok \
+             + $3::NUMERIC * price_output_per_mtok + 999999, 1000000), \
+             9223372036854775807)::BIGINT, \
+             settled_at = $4 \
+             WHERE request_id = $1 AND status = 'reserved' \
+             RETURNING team_id, cost_microcredits, price_input_per_mtok, price_output_per_mtok",
+        )
+        .bind(&s.request_id)
+        .bind(prompt)
+        .bind(completion)
+        .bind(now)
+        .fetch_optional(&mut *tx)
+        .await
+        .map_err(ledger_unavailable)?;
+        let Some(row) = row else {
+            return Self::unchanged(&s.request_id, &mut *tx).await;
+        };
+        let team_id: i64 = row.try_get("team_id").map_err(ledger_unavailable)?;
+        let cost: i64 = row
+            .try_get("cost_microcredits")
+            .map_err(ledger_unavailable)?;
+        let expected = cost_of(
+            s.prompt_tokens,
+            s.completion_tokens,
+            row.try_get("price_input_per_mtok")
+                .map_err(ledger_unavailable)?,
+            row.try_get("price_output_per_mtok")
+                .map_err(ledger_unavailable)?,
+        );
+        if cost != expected {
+            // Cannot happen unless the SQL above and `cost_of` drift apart; a wrong price
+            // must never commit, so the settle rolls back and stays retryable.
+            return Err(LedgerError::Unavailable(format!(
+                "settle of {:?} priced {cost} in SQL but {expected} by cost_of",
+                s.request_id
+            )));
+        }
+        // An overflowing balance raises an error and the whole settlement rolls back.
+        sqlx::query(
+            "UPDATE teams SET balance_microcredits = balance_microcredits - $1 WHERE id = $2",
+        )
+        .bind(cost)
+        .bind(team_id)
+        .execute(&mut *tx)
+        .await
+        .map_err(ledger_unavailable)?;
+        tx.commit().await.map_err(ledger_unavailable)?;
+        Ok(SettleOutcome::Applied)
+    }
+
+    async fn cancel(&self, request_id: &str) -> Result<SettleOutcome, LedgerError> {
+        if !storable(request_id) {
+            return Ok(SettleOutcome::Unknown);
+        }
+        // One statement, so its own transaction: nothing else changes with a cancel.
+        let changed = sqlx::query(
+            "UPDATE usage_ledger SET status = 'cancelled', settled_at = $2 \
+             WHERE request_id = $1 AND status = 'reserved'",
+        )
+        .bind(request_id)
+        .bind(self.now())
+        .execute(&self.pool)
+        .await
+        .map_err(ledger_unavailable)?
+        .rows_affected();
+        if changed == 1 {
+            Ok(SettleOutcome::Applied)
+        } else {
+            Self::unchanged(request_id, &self.pool).await
+        }
+    }
+}
+
+#[async_trait]
+impl Store for PostgresStore {
+    async fn migrate(&self) -> Result<(), StoreError> {
+        PostgresStore::migrate(self).await
+    }
+
+    async fn create_team(&self, name: &str) -> Result<Team, StoreError> {
+        if name.trim().is_empty() {
+            return Err(StoreError::Invalid("team name is empty".to_owned()));
+        }
+        let row = sqlx::query(
+            "INSERT INTO teams (name, balance_microcredits, created_at) VALUES ($1, 0, $2) \
+             RETURNING id, name, balance_microcredits",
+        )
+        .bind(name)
+        .bind(self.now())
+        .fetch_one(&self.pool)
+        .await
+        .map_err(|e| conflict_or(e, || format!("a team named {name:?} exists")))?;
+        team_from_row(&row)
+    }
+
+    async fn team(&self, id: i64) -> Result<Option<Team>, StoreError> {
+        sqlx::query("SELECT id, name, balance_microcredits FROM teams WHERE id = $1")
+            .bind(id)
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(unavailable)?
+            .as_ref()
+            .map(team_from_row)
+            .transpose()
+    }
+
+    async fn team_by_name(&self, name: &str) -> Result<Option<Team>, StoreError> {
+        if !storable(name) {
+            return Ok(None);
+        }
+        sqlx::query("SELECT id, name, balance_microcredits FROM teams WHERE name = $1")
+            .bind(name)
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(unavailable)?
+            .as_ref()
+            .map(team_from_row)
+            .transpose()
+    }
+
+    async fn teams(&self) -> Result<Vec<Team>, StoreError> {
+        sqlx::query("SELECT id, name, balance_microcredits FROM teams ORDER BY id")
+            .fetch_all(&self.pool)
+            .await
+            .map_err(unavailable)?
+            .iter()
+            .map(team_from_row)
+            .collect()
+    }
+
+    async fn add_credits(&self, team_id: i64, amount: i64, note: &str) -> Result<i64, StoreError> {
+        if amount == 0 {
+            return Err(StoreError::Invalid("credit amount is zero".to_owned()));
+        }
+        let now = self.now();
+        let mut tx = self.begin().await.map_err(unavailable)?;
+        let balance: i64 =
+            sqlx::query_scalar("SELECT balance_microcredits FROM teams WHERE id = $1 FOR UPDATE")
+                .bind(team_id)
+                .fetch_optional(&mut *tx)
+                .await
+                .map_err(unavailable)?
+                .ok_or(StoreError::NotFound)?;
+        let new_balance = balance.checked_add(amount).ok_or_else(|| {
+            StoreError::Invalid(format!("balance {balance} + {amount} overflows"))
+        })?;
+        sqlx::query(
+            "INSERT INTO credit_entries (team_id, amount_microcredits, note, created_at) \
+             VALUES ($1, $2, $3, $4)",
+        )
+        .bind(team_id)
+        .bind(amount)
+        .bind(note)
+        .bind(now)
+        .execute(&mut *tx)
+        .await
+        .map_err(|e| conflict_or(e, || "credit entry".to_owned()))?;
+        sqlx::query("UPDATE teams SET balance_microcredits = $1 WHERE id = $2")
+            .bind(new_balance)
+            .bind(team_id)
+            .execute(&mut *tx)
+            .await
+            .map_err(unavailable)?;
+        tx.commit().await.map_err(unavailable)?;
+        Ok(new_balance)
+    }
+
+    async fn create_api_key(&self, key: NewApiKey) -> Result<ApiKeyRecord, StoreError> {
+        if key.hash.is_empty() {
+            return Err(StoreError::Invalid("key hash is empty".to_owned()));
+        }
+        let tokens_per_day = key
+            .tokens_per_day
+            .map(|t| {
+                i64::try_from(t)
+                    .map_err(|_| StoreError::Invalid(format!("tokens_per_day {t} too large")))
+            })
+            .transpose()?;
+        let row = sqlx::query(concat!(
+            "INSERT INTO api_keys (team_id, hash, prefix, model_allowlist, rpm, tokens_per_day, \
+             max_streams, expires_at, message_quota, burst_capacity, burst_refill_seconds, \
+             created_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12) RETURNING ",
+            key_columns!()
+        ))
+        .bind(key.team_id)
+        .bind(&key.hash)
+        .bind(&key.prefix)
+        .bind(&key.model_allowlist)
+        .bind(key.rpm.map(i64::from))
+        .bind(tokens_per_day)
+        .bind(key.max_streams.map(i64::from))
+        .bind(key.expires_at.map(millis))
+        .bind(key.message_quota.map(i64::from))
+        .bind(key.burst_capacity.map(i64::from))
+        .bind(key.burst_refill_seconds.map(i64::from))
+        .bind(self.now())
+        .fetch_one(&self.pool)
+        .await
+        .map_err(|e| match &e {
+            sqlx::Error::Database(d) if d.is_foreign_key_violation() => StoreError::NotFound,
+            _ => conflict_or(e, || "a key with this hash exists".to_owned()),
+        })?;
+        key_from_row(&row)
+    }
+
+    async fn api_key_by_hash(&self, hash: &str) -> Result<Option<ApiKeyRecord>, StoreError> {
+        if !storable(hash) {
+            return Ok(None);
+        }
+        sqlx::query(concat!(
+            "SELECT ",
+            key_columns!(),
+            " FROM api_keys WHERE hash = $1"
+        ))
+        .bind(hash)
+        .fetch_optional(&self.pool)
+        .await
+        .map_err(unavailable)?
+        .as_ref()
+        .map(key_from_row)
+        .transpose()
+    }
+
+    async fn api_keys(&self, team_id: i64) -> Result<Vec<ApiKeyRecord>, StoreError> {
+        sqlx::query(concat!(
+            "SELECT ",
+            key_columns!(),
+            " FROM api_keys WHERE team_id = $1 ORDER BY id"
+        ))
+        .bind(team_id)
+        .fetch_all(&self.pool)
+        .await
+        .map_err(unavailable)?
+        .iter()
+        .map(key_from_row)
+        .collect()
+    }
+
+    async fn revoke_api_key(&self, id: i64) -> Result<bool, StoreError> {
+        let done =
+            sqlx::query("UPDATE api_keys SET revoked_at = $1 WHERE id = $2 AND revoked_at IS NULL")
+                .bind(self.now())
+                .bind(id)
+                .execute(&self.pool)
+                .await
+                .map_err(unavailable)?;
+        Ok(done.rows_affected() == 1)
+    }
+
+    async fn create_node(
+        &self,
+        id: &str,
+        location: &str,
+        token_hash: &str,
+    ) -> Result<NodeRecord, StoreError> {
+        if id.trim().is_empty() {
+            return Err(StoreError::Invalid("node id is empty".to_owned()));
+        }
+        if !NODE_LOCATIONS.contains(&location) {
+            return Err(StoreError::Invalid(format!(
+                "node location {location:?} is not one of {NODE_LOCATIONS:?}"
+            )));
+        }
+        if token_hash.is_empty() {
+            return Err(StoreError::Invalid("token hash is empty".to_owned()));
+        }
+        // One statement decides atomically: a new node is inserted, a revoked one gets the
+        // new token, and a node with a live token matches neither and returns no row.
+        let row = sqlx::query(concat!(
+            "INSERT INTO nodes (id, location, token_hash, created_at) VALUES ($1, $2, $3, $4) \
+             ON CONFLICT (id) DO UPDATE SET token_hash = EXCLUDED.token_hash, \
+             location = EXCLUDED.location WHERE nodes.token_hash IS NULL RETURNING ",
+            node_columns!()
+        ))
+        .bind(id)
+        .bind(location)
+        .bind(token_hash)
+        .bind(self.now())
+        .fetch_optional(&self.pool)
+        .await
+        .map_err(|e| conflict_or(e, || "another node has this token hash".to_owned()))?
+        .ok_or_else(|| StoreError::Conflict(format!("node {id:?} has a live token")))?;
+        node_from_row(&row)
+    }
+
+    async fn node(&self, id: &str) -> Result<Option<NodeRecord>, StoreError> {
+        if !storable(id) {
+            return Ok(None);
+        }
+        sqlx::query(concat!(
+            "SELECT ",
+            node_columns!(),
+            " FROM nodes WHERE id = $1"
+        ))
+        .bind(id)
+        .fetch_optional(&self.pool)
+        .await
+        .map_err(unavailable)?
+        .as_ref()
+        .map(node_from_row)
+        .transpose()
+    }
+
+    async fn nodes(&self) -> Result<Vec<NodeRecord>, StoreError> {
+        // `nodes.id` is `COLLATE "C"`: byte order, as SQLite sorts.
+        sqlx::query(concat!(
+            "SELECT ",
+            node_columns!(),
+            " FROM nodes ORDER BY id"
+        ))
+        .fetch_all(&self.pool)
+        .await
+        .map_err(unavailable)?
+        .iter()
+        .map(node_from_row)
+        .collect()
+    }
+
+    async fn revoke_node_token(&self, id: &str) -> Result<bool, StoreError> {
+        if !storable(id) {
+            return Ok(false);
+        }
+        let done = sqlx::query(
+            "UPDATE nodes SET token_hash = NULL WHERE id = $1 AND token_hash IS NOT NULL",
+        )
+        .bind(id)
+        .execute(&self.pool)
+        .await
+        .map_err(unavailable)?;
+        Ok(done.rows_affected() == 1)
+    }
+
+    async fn record_node_registration(
+        &self,
+        id: &str,
+        gpus: serde_json::Value,
+        models: &[String],
+        orchestrator_id: &str,
+        at: DateTime<Utc>,
+    ) -> Result<(), StoreError> {
+        if !storable(id) {
+            return Err(StoreError::NotFound);
+        }
+        let done = sqlx::query(
+            "UPDATE nodes SET gpus = $1::json, models = $2, orchestrator_id = $3, \
+             last_seen = $4 WHERE id = $5",
+        )
+        .bind(gpus.to_string())
+        .bind(models)
+        .bind(orchestrator_id)
+        .bind(millis(at))
+        .bind(id)
+        .execute(&self.pool)
+        .await
+        .map_err(|e| conflict_or(e, String::new))?;
+        found(done.rows_affected())
+    }
+
+    async fn mark_node_drained(&self, id: &str, at: DateTime<Utc>) -> Result<(), StoreError> {
+        if !storable(id) {
+            return Err(StoreError::NotFound);
+        }
+        let done = sqlx::query("UPDATE nodes SET drained_at = $1 WHERE id = $2")
+            .bind(millis(at))
+            .bind(id)
+            .execute(&self.pool)
+            .await
+            .map_err(|e| conflict_or(e, String::new))?;
+        found(done.rows_affected())
+    }
+
+    async fn ledger_row(&self, request_id: &str) -> Result<Option<LedgerRow>, StoreError> {
+        if !storable(request_id) {
+            return Ok(None);
+        }
+        sqlx::query(concat!(
+            "SELECT ",
+            ledger_columns!(),
+            " FROM usage_ledger WHERE request_id = $1"
+        ))
+        .bind(request_id)
+        .fetch_optional(&self.pool)
+        .await
+        .map_err(unavailable)?
+        .as_ref()
+        .map(ledger_from_row)
+        .transpose()
+    }
+
+    async fn ledger_rows(&self, team_id: Option<i64>) -> Result<Vec<LedgerRow>, StoreError> {
+        sqlx::query(concat!(
+            "SELECT ",
+            ledger_columns!(),
+            " FROM usage_ledger WHERE $1::BIGINT IS NULL OR team_id = $1 ORDER BY id"
+        ))
+        .bind(team_id)
+        .fetch_all(&self.pool)
+        .await
+        .map_err(unavailable)?
+        .iter()
+        .map(ledger_from_row)
+        .collect()
+    }
+
+    async fn open_reservations(&self) -> Result<i64, StoreError> {
+        sqlx::query_scalar("SELECT COUNT(*) FROM usage_ledger WHERE status = 'reserved'")
+            .fetch_one(&self.pool)
+            .await
+            .map_err(unavailable)
+    }
+
+    async fn ping(&self) -> Result<(), StoreError> {
+        sqlx::query("SELECT 1")
+            .execute(&self.pool)
+            .await
+            .map(|_| ())
+            .map_err(unavailable)
+    }
+}
+
+/// PostgreSQL text cannot hold NUL, and refuses it with an error; SQLite stores it. A key
+/// that cannot be stored cannot be found either, so lookups answer "absent" without asking.
+fn storable(text: &str) -> bool {
+    !text.contains('\0')
+}
+
+/// `at` truncated to the millisecond (towards the past, as `timestamp_millis` does).
+fn millis(at: DateTime<Utc>) -> DateTime<Utc> {
+    at.with_nanosecond(at.nanosecond() / 1_000_000 * 1_000_000)
+        .unwrap_or(at)
+}
+
+fn unavailable(e: sqlx::Error) -> StoreError {
+    StoreError::Unavailable(e.to_string())
+}
+
+fn ledger_unavailable(e: sqlx::Error) -> LedgerError {
+    LedgerError::Unavailable(e.to_string())
+}
+
+/// A unique violation becomes `Conflict(message())`; a check violation or a value PostgreSQL
+/// cannot hold (SQLSTATE class 22: NUL in text, a timestamp beyond its range) is `Invalid`;
+/// anything else is `Unavailable`.
+fn conflict_or(e: sqlx::Error, message: impl FnOnce() -> String) -> StoreError {
+    match &e {
+        sqlx::Error::Database(d) if d.is_unique_violation() => StoreError::Conflict(message()),
+        sqlx::Error::Database(d)
+            if d.is_check_violation() || d.code().is_some_and(|c| c.starts_with("22")) =>
+        {
+            StoreError::Invalid(d.to_string())
+        }
+        sqlx::Error::Encode(err) => StoreError::Invalid(err.to_string()),
+        _ => unavailable(e),
+    }
+}
+
+fn found(rows_affected: u64) -> Result<(), StoreError> {
+    if rows_affected == 0 {
+        Err(StoreError::NotFound)
+    } else {
+        Ok(())
+    }
+}
+
+/// Token counts are u64 at the port and BIGINT here; a count beyond i64 is refused rather
+/// than clamped, so the ledger never records a number nobody produced.
+fn tokens(n: u64) -> Result<i64, LedgerError> {
+    i64::try_from(n).map_err(|_| LedgerError::Unavailable(format!("token count {n} out of range")))
+}
+
+/// Reads a column, mapping a decode failure (a corrupt or foreign row) to `Invalid`.
+fn col<'r, T>(row: &'r PgRow, name: &str) -> Result<T, StoreError>
+where
+    T: sqlx::Decode<'r, Postgres> + sqlx::Type<Postgres>,
+{
+    row.try_get(name)
+        .map_err(|e| StoreError::Invalid(format!("column {name}: {e}")))
+}
+
+/// Reads a nullable BIGINT column into a narrower unsigned type.
+fn opt_int<T: TryFrom<i64>>(row: &PgRow, name: &str) -> Result<Option<T>, StoreError> {
+    col::<Option<i64>>(row, name)?
+        .map(|v| {
+            T::try_from(v)
+                .map_err(|_| StoreError::Invalid(format!("column {name}: {v} out of range")))
+        })
+        .transpose()
+}
+
+fn team_from_row(row: &PgRow) -> Result<Team, StoreError> {
+    Ok(Team {
+        id: col(row, "id")?,
+        name: col(row, "name")?,
+        balance_microcredits: col(row, "balance_microcredits")?,
+    })
+}
+
+fn key_from_row(row: &PgRow) -> Result<ApiKeyRecord, StoreError> {
+    Ok(ApiKeyRecord {
+        id: col(row, "id")?,
+        team_id: col(row, "team_id")?,
+        prefix: col(row, "prefix")?,
+        model_allowlist: col(row, "model_allowlist")?,
+        rpm: opt_int(row, "rpm")?,
+        tokens_per_day: opt_int(row, "tokens_per_day")?,
+        max_streams: opt_int(row, "max_streams")?,
+        expires_at: col(row, "expires_at")?,
+        revoked_at: col(row, "revoked_at")?,
+        message_quota: opt_int(row, "message_quota")?,
+        burst_capacity: opt_int(row, "burst_capacity")?,
+        burst_refill_seconds: opt_int(row, "burst_refill_seconds")?,
+        created_at: col(row, "created_at")?,
+    })
+}
+
+fn node_from_row(row: &PgRow) -> Result<NodeRecord, StoreError> {
+    let gpus: String = col(row, "gpus")?;
+    Ok(NodeRecord {
+        id: col(row, "id")?,
+        location: col(row, "location")?,
+        token_hash: col(row, "token_hash")?,
+        gpus: serde_json::from_str(&gpus)
+            .map_err(|e| StoreError::Invalid(format!("column gpus: {e}")))?,
+        models: col(row, "models")?,
+        last_seen: col(row, "last_seen")?,
+        orchestrator_id: col(row, "orchestrator_id")?,
+        drained_at: col(row, "drained_at")?,
+        created_at: col(row, "created_at")?,
+    })
+}
+
+fn ledger_from_row(row: &PgRow) -> Result<LedgerRow, StoreError> {
+    let status: String = col(row, "status")?;
+    Ok(LedgerRow {
+        id: col(row, "id")?,
+        request_id: col(row, "request_id")?,
+        team_id: col(row, "team_id")?,
+        key_id: col(row, "key_id")?,
+        model: col(row, "model")?,
+        prompt_tokens: col(row, "prompt_tokens")?,
+        completion_tokens: col(row, "completion_tokens")?,
+        cost_microcredits: col(row, "cost_microcredits")?,
+        estimated_cost_microcredits: col(row, "estimated_cost_microcredits")?,
+        price_input_per_mtok: col(row, "price_input_per_mtok")?,
+        price_output_per_mtok: col(row, "price_output_per_mtok")?,
+        status: LedgerStatus::from_str(&status)?,
+        created_at: col(row, "created_at")?,
+        settled_at: col(row, "settled_at")?,
+    })
+}
