@@ -14,11 +14,9 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::Config;
-use crate::coord::MemoryCoordinator;
 use crate::node_agent::{self, AgentConfig, AgentStats};
 use crate::server::Server;
 use crate::sim::{Profile, SimConfig, SimServer};
-use crate::store::SqliteStore;
 use crate::store::{
     API_KEY_PREFIX, NODE_TOKEN_PREFIX, NewApiKey, Store, display_prefix, hash_secret, new_secret,
 };
@@ -29,6 +27,9 @@ pub enum FleetError {
     /// Storage failed.
     #[error("storage: {0}")]
     Store(#[from] crate::store::StoreError),
+    /// Coordination failed.
+    #[error("coordination: {0}")]
+    Coord(#[from] crate::coord::CoordError),
     /// The server failed to start.
     #[error("server: {0}")]
     Server(#[from] crate::server::StartError),
@@ -60,6 +61,8 @@ pub struct FleetConfig {
     pub heartbeat_interval: Duration,
     /// Credits given to the `demo` team, microcredits.
     pub credits: i64,
+    /// Namespace of every Redis key and channel, when `server.redis_url` is set.
+    pub redis_prefix: String,
 }
 
 impl Default for FleetConfig {
@@ -76,6 +79,7 @@ impl Default for FleetConfig {
             agent_backoff_min: Duration::from_secs(1),
             heartbeat_interval: Duration::from_secs(5),
             credits: 1_000_000_000_000,
+            redis_prefix: "switchyard:".into(),
         }
     }
 }
@@ -151,9 +155,8 @@ pub struct Fleet {
 impl Fleet {
     /// Starts storage, the server and every node, and waits until the nodes registered.
     pub async fn start(mut config: FleetConfig, database_url: &str) -> Result<Self, FleetError> {
-        let store = SqliteStore::connect(database_url).await?;
+        let store = crate::store::connect_store(database_url).await?;
         store.migrate().await?;
-        let store: Arc<dyn Store> = Arc::new(store);
         let team = match store.team_by_name("demo").await? {
             Some(team) => team,
             None => {
@@ -179,7 +182,11 @@ impl Fleet {
         };
         config.server.admin_token = Some(admin_token.clone());
         let listener = TcpListener::bind(config.server.listen).await?;
-        let coordinator = Arc::new(MemoryCoordinator::new());
+        let coordinator = crate::coord::connect_coordinator(
+            config.server.redis_url.as_deref(),
+            &config.redis_prefix,
+        )
+        .await?;
         let server =
             Server::start(config.server.clone(), store.clone(), coordinator, listener).await?;
         let mut fleet = Fleet {

@@ -11,6 +11,7 @@ pub mod coord;
 pub mod demo;
 pub mod env_names;
 pub mod http;
+pub mod jwt;
 pub mod node_agent;
 pub mod server;
 pub mod sim;

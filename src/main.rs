@@ -3,18 +3,16 @@
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
 use clap::{Args, Parser, Subcommand};
 use switchyard::config::Config;
-use switchyard::coord::MemoryCoordinator;
 use switchyard::demo::{self, Fleet, FleetConfig};
 use switchyard::node_agent::{self, AgentConfig};
 use switchyard::server::Server;
 use switchyard::sim::{ExitMode, FaultSpec, Profile, SimConfig, SimServer};
-use switchyard::store::{SqliteStore, Store};
+use switchyard::{coord, store};
 use switchyard_actors::protocol::Location;
 use tokio_util::sync::CancellationToken;
 
@@ -205,17 +203,18 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     if let Some(listen) = args.listen {
         config.listen = listen;
     }
-    if config.redis_url.is_some() {
-        anyhow::bail!(
-            "REDIS_URL is set, but multi-replica coordination through Redis is not available in this build; unset it to run one replica"
-        );
-    }
-    let store = connect_store(&config.database_url).await?;
+    let store = store::connect_store(&config.database_url).await?;
     if !args.no_migrate {
         store.migrate().await?;
     }
-    let store: Arc<dyn Store> = Arc::new(store);
-    let server = Server::bind(config, store, Arc::new(MemoryCoordinator::new())).await?;
+    let coordinator =
+        coord::connect_coordinator(config.redis_url.as_deref(), "switchyard:").await?;
+    if config.redis_url.is_some() {
+        tracing::warn!(
+            "REDIS_URL is set: heartbeats and coordination state go to Redis, but request routing across replicas is not in this build; run one replica"
+        );
+    }
+    let server = Server::bind(config, store, coordinator).await?;
     shutdown_signal().await;
     server.shutdown(Duration::from_secs(30)).await;
     Ok(())
@@ -223,24 +222,12 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
 
 async fn migrate(args: MigrateArgs) -> anyhow::Result<()> {
     let config = Config::load(args.config.as_deref())?;
-    connect_store(&config.database_url).await?.migrate().await?;
+    store::connect_store(&config.database_url)
+        .await?
+        .migrate()
+        .await?;
     println!("migrations applied");
     Ok(())
-}
-
-async fn connect_store(url: &str) -> anyhow::Result<SqliteStore> {
-    if !url.starts_with("sqlite:") {
-        anyhow::bail!("DATABASE_URL must be sqlite://… in this build (PostgreSQL support is next)");
-    }
-    if let Some(path) = url
-        .strip_prefix("sqlite://")
-        .and_then(|p| p.split('?').next())
-        && let Some(dir) = std::path::Path::new(path).parent()
-        && !dir.as_os_str().is_empty()
-    {
-        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-    }
-    Ok(SqliteStore::connect(url).await?)
 }
 
 async fn node(args: NodeArgs) -> anyhow::Result<()> {

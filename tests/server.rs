@@ -13,6 +13,8 @@ mod failures;
 mod leaks;
 #[path = "server/path.rs"]
 mod path;
+#[path = "server/production.rs"]
+mod production;
 #[path = "server/sdk.rs"]
 mod sdk;
 #[path = "server/usage.rs"]

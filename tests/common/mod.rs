@@ -305,3 +305,40 @@ where
         panic!("timed out waiting for {what}");
     }
 }
+
+/// A fresh PostgreSQL database for one test (dropped by the caller with [`drop_pg`]).
+pub async fn fresh_pg() -> (String, String) {
+    let base = std::env::var("SWITCHYARD_TEST_DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into());
+    let name = format!("sy_test_{:016x}", rand::random::<u64>());
+    let admin = sqlx::PgPool::connect(&base).await.unwrap_or_else(|e| {
+        panic!("PostgreSQL at {base} is required ({e}); scripts/test starts one")
+    });
+    // The name is generated here from hex digits only.
+    sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
+        .execute(&admin)
+        .await
+        .unwrap();
+    admin.close().await;
+    let url = match base.rsplit_once('/') {
+        Some((server, _)) => format!("{server}/{name}"),
+        None => panic!("bad SWITCHYARD_TEST_DATABASE_URL {base}"),
+    };
+    (url, name)
+}
+
+/// Drops a database made by [`fresh_pg`], best effort.
+pub async fn drop_pg(name: &str) {
+    let base = std::env::var("SWITCHYARD_TEST_DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into());
+    if let Ok(admin) = sqlx::PgPool::connect(&base).await {
+        let sql = format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)");
+        let _ = sqlx::query(sqlx::AssertSqlSafe(sql)).execute(&admin).await;
+        admin.close().await;
+    }
+}
+
+/// The Redis URL of the test environment.
+pub fn redis_url() -> String {
+    std::env::var("SWITCHYARD_TEST_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into())
+}
