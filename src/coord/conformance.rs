@@ -61,6 +61,8 @@ pub async fn conformance_suite(c: &dyn Coordinator, prefix: &str) -> Outcome {
     delete_removes_any_kind(c, prefix).await?;
     wrong_kind_is_an_error(c, prefix).await?;
     leases_and_other_kinds_do_not_mix(c, prefix).await?;
+    slots_bound_renew_release_and_expire(c, prefix).await?;
+    sliding_window_is_exact_at_the_boundary(c, prefix).await?;
     Ok(())
 }
 
@@ -484,4 +486,56 @@ pub async fn leases_and_other_kinds_do_not_mix(c: &dyn Coordinator, prefix: &str
     c.delete(&h).await?;
     c.delete(&n).await?;
     Ok(())
+}
+
+/// A bounded set admits `limit` members, renews a present one, frees a released place, and
+/// drops members whose time ran out (a crashed holder cannot keep a place).
+pub async fn slots_bound_renew_release_and_expire(c: &dyn Coordinator, prefix: &str) -> Outcome {
+    const CHECK: &str = "slots";
+    let key = format!("{prefix}slots");
+    let ttl = Duration::from_secs(60);
+    let at = 1_000_000;
+    for m in ["a", "b"] {
+        let v = c.acquire_slot(&key, m, 2, at, ttl).await?;
+        expect(CHECK, v.admitted, || format!("{m} refused below the limit"))?;
+    }
+    let full = c.acquire_slot(&key, "c", 2, at + 10, ttl).await?;
+    expect_eq(CHECK, (full.admitted, full.count), (false, 2))?;
+    expect_eq(CHECK, full.wait_ms, 59_990)?;
+    let again = c.acquire_slot(&key, "a", 2, at + 20, ttl).await?;
+    expect(CHECK, again.admitted, || {
+        "a present member is renewed".into()
+    })?;
+    c.release_slot(&key, "b").await?;
+    let freed = c.acquire_slot(&key, "c", 2, at + 30, ttl).await?;
+    expect(CHECK, freed.admitted, || "a released place is free".into())?;
+    let later = at + 61_000;
+    let expired = c.acquire_slot(&key, "d", 2, later, ttl).await?;
+    expect_eq(CHECK, (expired.admitted, expired.count), (true, 1))?;
+    c.delete(&key).await.map_err(ConformanceError::from)
+}
+
+/// The sliding window admits `limit` per window, refuses the next with the wait until the
+/// oldest leaves, and admits again exactly when it has left.
+pub async fn sliding_window_is_exact_at_the_boundary(c: &dyn Coordinator, prefix: &str) -> Outcome {
+    const CHECK: &str = "sliding_window";
+    let key = format!("{prefix}window");
+    let window = Duration::from_secs(60);
+    let t0 = 5_000_000;
+    for i in 0..3 {
+        let v = c
+            .window_admit(&key, &format!("r{i}"), t0 + i * 1000, window, 3)
+            .await?;
+        expect(CHECK, v.admitted, || {
+            format!("request {i} refused below the limit")
+        })?;
+    }
+    let refused = c.window_admit(&key, "r3", t0 + 59_999, window, 3).await?;
+    expect_eq(CHECK, (refused.admitted, refused.wait_ms), (false, 1))?;
+    let admitted = c.window_admit(&key, "r4", t0 + 60_000, window, 3).await?;
+    expect(CHECK, admitted.admitted, || {
+        "the oldest left the window at exactly 60 s".into()
+    })?;
+    expect_eq(CHECK, admitted.count, 3)?;
+    c.delete(&key).await.map_err(ConformanceError::from)
 }

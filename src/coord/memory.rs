@@ -10,7 +10,15 @@ use async_trait::async_trait;
 use tokio::sync::mpsc::{self, UnboundedReceiver, UnboundedSender};
 use tokio::time::Instant;
 
-use switchyard_actors::ports::{CoordError, Coordinator};
+use switchyard_actors::ports::{CoordError, Coordinator, LimitVerdict};
+
+fn verdict(admitted: bool, count: usize, wait_ms: i64) -> LimitVerdict {
+    LimitVerdict {
+        admitted,
+        count: u32::try_from(count).unwrap_or(u32::MAX),
+        wait_ms: u64::try_from(wait_ms).unwrap_or(0),
+    }
+}
 
 /// Writes between two sweeps of expired keys. Reads already ignore expired keys; the sweep
 /// only bounds memory for keys nobody reads again (a node that never came back).
@@ -57,7 +65,12 @@ impl Entry {
 enum Value {
     Hash(BTreeMap<String, String>),
     Counter(i64),
-    Lease { owner: String, token: u64 },
+    Lease {
+        owner: String,
+        token: u64,
+    },
+    /// Member → score (a Redis sorted set): bounded slots and sliding windows.
+    Scored(BTreeMap<String, i64>),
 }
 
 impl Value {
@@ -66,6 +79,7 @@ impl Value {
             Value::Hash(_) => "hash",
             Value::Counter(_) => "counter",
             Value::Lease { .. } => "lease",
+            Value::Scored(_) => "sorted set",
         }
     }
 }
@@ -105,6 +119,42 @@ impl MemoryCoordinator {
     /// An empty coordinator.
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// Runs `f` on the sorted set at `key` (created empty), which expires `ttl` from now.
+    fn scored(
+        &self,
+        key: &str,
+        ttl: Duration,
+        f: impl FnOnce(&mut BTreeMap<String, i64>) -> LimitVerdict,
+    ) -> Result<LimitVerdict, CoordError> {
+        let now = Instant::now();
+        let mut inner = self.lock();
+        let out = match inner.live(key, now) {
+            Some(Entry {
+                value: Value::Scored(set),
+                expires_at,
+            }) => {
+                let v = f(set);
+                *expires_at = Some(now + ttl);
+                v
+            }
+            Some(entry) => return Err(wrong_type(key, &entry.value, "sorted set")),
+            None => {
+                let mut set = BTreeMap::new();
+                let v = f(&mut set);
+                inner.keys.insert(
+                    key.to_owned(),
+                    Entry {
+                        value: Value::Scored(set),
+                        expires_at: Some(now + ttl),
+                    },
+                );
+                v
+            }
+        };
+        inner.note_write(now);
+        Ok(out)
     }
 
     fn lock(&self) -> MutexGuard<'_, Inner> {
@@ -259,6 +309,68 @@ impl Coordinator for MemoryCoordinator {
         };
         inner.note_write(now);
         Ok(sum)
+    }
+
+    async fn acquire_slot(
+        &self,
+        key: &str,
+        member: &str,
+        limit: u32,
+        now_ms: i64,
+        ttl: Duration,
+    ) -> Result<LimitVerdict, CoordError> {
+        let ttl_ms = i64::try_from(ttl.as_millis()).unwrap_or(i64::MAX);
+        self.scored(key, ttl, |set| {
+            set.retain(|_, expires| *expires > now_ms);
+            let held = set.contains_key(member);
+            let admitted = held || set.len() < limit as usize;
+            if admitted {
+                set.insert(member.to_owned(), now_ms.saturating_add(ttl_ms));
+            }
+            let wait = set
+                .values()
+                .min()
+                .map_or(0, |first| first.saturating_sub(now_ms));
+            verdict(admitted, set.len(), wait)
+        })
+    }
+
+    async fn release_slot(&self, key: &str, member: &str) -> Result<(), CoordError> {
+        let now = Instant::now();
+        let mut inner = self.lock();
+        match inner.live(key, now) {
+            Some(Entry {
+                value: Value::Scored(set),
+                ..
+            }) => {
+                set.remove(member);
+                Ok(())
+            }
+            Some(entry) => Err(wrong_type(key, &entry.value, "sorted set")),
+            None => Ok(()),
+        }
+    }
+
+    async fn window_admit(
+        &self,
+        key: &str,
+        member: &str,
+        now_ms: i64,
+        window: Duration,
+        limit: u32,
+    ) -> Result<LimitVerdict, CoordError> {
+        let window_ms = i64::try_from(window.as_millis()).unwrap_or(i64::MAX);
+        self.scored(key, window, |set| {
+            set.retain(|_, at| *at > now_ms.saturating_sub(window_ms));
+            let admitted = set.len() < limit as usize;
+            if admitted {
+                set.insert(member.to_owned(), now_ms);
+            }
+            let wait = set.values().min().map_or(0, |first| {
+                first.saturating_add(window_ms).saturating_sub(now_ms)
+            });
+            verdict(admitted, set.len(), wait)
+        })
     }
 
     async fn publish(&self, channel: &str, payload: Vec<u8>) -> Result<(), CoordError> {

@@ -28,7 +28,7 @@ use redis::{Client, Msg, RedisError, RedisResult, Script};
 use tokio::sync::mpsc::{self, UnboundedReceiver, UnboundedSender};
 use tokio_util::sync::CancellationToken;
 
-use switchyard_actors::ports::{CoordError, Coordinator};
+use switchyard_actors::ports::{CoordError, Coordinator, LimitVerdict};
 
 /// How long one call may wait for Redis before it fails with `Unavailable`.
 pub const DEFAULT_COMMAND_TIMEOUT: Duration = Duration::from_secs(2);
@@ -112,6 +112,52 @@ return 0
 /// sum goes back as a string: Lua numbers are doubles and would round counters above 2^53.
 /// A counter found without expiry (written by something else) gets one rather than living
 /// forever.
+/// `acquire_slot`. KEYS[1] the set; ARGV[1] now ms, ARGV[2] member, ARGV[3] limit, ARGV[4]
+/// TTL ms. Expired members (score <= now) leave first; a present member is renewed.
+/// Returns {admitted, count, ms until the earliest member expires}.
+static ACQUIRE_SLOT: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r"
+local now = tonumber(ARGV[1])
+local ttl = tonumber(ARGV[4])
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+local admitted = 0
+if redis.call('ZSCORE', KEYS[1], ARGV[2]) or redis.call('ZCARD', KEYS[1]) < tonumber(ARGV[3]) then
+  redis.call('ZADD', KEYS[1], now + ttl, ARGV[2])
+  admitted = 1
+end
+redis.call('PEXPIRE', KEYS[1], ttl)
+local first = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
+local wait = 0
+if first[2] then wait = math.max(0, tonumber(first[2]) - now) end
+return {admitted, redis.call('ZCARD', KEYS[1]), wait}
+",
+    )
+});
+
+/// `window_admit`: a sliding-window log. KEYS[1] the log; ARGV[1] now ms, ARGV[2] member,
+/// ARGV[3] window ms, ARGV[4] limit. Returns {admitted, count, ms until the oldest entry
+/// leaves the window}.
+static WINDOW_ADMIT: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r"
+local now = tonumber(ARGV[1])
+local window = tonumber(ARGV[3])
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - window)
+local admitted = 0
+if redis.call('ZCARD', KEYS[1]) < tonumber(ARGV[4]) then
+  redis.call('ZADD', KEYS[1], now, ARGV[2])
+  admitted = 1
+end
+redis.call('PEXPIRE', KEYS[1], window)
+local first = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
+local wait = 0
+if first[2] then wait = math.max(0, tonumber(first[2]) + window - now) end
+return {admitted, redis.call('ZCARD', KEYS[1]), wait}
+",
+    )
+});
+
 static INCR: LazyLock<Script> = LazyLock::new(|| {
     Script::new(
         r"
@@ -190,6 +236,14 @@ impl Drop for RedisCoordinator {
 
 fn unavailable(what: &str, err: &RedisError) -> CoordError {
     CoordError::Unavailable(format!("redis {what}: {err}"))
+}
+
+fn limit_verdict((admitted, count, wait): (i64, i64, i64)) -> LimitVerdict {
+    LimitVerdict {
+        admitted: admitted == 1,
+        count: u32::try_from(count).unwrap_or(u32::MAX),
+        wait_ms: u64::try_from(wait).unwrap_or(0),
+    }
 }
 
 fn timed_out(what: &str, after: Duration) -> CoordError {
@@ -435,6 +489,72 @@ impl Coordinator for RedisCoordinator {
             invocation.invoke_async::<i64>(&mut conn),
         )
         .await
+    }
+
+    async fn acquire_slot(
+        &self,
+        key: &str,
+        member: &str,
+        limit: u32,
+        now_ms: i64,
+        ttl: Duration,
+    ) -> Result<LimitVerdict, CoordError> {
+        let mut invocation = ACQUIRE_SLOT.prepare_invoke();
+        invocation
+            .key(self.key(key))
+            .arg(now_ms)
+            .arg(member)
+            .arg(limit)
+            .arg(ttl_millis(ttl));
+        let (generation, mut conn) = self.commands();
+        let reply = self
+            .bounded(
+                "acquire_slot",
+                generation,
+                invocation.invoke_async::<(i64, i64, i64)>(&mut conn),
+            )
+            .await?;
+        Ok(limit_verdict(reply))
+    }
+
+    async fn release_slot(&self, key: &str, member: &str) -> Result<(), CoordError> {
+        let (generation, mut conn) = self.commands();
+        self.bounded(
+            "release_slot",
+            generation,
+            redis::cmd("ZREM")
+                .arg(self.key(key))
+                .arg(member)
+                .query_async::<redis::Value>(&mut conn),
+        )
+        .await?;
+        Ok(())
+    }
+
+    async fn window_admit(
+        &self,
+        key: &str,
+        member: &str,
+        now_ms: i64,
+        window: Duration,
+        limit: u32,
+    ) -> Result<LimitVerdict, CoordError> {
+        let mut invocation = WINDOW_ADMIT.prepare_invoke();
+        invocation
+            .key(self.key(key))
+            .arg(now_ms)
+            .arg(member)
+            .arg(ttl_millis(window))
+            .arg(limit);
+        let (generation, mut conn) = self.commands();
+        let reply = self
+            .bounded(
+                "window_admit",
+                generation,
+                invocation.invoke_async::<(i64, i64, i64)>(&mut conn),
+            )
+            .await?;
+        Ok(limit_verdict(reply))
     }
 
     async fn publish(&self, channel: &str, payload: Vec<u8>) -> Result<(), CoordError> {

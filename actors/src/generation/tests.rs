@@ -17,7 +17,7 @@ use crate::model_queue::{
 };
 use crate::node::{NodeActor, NodeArgs, NodeHandle};
 use crate::ports::memory::{MemoryLedger, RowStatus};
-use crate::ports::{CoordError, Coordinator, Reservation, SystemClock};
+use crate::ports::{CoordError, Coordinator, LimitVerdict, Reservation, SystemClock};
 use crate::protocol::{NodeFrame, ServerFrame};
 
 const MODEL: &str = "llama-3.1-8b-instruct";
@@ -57,6 +57,37 @@ impl Coordinator for MapCoordinator {
     }
     async fn incr(&self, _: &str, by: i64, _: Duration) -> Result<i64, CoordError> {
         Ok(by)
+    }
+    async fn acquire_slot(
+        &self,
+        _: &str,
+        _: &str,
+        _: u32,
+        _: i64,
+        _: Duration,
+    ) -> Result<LimitVerdict, CoordError> {
+        Ok(LimitVerdict {
+            admitted: true,
+            count: 1,
+            wait_ms: 0,
+        })
+    }
+    async fn release_slot(&self, _: &str, _: &str) -> Result<(), CoordError> {
+        Ok(())
+    }
+    async fn window_admit(
+        &self,
+        _: &str,
+        _: &str,
+        _: i64,
+        _: Duration,
+        _: u32,
+    ) -> Result<LimitVerdict, CoordError> {
+        Ok(LimitVerdict {
+            admitted: true,
+            count: 1,
+            wait_ms: 0,
+        })
     }
     async fn publish(&self, _: &str, _: Vec<u8>) -> Result<(), CoordError> {
         Ok(())

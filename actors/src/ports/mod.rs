@@ -114,6 +114,18 @@ pub enum CoordError {
     Unavailable(String),
 }
 
+/// The answer of a limit check ([`Coordinator::acquire_slot`], [`Coordinator::window_admit`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LimitVerdict {
+    /// Whether the caller got in.
+    pub admitted: bool,
+    /// Members counted after the check (the caller included when admitted).
+    pub count: u32,
+    /// When refused: milliseconds until a place frees (the oldest member leaves). When
+    /// admitted: milliseconds until the oldest member leaves (the window's reset).
+    pub wait_ms: u64,
+}
+
 /// Cluster-wide coordination, shaped after Redis: expiring hashes (node heartbeats), leases
 /// with fencing tokens (who owns a model queue or a team budget), counters and pub/sub.
 #[async_trait]
@@ -142,6 +154,29 @@ pub trait Coordinator: Send + Sync + Debug + 'static {
     async fn release_lease(&self, name: &str, owner: &str) -> Result<(), CoordError>;
     /// Adds `by` to the counter at `key` (created at 0 with expiry `ttl`); returns the sum.
     async fn incr(&self, key: &str, by: i64, ttl: Duration) -> Result<i64, CoordError>;
+    /// Takes a place for `member` in the bounded set at `key` (at most `limit` members; a
+    /// member expires `ttl` after `now_ms`, so a crashed holder cannot keep a place). A
+    /// member already present is renewed and admitted. One atomic step (a Redis script).
+    async fn acquire_slot(
+        &self,
+        key: &str,
+        member: &str,
+        limit: u32,
+        now_ms: i64,
+        ttl: Duration,
+    ) -> Result<LimitVerdict, CoordError>;
+    /// Gives `member`'s place back.
+    async fn release_slot(&self, key: &str, member: &str) -> Result<(), CoordError>;
+    /// Sliding-window log: admits `member` at `now_ms` if fewer than `limit` members were
+    /// admitted in the `window` before it (exact at the boundary, unlike fixed buckets).
+    async fn window_admit(
+        &self,
+        key: &str,
+        member: &str,
+        now_ms: i64,
+        window: Duration,
+        limit: u32,
+    ) -> Result<LimitVerdict, CoordError>;
     /// Sends `payload` to every current subscriber of `channel`, in publish order.
     async fn publish(&self, channel: &str, payload: Vec<u8>) -> Result<(), CoordError>;
     /// Subscribes to `channel`; messages published from now on arrive on the receiver.
