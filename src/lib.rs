@@ -13,6 +13,7 @@ pub mod env_names;
 pub mod http;
 pub mod jwt;
 pub mod node_agent;
+pub mod quota;
 pub mod server;
 pub mod sim;
 pub mod store;

@@ -19,6 +19,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::auth::Authenticator;
 use crate::config::Config;
+use crate::quota::Limits;
 use crate::store::Store;
 
 /// Registration limiter: a GCRA bucket shared by every node connection of this replica.
@@ -43,6 +44,8 @@ pub struct AppState {
     pub nodes: Mutex<BTreeMap<String, NodeHandle>>,
     /// API-key verification.
     pub auth: Authenticator,
+    /// Per-key concurrency and rate limits.
+    pub limits: Limits,
     /// Registrations per second.
     pub registrations: RegistrationLimiter,
     /// Renders `/metrics`.
@@ -134,10 +137,14 @@ impl Server {
                 .map_err(|e| StartError::Actors(e.to_string()))?;
             queues.insert(model.name.clone(), queue);
         }
+        // A stream's place outlives the longest request (plus the wait for its usage report).
+        let slot_ttl =
+            Duration::from_secs(config.timeouts.total_secs + config.timeouts.settle_wait_secs + 60);
         let per_second =
             NonZeroU32::new(config.nodes.registrations_per_second).unwrap_or(NonZeroU32::MIN);
         let state = Arc::new(AppState {
             auth: Authenticator::new(store.clone(), clock.clone()),
+            limits: Limits::new(coordinator.clone(), clock.clone(), slot_ttl),
             registrations: governor::RateLimiter::direct(governor::Quota::per_second(per_second)),
             replica_id,
             store,

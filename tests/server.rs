@@ -11,6 +11,8 @@ mod admin;
 mod failures;
 #[path = "server/leaks.rs"]
 mod leaks;
+#[path = "server/limits.rs"]
+mod limits;
 #[path = "server/path.rs"]
 mod path;
 #[path = "server/production.rs"]

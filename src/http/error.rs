@@ -19,6 +19,8 @@ pub struct ApiError {
     pub request_id: Option<String>,
     /// Extra machine-readable facts (limits, ids); boxed to keep results small.
     pub details: Option<Box<serde_json::Value>>,
+    /// `x-ratelimit-*` headers to send with the error.
+    pub rate: Option<Box<crate::quota::RateHeaders>>,
 }
 
 impl ApiError {
@@ -28,12 +30,19 @@ impl ApiError {
             failure: Failure::new(code, message),
             request_id: None,
             details: None,
+            rate: None,
         }
     }
 
     /// Attaches the request id.
     pub fn with_request_id(mut self, id: &str) -> Self {
         self.request_id = Some(id.to_owned());
+        self
+    }
+
+    /// Attaches the rate-limit headers.
+    pub fn with_rate_headers(mut self, rate: crate::quota::RateHeaders) -> Self {
+        self.rate = Some(Box::new(rate));
         self
     }
 
@@ -86,6 +95,7 @@ impl From<Failure> for ApiError {
             failure,
             request_id: None,
             details: None,
+            rate: None,
         }
     }
 }
@@ -110,6 +120,9 @@ impl IntoResponse for ApiError {
             .and_then(|id| HeaderValue::from_str(id).ok())
         {
             headers.insert("x-request-id", id);
+        }
+        if let Some(rate) = &self.rate {
+            rate.apply(headers);
         }
         response
     }

@@ -70,6 +70,7 @@ async fn run(
             "This key may not use that model.",
         ));
     }
+    let (rate, on_end) = state.limits.admit(&principal, request_id).await?;
     let queue = state
         .queues
         .get(&req.resolved.name)
@@ -104,12 +105,13 @@ async fn run(
         events,
         timeouts: state.config.generation_timeouts(),
         clock: state.clock.clone(),
+        on_end,
     };
     let generation = state
         .generations
         .start_generation(args, rx)
         .await
-        .map_err(ApiError::from)?;
+        .map_err(|f| ApiError::from(f).with_rate_headers(rate.clone()))?;
     let render = Render::new(
         request_id,
         &req.resolved.name,
@@ -124,6 +126,7 @@ async fn run(
     if let Ok(v) = HeaderValue::from_str(request_id) {
         response.headers_mut().insert("x-request-id", v);
     }
+    rate.apply(response.headers_mut());
     Ok(response)
 }
 

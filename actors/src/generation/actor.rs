@@ -204,6 +204,9 @@ impl Actor for GenerationActor {
             metrics::gauge!(ACTIVE_STREAMS).decrement(1.0);
         }
         state.directory.remove(&state.args.request_id);
+        if let Some(hook) = state.args.on_end.take() {
+            (hook.0)();
+        }
         Ok(())
     }
 }

@@ -13,5 +13,5 @@ mod tests;
 
 pub use actor::GenerationActor;
 pub use directory::Directory;
-pub use msg::{GenEvent, GenerationArgs, GenerationMsg, Timeouts, Usage};
+pub use msg::{EndHook, GenEvent, GenerationArgs, GenerationMsg, Timeouts, Usage};
 pub use supervisor::{GenerationStream, Generations};

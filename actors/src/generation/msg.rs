@@ -59,6 +59,15 @@ pub enum GenEvent {
     Failed(Failure),
 }
 
+/// Runs once when the generation ends, whatever the path (releases a concurrency slot).
+pub struct EndHook(pub Box<dyn FnOnce() + Send + Sync>);
+
+impl std::fmt::Debug for EndHook {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("EndHook")
+    }
+}
+
 /// Everything a generation needs.
 #[derive(Debug)]
 pub struct GenerationArgs {
@@ -80,6 +89,8 @@ pub struct GenerationArgs {
     pub timeouts: Timeouts,
     /// Time source.
     pub clock: Arc<dyn Clock>,
+    /// Called when the generation ends.
+    pub on_end: Option<EndHook>,
 }
 
 /// Deadlines a generation arms.

@@ -171,6 +171,7 @@ async fn start(h: &Harness, request_id: &str) -> Result<GenerationStream, crate:
         events: tx,
         timeouts: Timeouts::default(),
         clock: Arc::new(SystemClock),
+        on_end: None,
     };
     h.gens.start_generation(args, rx).await
 }

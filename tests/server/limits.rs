@@ -1,0 +1,230 @@
+//! Per-key limits at admission: concurrent streams (`max_streams`) and requests per minute,
+//! kept in Redis here, with Retry-After and the `x-ratelimit-*` headers.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Duration;
+
+use futures::StreamExt;
+use serde_json::{Value, json};
+
+use crate::common::{drop_pg, fresh_pg, http, redis_url};
+
+async fn key_with(fleet: &switchyard::demo::Fleet, limits: Value) -> (String, i64) {
+    let mut body = json!({"team": "demo"});
+    if let (Some(b), Some(l)) = (body.as_object_mut(), limits.as_object()) {
+        b.extend(l.clone());
+    }
+    let key: Value = http()
+        .post(format!("{}/admin/keys", fleet.server.base_url()))
+        .bearer_auth(&fleet.admin_token)
+        .json(&body)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    (
+        key["key"].as_str().unwrap().to_owned(),
+        key["id"].as_i64().unwrap(),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn max_streams_holds_under_500_concurrent_streams_and_places_come_back() {
+    let (db_url, db_name) = fresh_pg().await;
+    let prefix = format!("swtest:{:08x}:", rand::random::<u32>());
+    let mut config = switchyard::demo::FleetConfig {
+        nodes: vec![("small".into(), 2)],
+        time_scale: 10.0,
+        redis_prefix: prefix.clone(),
+        ..Default::default()
+    };
+    config.server.listen = "127.0.0.1:0".parse().unwrap();
+    config.server.redis_url = Some(redis_url());
+    let fleet = switchyard::demo::Fleet::start(config, &db_url)
+        .await
+        .unwrap();
+    assert!(fleet.wait_registered(Duration::from_secs(10)).await);
+    let (key, key_id) = key_with(&fleet, json!({"max_streams": 10})).await;
+
+    // Sample the engines and Redis while the load runs.
+    let stop = Arc::new(AtomicBool::new(false));
+    let peak_engines = Arc::new(AtomicU64::new(0));
+    let peak_redis = Arc::new(AtomicU64::new(0));
+    let client = redis::Client::open(redis_url()).unwrap();
+    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    let slots_key = format!("{prefix}k:streams:{key_id}");
+    let sampler = {
+        let (stop, pe, pr, key, mut conn) = (
+            stop.clone(),
+            peak_engines.clone(),
+            peak_redis.clone(),
+            slots_key.clone(),
+            conn.clone(),
+        );
+        let sims: Vec<_> = fleet.nodes.iter().map(|n| n.sim.base_url()).collect();
+        tokio::spawn(async move {
+            while !stop.load(Ordering::Relaxed) {
+                let mut running = 0u64;
+                for base in &sims {
+                    let page = http()
+                        .get(format!("{base}/metrics"))
+                        .send()
+                        .await
+                        .unwrap()
+                        .text()
+                        .await
+                        .unwrap();
+                    running += page
+                        .lines()
+                        .find(|l| l.starts_with("vllm:num_requests_running{"))
+                        .and_then(|l| l.rsplit(' ').next())
+                        .and_then(|v| v.parse::<f64>().ok())
+                        .unwrap_or(0.0) as u64;
+                }
+                pe.fetch_max(running, Ordering::Relaxed);
+                let held: u64 = redis::cmd("ZCARD")
+                    .arg(&key)
+                    .query_async(&mut conn)
+                    .await
+                    .unwrap_or(0);
+                pr.fetch_max(held, Ordering::Relaxed);
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        })
+    };
+    let url = format!("{}/chat/completions", fleet.openai_base_url());
+    let body = json!({"model": "small", "messages": [{"role": "user", "content": "go"}], "max_tokens": 40, "stream": true});
+    let outcomes: Vec<(u16, Option<String>, Option<String>)> = futures::stream::iter(0..500)
+        .map(|_| {
+            let (url, key, body) = (url.clone(), key.clone(), body.clone());
+            async move {
+                let resp = http()
+                    .post(url)
+                    .bearer_auth(key)
+                    .json(&body)
+                    .send()
+                    .await
+                    .unwrap();
+                let status = resp.status().as_u16();
+                let retry = resp
+                    .headers()
+                    .get("retry-after")
+                    .map(|v| v.to_str().unwrap().to_owned());
+                let text = resp.text().await.unwrap();
+                let code = serde_json::from_str::<Value>(&text)
+                    .ok()
+                    .and_then(|v| v["error"]["code"].as_str().map(String::from));
+                (status, retry, code)
+            }
+        })
+        .buffer_unordered(500)
+        .collect()
+        .await;
+    stop.store(true, Ordering::Relaxed);
+    sampler.await.unwrap();
+    let ok = outcomes.iter().filter(|o| o.0 == 200).count();
+    let limited: Vec<_> = outcomes.iter().filter(|o| o.0 == 429).collect();
+    assert!(ok >= 10, "at least the first ten ran: {ok}");
+    assert_eq!(ok + limited.len(), 500);
+    assert!(
+        limited
+            .iter()
+            .all(|o| o.1.is_some() && o.2.as_deref() == Some("concurrency_limited"))
+    );
+    assert!(
+        peak_engines.load(Ordering::Relaxed) <= 10,
+        "engines saw {}",
+        peak_engines.load(Ordering::Relaxed)
+    );
+    assert!(
+        peak_redis.load(Ordering::Relaxed) <= 10,
+        "redis held {}",
+        peak_redis.load(Ordering::Relaxed)
+    );
+
+    // Every place comes back once the streams end.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let held: u64 = redis::cmd("ZCARD")
+        .arg(&slots_key)
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(held, 0);
+    let again = http()
+        .post(&url)
+        .bearer_auth(&key)
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(again.status(), 200);
+    again.text().await.unwrap();
+
+    fleet.shutdown(Duration::from_secs(1)).await;
+    let keys: Vec<String> = redis::cmd("KEYS")
+        .arg(format!("{prefix}*"))
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    for k in keys {
+        let _: () = redis::cmd("DEL")
+            .arg(k)
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+    }
+    drop_pg(&db_name).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rpm_refuses_the_sixth_request_with_retry_after_and_counts_down_in_headers() {
+    let fleet = crate::common::fleet(&[("small", 1)], 20.0, |_| {}).await;
+    let (key, _) = key_with(&fleet, json!({"rpm": 5})).await;
+    let url = format!("{}/chat/completions", fleet.openai_base_url());
+    let body =
+        json!({"model": "small", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2});
+    let mut remaining = Vec::new();
+    for _ in 0..5 {
+        let r = http()
+            .post(&url)
+            .bearer_auth(&key)
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        assert_eq!(r.headers()["x-ratelimit-limit-requests"], "5");
+        remaining.push(
+            r.headers()["x-ratelimit-remaining-requests"]
+                .to_str()
+                .unwrap()
+                .to_owned(),
+        );
+        r.text().await.unwrap();
+    }
+    assert_eq!(remaining, ["4", "3", "2", "1", "0"]);
+    let sixth = http()
+        .post(&url)
+        .bearer_auth(&key)
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(sixth.status(), 429);
+    let wait: u64 = sixth.headers()["retry-after"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(
+        (55..=60).contains(&wait),
+        "the oldest leaves the window in about a minute: {wait}"
+    );
+    assert_eq!(sixth.headers()["x-ratelimit-remaining-requests"], "0");
+    let err: Value = sixth.json().await.unwrap();
+    assert_eq!(err["error"]["code"], "rate_limited");
+    fleet.shutdown(Duration::from_secs(1)).await;
+}
