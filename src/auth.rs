@@ -1,6 +1,8 @@
-//! API-key authentication. A bearer key is hashed (SHA-256) and looked up through a short
-//! cache, so revocation takes effect within [`CACHE_TTL`] without a database round trip per
-//! request. Keys and their hashes never reach a log.
+//! Who is calling. An API key is hashed (SHA-256) and looked up through a short cache, so a
+//! revocation takes effect within [`CACHE_TTL`] without a database round trip per request;
+//! a JWT is verified against the configured JWKS (pinned algorithms, audience, issuer,
+//! expiry) and names its principal (`sub`), team and role in its claims. The team always
+//! comes from the verified credential. Keys, hashes and tokens never reach a log.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -12,63 +14,161 @@ use switchyard_actors::ports::Clock;
 use tokio::time::Instant;
 
 use crate::http::error::ApiError;
+use crate::jwt::{JwtError, JwtVerifier, Role};
 use crate::store::{ApiKeyRecord, Store, hash_secret};
 
 /// How long a looked-up key is trusted before it is read again.
 pub const CACHE_TTL: Duration = Duration::from_secs(5);
 
-/// Who is calling, from a verified credential.
+/// A verified caller and the limits that apply to it.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Principal {
     /// The paying team.
     pub team_id: i64,
-    /// The key used.
-    pub key_id: i64,
-    /// The key's record (limits, allowlist).
-    pub key: ApiKeyRecord,
+    /// The API key used, when the caller used one.
+    pub key_id: Option<i64>,
+    /// Stable id of the principal for per-principal limits: the key id, or `user:{sub}`.
+    pub subject: String,
+    /// Models it may use; `None` allows all.
+    pub model_allowlist: Option<Vec<String>>,
+    /// Requests per minute.
+    pub rpm: Option<u32>,
+    /// Concurrent generations.
+    pub max_streams: Option<u32>,
+    /// Tokens per UTC day.
+    pub tokens_per_day: Option<u64>,
+    /// Whether the credential carries the admin role.
+    pub admin: bool,
+}
+
+impl Principal {
+    fn from_key(key: ApiKeyRecord) -> Self {
+        Self {
+            team_id: key.team_id,
+            key_id: Some(key.id),
+            subject: key.id.to_string(),
+            model_allowlist: key.model_allowlist,
+            rpm: key.rpm,
+            max_streams: key.max_streams,
+            tokens_per_day: key.tokens_per_day,
+            admin: false,
+        }
+    }
+
+    /// Whether `model` (a resolved name or an alias) is allowed.
+    pub fn allows_model(&self, model: &str) -> bool {
+        self.model_allowlist
+            .as_ref()
+            .is_none_or(|allowed| allowed.iter().any(|m| m == model))
+    }
 }
 
 /// Key hash → (when it was read, the record if one exists).
 type KeyCache = BTreeMap<String, (Instant, Option<ApiKeyRecord>)>;
 
-/// Verifies bearer keys against the store, with a short cache.
+/// Verifies bearer credentials.
 #[derive(Debug, Clone)]
 pub struct Authenticator {
     store: Arc<dyn Store>,
     clock: Arc<dyn Clock>,
     cache: Arc<Mutex<KeyCache>>,
+    jwt: Option<JwtVerifier>,
+    jwt_max_streams: u32,
+}
+
+fn bearer(headers: &HeaderMap) -> Option<&str> {
+    headers
+        .get(axum::http::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(str::trim)
+        .filter(|t| !t.is_empty())
+}
+
+/// A JWT is three base64url parts; an API key has no dots.
+fn looks_like_jwt(token: &str) -> bool {
+    token.split('.').count() == 3
 }
 
 impl Authenticator {
-    /// An authenticator over `store`.
-    pub fn new(store: Arc<dyn Store>, clock: Arc<dyn Clock>) -> Self {
+    /// An authenticator over `store`; JWTs are accepted when `jwt` is given.
+    pub fn new(
+        store: Arc<dyn Store>,
+        clock: Arc<dyn Clock>,
+        jwt: Option<JwtVerifier>,
+        jwt_max_streams: u32,
+    ) -> Self {
         Self {
             store,
             clock,
             cache: Arc::default(),
+            jwt,
+            jwt_max_streams,
         }
     }
 
-    /// The principal behind the request's `Authorization: Bearer` key.
+    /// The principal behind the request's bearer credential.
     pub async fn authenticate(&self, headers: &HeaderMap) -> Result<Principal, ApiError> {
         let unauthorized = |m: &str| ApiError::new(ErrorCode::Unauthorized, m);
-        let token = headers
-            .get(axum::http::header::AUTHORIZATION)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "))
-            .map(str::trim)
-            .filter(|t| !t.is_empty())
-            .ok_or_else(|| unauthorized("Missing bearer credential."))?;
-        let hash = hash_secret(token);
-        let record = self.lookup(&hash).await?;
-        let key = record.ok_or_else(|| unauthorized("Unknown API key."))?;
+        let token = bearer(headers).ok_or_else(|| unauthorized("Missing bearer credential."))?;
+        if looks_like_jwt(token) {
+            return self.from_jwt(token).await;
+        }
+        let key = self
+            .lookup(&hash_secret(token))
+            .await?
+            .ok_or_else(|| unauthorized("Unknown API key."))?;
         if !key.is_usable(self.clock.wall()) {
             return Err(unauthorized("The API key is revoked or expired."));
         }
+        Ok(Principal::from_key(key))
+    }
+
+    /// Whether the bearer is a JWT with the admin role (for the admin API).
+    pub async fn admin_jwt(&self, headers: &HeaderMap) -> Option<Result<bool, ApiError>> {
+        let token = bearer(headers).filter(|t| looks_like_jwt(t))?;
+        let verifier = self.jwt.as_ref()?;
+        Some(
+            verifier
+                .verify(token)
+                .await
+                .map(|c| c.role == Role::Admin)
+                .map_err(jwt_error),
+        )
+    }
+
+    async fn from_jwt(&self, token: &str) -> Result<Principal, ApiError> {
+        let verifier = self
+            .jwt
+            .as_ref()
+            .ok_or_else(|| ApiError::new(ErrorCode::Unauthorized, "JWTs are not accepted here."))?;
+        let claims = verifier.verify(token).await.map_err(jwt_error)?;
+        let team = claims
+            .team
+            .as_deref()
+            .ok_or_else(|| ApiError::new(ErrorCode::Unauthorized, "The token names no team."))?;
+        let found = match team.parse::<i64>() {
+            Ok(id) => self.store.team(id).await,
+            Err(_) => self.store.team_by_name(team).await,
+        }
+        .map_err(|_| {
+            ApiError::new(
+                ErrorCode::QuotaServiceUnavailable,
+                "Credentials cannot be checked right now.",
+            )
+        })?;
+        let team = found.ok_or_else(|| {
+            ApiError::new(ErrorCode::Unauthorized, "The token's team does not exist.")
+        })?;
         Ok(Principal {
-            team_id: key.team_id,
-            key_id: key.id,
-            key,
+            team_id: team.id,
+            key_id: None,
+            subject: format!("user:{}", claims.sub),
+            model_allowlist: None,
+            rpm: None,
+            max_streams: Some(self.jwt_max_streams),
+            tokens_per_day: None,
+            admin: claims.role == Role::Admin,
         })
     }
 
@@ -96,5 +196,20 @@ impl Authenticator {
         }
         cache.insert(hash.to_owned(), (now, record.clone()));
         Ok(record)
+    }
+}
+
+/// A JWKS outage is the platform's problem (503, retry); anything else is the token's (401).
+fn jwt_error(e: JwtError) -> ApiError {
+    match e {
+        JwtError::JwksUnavailable(_) => {
+            let mut err = ApiError::new(
+                ErrorCode::QuotaServiceUnavailable,
+                "Tokens cannot be verified right now.",
+            );
+            err.failure.retry_after_secs = Some(1);
+            err
+        }
+        other => ApiError::new(ErrorCode::Unauthorized, other.to_string()),
     }
 }

@@ -138,6 +138,15 @@ pub struct Config {
     pub replica_id: Option<String>,
     /// Bootstrap admin token.
     pub admin_token: Option<String>,
+    /// JWKS URL for JWT callers; JWTs are refused unless this, the audience and the issuer
+    /// are all set.
+    pub jwks_url: Option<String>,
+    /// Expected `aud` of JWTs.
+    pub jwt_audience: Option<String>,
+    /// Expected `iss` of JWTs.
+    pub jwt_issuer: Option<String>,
+    /// Concurrent generations of a JWT principal (a person, seed 001: 2).
+    pub jwt_max_streams: u32,
     /// Node choice.
     pub routing: RoutingStrategy,
     /// Largest request body in bytes (`request_too_large` above).
@@ -160,6 +169,10 @@ impl Default for Config {
             redis_url: None,
             replica_id: None,
             admin_token: None,
+            jwks_url: None,
+            jwt_audience: None,
+            jwt_issuer: None,
+            jwt_max_streams: 2,
             routing: RoutingStrategy::LeastLoaded,
             max_body_bytes: 1024 * 1024,
             queue: QueueSettings::default(),
@@ -226,6 +239,15 @@ impl Config {
         }
         if let Some(v) = get(env_names::ADMIN_TOKEN) {
             self.admin_token = Some(v);
+        }
+        if let Some(v) = get(env_names::JWKS_URL) {
+            self.jwks_url = Some(v);
+        }
+        if let Some(v) = get(env_names::JWT_AUDIENCE) {
+            self.jwt_audience = Some(v);
+        }
+        if let Some(v) = get(env_names::JWT_ISSUER) {
+            self.jwt_issuer = Some(v);
         }
         if let Some(v) = get(env_names::ROUTING) {
             self.routing = match v.as_str() {

@@ -91,10 +91,10 @@ impl Limits {
         request_id: &str,
     ) -> Result<(RateHeaders, Option<EndHook>), ApiError> {
         let now_ms = self.clock.wall().timestamp_millis();
-        let key_id = who.key_id;
+        let key_id = &who.subject;
         let mut headers = RateHeaders::default();
         let mut hook = None;
-        if let Some(max) = who.key.max_streams {
+        if let Some(max) = who.max_streams {
             let slots = format!("streams:{key_id}");
             let v = self
                 .coordinator
@@ -112,7 +112,7 @@ impl Limits {
             }
             hook = Some(self.release_hook(slots, request_id));
         }
-        if let Some(rpm) = who.key.rpm {
+        if let Some(rpm) = who.rpm {
             let window = format!("rl:{key_id}:rpm");
             let verdict = self
                 .coordinator
@@ -143,7 +143,7 @@ impl Limits {
                 return Err(err.with_rate_headers(headers));
             }
         }
-        if let Some(tpd) = who.key.tokens_per_day {
+        if let Some(tpd) = who.tokens_per_day {
             headers.tokens = Some((tpd, tpd));
         }
         Ok((headers, hook))

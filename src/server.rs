@@ -100,6 +100,21 @@ fn metrics_handle() -> PrometheusHandle {
         .clone()
 }
 
+/// The JWT verifier, when the JWKS URL, audience and issuer are all configured.
+fn jwt_verifier(config: &Config, clock: &Arc<dyn Clock>) -> Option<crate::jwt::JwtVerifier> {
+    let (url, aud, iss) = (
+        config.jwks_url.as_ref()?,
+        config.jwt_audience.as_ref()?,
+        config.jwt_issuer.as_ref()?,
+    );
+    let cfg = crate::jwt::JwtConfig::new(url.clone(), aud.clone(), iss.clone());
+    Some(crate::jwt::JwtVerifier::with_clock(
+        cfg,
+        reqwest::Client::new(),
+        clock.clone(),
+    ))
+}
+
 /// A running replica.
 #[derive(Debug)]
 pub struct Server {
@@ -143,7 +158,12 @@ impl Server {
         let per_second =
             NonZeroU32::new(config.nodes.registrations_per_second).unwrap_or(NonZeroU32::MIN);
         let state = Arc::new(AppState {
-            auth: Authenticator::new(store.clone(), clock.clone()),
+            auth: Authenticator::new(
+                store.clone(),
+                clock.clone(),
+                jwt_verifier(&config, &clock),
+                config.jwt_max_streams,
+            ),
             limits: Limits::new(coordinator.clone(), clock.clone(), slot_ttl),
             registrations: governor::RateLimiter::direct(governor::Quota::per_second(per_second)),
             replica_id,

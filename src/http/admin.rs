@@ -40,14 +40,20 @@ impl FromRequestParts<Arc<AppState>> for Admin {
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.strip_prefix("Bearer "))
             .ok_or_else(|| ApiError::new(ErrorCode::Unauthorized, "Missing bearer credential."))?;
+        let forbidden = || ApiError::new(ErrorCode::Forbidden, "Admin rights are required.");
+        // A JWT with the admin role, verified against the JWKS.
+        if let Some(verdict) = state.auth.admin_jwt(&parts.headers).await {
+            return if verdict? {
+                Ok(Admin)
+            } else {
+                Err(forbidden())
+            };
+        }
         let expected = state.config.admin_token.as_deref().unwrap_or_default();
         if !expected.is_empty() && bool::from(presented.as_bytes().ct_eq(expected.as_bytes())) {
             Ok(Admin)
         } else {
-            Err(ApiError::new(
-                ErrorCode::Forbidden,
-                "Admin rights are required.",
-            ))
+            Err(forbidden())
         }
     }
 }

@@ -64,7 +64,7 @@ async fn run(
     }
     let req = validate(state, body)?;
     tracing::Span::current().record("model", req.resolved.name.as_str());
-    if !principal.key.allows_model(&req.resolved.name) && !principal.key.allows_model(&req.model) {
+    if !principal.allows_model(&req.resolved.name) && !principal.allows_model(&req.model) {
         return Err(ApiError::new(
             ErrorCode::ModelNotAllowed,
             "This key may not use that model.",
@@ -86,7 +86,7 @@ async fn run(
     let reservation = Reservation {
         request_id: request_id.to_owned(),
         team_id: principal.team_id,
-        key_id: Some(principal.key_id),
+        key_id: principal.key_id,
         model: req.resolved.name.clone(),
         estimated_prompt_tokens: req.estimated_prompt_tokens,
         max_tokens,
@@ -235,7 +235,7 @@ pub async fn models(State(state): State<Arc<AppState>>, headers: HeaderMap) -> R
     let mut data = Vec::new();
     for m in &state.config.models {
         for id in std::iter::once(&m.name).chain(&m.aliases) {
-            if principal.key.allows_model(&m.name) || principal.key.allows_model(id) {
+            if principal.allows_model(&m.name) || principal.allows_model(id) {
                 let mut entry = Map::new();
                 entry.insert("id".into(), Value::String(id.clone()));
                 entry.insert("object".into(), Value::String("model".into()));
