@@ -112,7 +112,7 @@ impl Authenticator {
         let unauthorized = |m: &str| ApiError::new(ErrorCode::Unauthorized, m);
         let token = bearer(headers).ok_or_else(|| unauthorized("Missing bearer credential."))?;
         if looks_like_jwt(token) {
-            return self.from_jwt(token).await;
+            return self.verify_jwt(token).await;
         }
         let key = self
             .lookup(&hash_secret(token))
@@ -137,7 +137,7 @@ impl Authenticator {
         )
     }
 
-    async fn from_jwt(&self, token: &str) -> Result<Principal, ApiError> {
+    async fn verify_jwt(&self, token: &str) -> Result<Principal, ApiError> {
         let verifier = self
             .jwt
             .as_ref()
