@@ -342,3 +342,54 @@ pub async fn drop_pg(name: &str) {
 pub fn redis_url() -> String {
     std::env::var("SWITCHYARD_TEST_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into())
 }
+
+/// Deletes every Redis key under `prefix` (a test's own namespace), best effort.
+pub async fn clean_redis(prefix: &str) {
+    let Ok(client) = redis::Client::open(redis_url()) else {
+        return;
+    };
+    let Ok(mut conn) = client.get_multiplexed_async_connection().await else {
+        return;
+    };
+    let keys: Vec<String> = redis::cmd("KEYS")
+        .arg(format!("{prefix}*"))
+        .query_async(&mut conn)
+        .await
+        .unwrap_or_default();
+    for k in keys {
+        let _: Result<(), _> = redis::cmd("DEL").arg(k).query_async(&mut conn).await;
+    }
+}
+
+/// Waits until the ledger row of `request_id` is settled and returns it.
+pub async fn settled_row(
+    store: &std::sync::Arc<dyn switchyard::store::Store>,
+    request_id: &str,
+) -> switchyard::store::LedgerRow {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        if let Some(row) = store.ledger_row(request_id).await.unwrap()
+            && row.status == switchyard::store::LedgerStatus::Settled
+        {
+            return row;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the row of {request_id} did not settle"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// The JSON's shape: same keys in the same order, leaves replaced by their type.
+pub fn shape(v: &serde_json::Value) -> serde_json::Value {
+    use serde_json::Value;
+    match v {
+        Value::Object(m) => Value::Object(m.iter().map(|(k, v)| (k.clone(), shape(v))).collect()),
+        Value::Array(a) => Value::Array(a.iter().take(1).map(shape).collect()),
+        Value::String(_) => "string".into(),
+        Value::Number(_) => "number".into(),
+        Value::Bool(_) => "bool".into(),
+        Value::Null => "null".into(),
+    }
+}

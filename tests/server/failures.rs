@@ -9,7 +9,7 @@ use serde_json::{Value, json};
 use switchyard::sim::FaultSpec;
 use switchyard::store::LedgerStatus;
 
-use crate::common::{fleet, post_chat, read_events, wait_for};
+use crate::common::{fleet, post_chat, read_events, settled_row, wait_for};
 
 fn long_chat(max_tokens: u32) -> Value {
     json!({
@@ -46,20 +46,7 @@ async fn a_client_that_drops_mid_stream_frees_the_engine_within_3_s_and_settles_
         dropped.elapsed() >= Duration::from_millis(1900),
         "the 2 s grace was honoured"
     );
-    let store = fleet.store.clone();
-    let id = request_id.clone();
-    wait_for(Duration::from_secs(5), "the row to settle", || {
-        let (store, id) = (store.clone(), id.clone());
-        async move {
-            store
-                .ledger_row(&id)
-                .await
-                .unwrap()
-                .is_some_and(|r| r.status == LedgerStatus::Settled)
-        }
-    })
-    .await;
-    let row = fleet.store.ledger_row(&request_id).await.unwrap().unwrap();
+    let row = settled_row(&fleet.store, &request_id).await;
     let generated = sim.stats().generation_tokens as i64;
     assert!(
         row.completion_tokens > 0 && row.completion_tokens < 2000,
@@ -101,20 +88,7 @@ async fn an_engine_crash_mid_stream_gives_an_error_event_and_a_partial_settle() 
         })
         .count();
     assert!(deltas <= 3);
-    let store = fleet.store.clone();
-    let id = request_id.clone();
-    wait_for(Duration::from_secs(5), "the row to settle", || {
-        let (store, id) = (store.clone(), id.clone());
-        async move {
-            store
-                .ledger_row(&id)
-                .await
-                .unwrap()
-                .is_some_and(|r| r.status == LedgerStatus::Settled)
-        }
-    })
-    .await;
-    let row = fleet.store.ledger_row(&request_id).await.unwrap().unwrap();
+    let row = settled_row(&fleet.store, &request_id).await;
     assert_eq!(
         row.completion_tokens, 3,
         "the 3 tokens the engine produced before crashing"

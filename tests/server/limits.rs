@@ -8,7 +8,7 @@ use std::time::Duration;
 use futures::StreamExt;
 use serde_json::{Value, json};
 
-use crate::common::{drop_pg, fresh_pg, http, redis_url};
+use crate::common::{clean_redis, drop_pg, fresh_pg, http, redis_url};
 
 async fn key_with(fleet: &switchyard::demo::Fleet, limits: Value) -> (String, i64) {
     let mut body = json!({"team": "demo"});
@@ -164,18 +164,7 @@ async fn max_streams_holds_under_500_concurrent_streams_and_places_come_back() {
     again.text().await.unwrap();
 
     fleet.shutdown(Duration::from_secs(1)).await;
-    let keys: Vec<String> = redis::cmd("KEYS")
-        .arg(format!("{prefix}*"))
-        .query_async(&mut conn)
-        .await
-        .unwrap();
-    for k in keys {
-        let _: () = redis::cmd("DEL")
-            .arg(k)
-            .query_async(&mut conn)
-            .await
-            .unwrap();
-    }
+    clean_redis(&prefix).await;
     drop_pg(&db_name).await;
 }
 

@@ -5,25 +5,13 @@ use std::time::Duration;
 use serde_json::{Value, json};
 use switchyard::store::LedgerStatus;
 
-use crate::common::{fixture, fleet, http, post_chat, read_events};
+use crate::common::{fixture, fleet, http, post_chat, read_events, shape};
 
 fn openai_fixture(name: &str) -> Value {
     let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("tests/fixtures/openai")
         .join(name);
     serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
-}
-
-/// Keys in order with leaf types.
-fn shape(v: &Value) -> Value {
-    match v {
-        Value::Object(m) => Value::Object(m.iter().map(|(k, v)| (k.clone(), shape(v))).collect()),
-        Value::Array(a) => Value::Array(a.iter().take(1).map(shape).collect()),
-        Value::String(_) => "string".into(),
-        Value::Number(_) => "number".into(),
-        Value::Bool(_) => "bool".into(),
-        Value::Null => "null".into(),
-    }
 }
 
 fn chat(model: &str, max_tokens: u32, stream: bool) -> Value {

@@ -6,7 +6,7 @@ use std::time::Duration;
 use serde_json::json;
 use switchyard::store::LedgerStatus;
 
-use crate::common::{drop_pg, fresh_pg, post_chat, read_events, redis_url};
+use crate::common::{clean_redis, drop_pg, fresh_pg, post_chat, read_events, redis_url};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stream_settles_in_postgresql_and_heartbeats_reach_redis() {
@@ -62,17 +62,6 @@ async fn a_stream_settles_in_postgresql_and_heartbeats_reach_redis() {
     assert!(ttl > 0 && ttl <= 15_000, "expires within 15 s: {ttl}");
 
     fleet.shutdown(Duration::from_secs(1)).await;
-    let keys: Vec<String> = redis::cmd("KEYS")
-        .arg(format!("{prefix}*"))
-        .query_async(&mut conn)
-        .await
-        .unwrap();
-    for k in keys {
-        let _: () = redis::cmd("DEL")
-            .arg(k)
-            .query_async(&mut conn)
-            .await
-            .unwrap();
-    }
+    clean_redis(&prefix).await;
     drop_pg(&db_name).await;
 }

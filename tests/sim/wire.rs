@@ -4,19 +4,7 @@
 
 use serde_json::Value;
 
-use crate::common::{fixture, fixture_json, http, sse_data, tiny_sim};
-
-/// The JSON's shape: same keys in the same order, leaves replaced by their type.
-fn shape(v: &Value) -> Value {
-    match v {
-        Value::Object(m) => Value::Object(m.iter().map(|(k, v)| (k.clone(), shape(v))).collect()),
-        Value::Array(a) => Value::Array(a.iter().take(1).map(shape).collect()),
-        Value::String(_) => "string".into(),
-        Value::Number(_) => "number".into(),
-        Value::Bool(_) => "bool".into(),
-        Value::Null => "null".into(),
-    }
-}
+use crate::common::{fixture, fixture_json, http, shape, sse_data, tiny_sim};
 
 fn parse_events(body: &str) -> Vec<Value> {
     sse_data(body)
