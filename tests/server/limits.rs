@@ -217,3 +217,102 @@ async fn rpm_refuses_the_sixth_request_with_retry_after_and_counts_down_in_heade
     assert_eq!(err["error"]["code"], "rate_limited");
     fleet.shutdown(Duration::from_secs(1)).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_balance_covering_ten_estimates_admits_at_most_ten_of_200_concurrent_requests() {
+    let fleet = crate::common::fleet(&[("small", 2)], 1.0, |_| {}).await;
+    let base = fleet.server.base_url();
+    let post = |path: &'static str, body: Value| {
+        http()
+            .post(format!("{base}{path}"))
+            .bearer_auth(&fleet.admin_token)
+            .json(&body)
+            .send()
+    };
+    post("/admin/teams", json!({"name": "frugal"}))
+        .await
+        .unwrap();
+    // "hi" is estimated at 4 + 1 prompt tokens; with max_tokens 100 at 0.1/0.2 credits per
+    // million tokens the estimate is ceil((5 x 100,000 + 100 x 200,000) / 1e6) = 21.
+    post("/admin/credits", json!({"team": "frugal", "amount": 210}))
+        .await
+        .unwrap();
+    let key: Value = post("/admin/keys", json!({"team": "frugal"}))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let key = key["key"].as_str().unwrap().to_owned();
+    let url = format!("{}/chat/completions", fleet.openai_base_url());
+    let body = json!({"model": "small", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 100, "stream": true});
+    let outcomes: Vec<(u16, Option<String>)> = futures::stream::iter(0..200)
+        .map(|_| {
+            let (url, key, body) = (url.clone(), key.clone(), body.clone());
+            async move {
+                let r = http()
+                    .post(url)
+                    .bearer_auth(key)
+                    .json(&body)
+                    .send()
+                    .await
+                    .unwrap();
+                let status = r.status().as_u16();
+                let retry = r
+                    .headers()
+                    .get("x-should-retry")
+                    .map(|v| v.to_str().unwrap().to_owned());
+                r.text().await.unwrap();
+                (status, retry)
+            }
+        })
+        .buffer_unordered(200)
+        .collect()
+        .await;
+    let admitted = outcomes.iter().filter(|o| o.0 == 200).count();
+    assert!((1..=10).contains(&admitted), "admitted {admitted}");
+    let refused: Vec<_> = outcomes.iter().filter(|o| o.0 == 402).collect();
+    assert_eq!(admitted + refused.len(), 200);
+    assert!(
+        refused.iter().all(|o| o.1.as_deref() == Some("false")),
+        "402 says do not retry"
+    );
+    let team = fleet.store.team_by_name("frugal").await.unwrap().unwrap();
+    assert!(
+        team.balance_microcredits >= 0,
+        "never overspent: {}",
+        team.balance_microcredits
+    );
+    fleet.shutdown(Duration::from_secs(1)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_expired_key_is_refused() {
+    let fleet = crate::common::fleet(&[("small", 1)], 20.0, |_| {}).await;
+    let soon = (chrono::Utc::now() + chrono::Duration::seconds(1)).to_rfc3339();
+    let (key, _) = key_with(&fleet, json!({"expires_at": soon})).await;
+    let url = format!("{}/chat/completions", fleet.openai_base_url());
+    let body =
+        json!({"model": "small", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1});
+    assert_eq!(
+        http()
+            .post(&url)
+            .bearer_auth(&key)
+            .json(&body)
+            .send()
+            .await
+            .unwrap()
+            .status(),
+        200
+    );
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    let late = http()
+        .post(&url)
+        .bearer_auth(&key)
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(late.status(), 401);
+    fleet.shutdown(Duration::from_secs(1)).await;
+}
