@@ -83,24 +83,40 @@ impl Limits {
         }
     }
 
-    /// Takes a stream place and an rpm entry for `request_id`, or refuses. On success the
-    /// returned hook gives the stream place back when the generation ends.
+    /// Checks the principal's limits, cheapest first, and takes a stream place. On success
+    /// the returned hook gives the place back and counts the settled tokens when the
+    /// generation ends.
     pub async fn admit(
         &self,
         who: &Principal,
         request_id: &str,
     ) -> Result<(RateHeaders, Option<EndHook>), ApiError> {
-        let now_ms = self.clock.wall().timestamp_millis();
-        let key_id = &who.subject;
+        let now = self.clock.wall();
+        let now_ms = now.timestamp_millis();
+        let subject = &who.subject;
         let mut headers = RateHeaders::default();
-        let mut hook = None;
-        if let Some(max) = who.max_streams {
-            let slots = format!("streams:{key_id}");
-            let v = self
+        let slots = who.max_streams.map(|_| format!("streams:{subject}"));
+        let day = who
+            .tokens_per_day
+            .map(|_| format!("tpd:{subject}:{}", now.format("%Y-%m-%d")));
+        let hook = (slots.is_some() || day.is_some())
+            .then(|| self.end_hook(slots.clone(), day.clone(), request_id));
+        // Gives back what was taken when a later check refuses.
+        let refuse = |hook: Option<EndHook>, err: ApiError| {
+            if let Some(h) = hook {
+                (h.0)(None);
+            }
+            Err(err)
+        };
+        if let (Some(max), Some(slots)) = (who.max_streams, &slots) {
+            let v = match self
                 .coordinator
-                .acquire_slot(&slots, request_id, max, now_ms, self.slot_ttl)
+                .acquire_slot(slots, request_id, max, now_ms, self.slot_ttl)
                 .await
-                .map_err(|_| unavailable())?;
+            {
+                Ok(v) => v,
+                Err(_) => return Err(unavailable()),
+            };
             if !v.admitted {
                 return Err(ApiError::from(
                     Failure::new(
@@ -110,28 +126,19 @@ impl Limits {
                     .retry_after(1),
                 ));
             }
-            hook = Some(self.release_hook(slots, request_id));
         }
         if let Some(rpm) = who.rpm {
-            let window = format!("rl:{key_id}:rpm");
-            let verdict = self
+            let window = format!("rl:{subject}:rpm");
+            let v = match self
                 .coordinator
                 .window_admit(&window, request_id, now_ms, MINUTE, rpm)
-                .await;
-            let v = match verdict {
+                .await
+            {
                 Ok(v) => v,
-                Err(_) => {
-                    if let Some(h) = hook {
-                        (h.0)();
-                    }
-                    return Err(unavailable());
-                }
+                Err(_) => return refuse(hook, unavailable()),
             };
             headers.requests = Some((rpm, rpm.saturating_sub(v.count), v.wait_ms));
             if !v.admitted {
-                if let Some(h) = hook {
-                    (h.0)();
-                }
                 let mut err = ApiError::from(
                     Failure::new(
                         ErrorCode::RateLimited,
@@ -140,24 +147,59 @@ impl Limits {
                     .retry_after(v.wait_ms.div_ceil(1000).max(1)),
                 );
                 err.details = Some(Box::new(serde_json::json!({"limit": rpm, "remaining": 0})));
-                return Err(err.with_rate_headers(headers));
+                return refuse(hook, err.with_rate_headers(headers));
             }
         }
-        if let Some(tpd) = who.tokens_per_day {
-            headers.tokens = Some((tpd, tpd));
+        if let (Some(tpd), Some(day)) = (who.tokens_per_day, &day) {
+            // Counted at settle; read here (adding 0 creates the day's counter if needed).
+            let used = match self.coordinator.incr(day, 0, DAY_COUNTER_TTL).await {
+                Ok(n) => u64::try_from(n).unwrap_or(0),
+                Err(_) => return refuse(hook, unavailable()),
+            };
+            headers.tokens = Some((tpd, tpd.saturating_sub(used)));
+            if used >= tpd {
+                let reset = (now.date_naive() + chrono::Days::new(1))
+                    .and_hms_opt(0, 0, 0)
+                    .map(|t| t.and_utc());
+                let wait = reset.map_or(3600, |r| (r - now).num_seconds().max(1).unsigned_abs());
+                let mut err = ApiError::from(
+                    Failure::new(
+                        ErrorCode::QuotaExhausted,
+                        format!("The key's {tpd} tokens for today are spent."),
+                    )
+                    .retry_after(wait),
+                );
+                err.details = Some(Box::new(serde_json::json!({
+                    "limit": tpd, "remaining": 0, "reset_at": reset.map(|r| r.to_rfc3339()),
+                })));
+                return refuse(hook, err.with_rate_headers(headers));
+            }
         }
         Ok((headers, hook))
     }
 
-    fn release_hook(&self, slots: String, request_id: &str) -> EndHook {
+    /// What runs when the generation ends: its stream place goes back, and the tokens it
+    /// settled count against the day.
+    fn end_hook(&self, slots: Option<String>, day: Option<String>, request_id: &str) -> EndHook {
         let coordinator = self.coordinator.clone();
         let member = request_id.to_owned();
-        EndHook(Box::new(move || {
+        EndHook(Box::new(move |settled: Option<u64>| {
             tokio::spawn(async move {
-                if let Err(e) = coordinator.release_slot(&slots, &member).await {
+                if let Some(slots) = slots
+                    && let Err(e) = coordinator.release_slot(&slots, &member).await
+                {
                     tracing::warn!(error = %e, "could not release a stream place; it expires on its own");
+                }
+                if let (Some(day), Some(tokens)) = (day, settled) {
+                    let by = i64::try_from(tokens).unwrap_or(i64::MAX);
+                    if let Err(e) = coordinator.incr(&day, by, DAY_COUNTER_TTL).await {
+                        tracing::warn!(error = %e, "could not count tokens against the day");
+                    }
                 }
             });
         }))
     }
 }
+
+/// `tpd:{principal}:{YYYY-MM-DD}` lives two days, past the UTC day it counts.
+const DAY_COUNTER_TTL: Duration = Duration::from_secs(2 * 24 * 3600);

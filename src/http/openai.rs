@@ -9,6 +9,7 @@ use axum::response::{IntoResponse, Response};
 use serde_json::{Map, Value};
 use switchyard_actors::error::ErrorCode;
 use switchyard_actors::generation::GenerationArgs;
+use switchyard_actors::metric_names::REQUESTS_TOTAL;
 use switchyard_actors::ports::{Reservation, cost_of};
 use tokio::sync::mpsc;
 use tracing::instrument;
@@ -41,7 +42,13 @@ pub async fn chat_completions(
     tracing::Span::current().record("request_id", request_id.as_str());
     match run(&state, &headers, body, &request_id).await {
         Ok(response) => response,
-        Err(e) => e.with_request_id(&request_id).into_response(),
+        Err(e) => {
+            // Refusals before a generation exists are counted here; the generation counts
+            // its own outcome otherwise.
+            metrics::counter!(REQUESTS_TOTAL, "model" => "", "code" => e.failure.code.as_str())
+                .increment(1);
+            e.with_request_id(&request_id).into_response()
+        }
     }
 }
 

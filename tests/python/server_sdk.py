@@ -4,6 +4,7 @@ Usage: server_sdk.py BASE_URL API_KEY MODE
   MODE=normal: streams from each demo model, non-streaming, AuthenticationError for a bad key,
                NotFoundError for an unknown model.
   MODE=crash:  the engines of `small` crash mid-stream: the SDK must raise APIError.
+  MODE=quota:  the key's tokens per day are spent: RateLimitError, not retried by the SDK.
 Prints one JSON line of what it saw; exits non-zero on any mismatch.
 """
 import json
@@ -40,6 +41,16 @@ if mode == "normal":
         raise SystemExit("expected NotFoundError")
     except openai.NotFoundError as e:
         seen["unknown_model"] = type(e).__name__
+elif mode == "quota":
+    # The key's tokens for the day are spent: RateLimitError, and no automatic retry.
+    client = openai.OpenAI(base_url=base_url, api_key=key)  # default max_retries=2
+    try:
+        client.chat.completions.create(model="small", messages=messages, max_tokens=4)
+        raise SystemExit("expected RateLimitError")
+    except openai.RateLimitError as e:
+        body = e.body if isinstance(e.body, dict) else {}
+        seen["quota"] = {"error": type(e).__name__, "code": body.get("code"),
+                         "retryable": body.get("retryable"), "reset_at": (body.get("details") or {}).get("reset_at")}
 elif mode == "crash":
     got = []
     try:

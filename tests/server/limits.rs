@@ -316,3 +316,81 @@ async fn an_expired_key_is_refused() {
     assert_eq!(late.status(), 401);
     fleet.shutdown(Duration::from_secs(1)).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tokens_per_day_is_counted_at_settle_and_the_sdk_does_not_retry_quota_exhausted() {
+    let fleet = crate::common::fleet(&[("small", 1)], 20.0, |_| {}).await;
+    let (key, _) = key_with(&fleet, json!({"tokens_per_day": 25})).await;
+    let url = format!("{}/chat/completions", fleet.openai_base_url());
+    let body = json!({"model": "small", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 20});
+    let first = http()
+        .post(&url)
+        .bearer_auth(&key)
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(first.status(), 200);
+    assert_eq!(first.headers()["x-ratelimit-limit-tokens"], "25");
+    first.text().await.unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await; // the settle counts the day's tokens
+    let spent = http()
+        .post(&url)
+        .bearer_auth(&key)
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(spent.status(), 429);
+    assert_eq!(spent.headers()["x-should-retry"], "false");
+    assert_eq!(spent.headers()["x-ratelimit-remaining-tokens"], "0");
+    let err: Value = spent.json().await.unwrap();
+    assert_eq!(err["error"]["code"], "quota_exhausted");
+    assert_eq!(err["error"]["retryable"], false);
+    assert!(
+        err["error"]["details"]["reset_at"]
+            .as_str()
+            .unwrap()
+            .ends_with("T00:00:00+00:00")
+    );
+
+    let metric = |page: &str| {
+        page.lines()
+            .filter(|l| l.starts_with("switchyard_requests_total") && l.contains("quota_exhausted"))
+            .filter_map(|l| l.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok()))
+            .sum::<f64>()
+    };
+    let metrics_url = format!("{}/metrics", fleet.server.base_url());
+    let before = metric(
+        &http()
+            .get(&metrics_url)
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap(),
+    );
+    let out =
+        crate::common::run_python("server_sdk.py", &[&fleet.openai_base_url(), &key, "quota"])
+            .await;
+    let seen: Value = serde_json::from_str(out.trim().lines().last().unwrap()).unwrap();
+    assert_eq!(seen["quota"]["error"], "RateLimitError");
+    assert_eq!(seen["quota"]["code"], "quota_exhausted");
+    let after = metric(
+        &http()
+            .get(&metrics_url)
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap(),
+    );
+    assert_eq!(
+        after - before,
+        1.0,
+        "the SDK sent the request once: no retry"
+    );
+    fleet.shutdown(Duration::from_secs(1)).await;
+}

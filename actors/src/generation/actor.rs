@@ -50,6 +50,8 @@ pub struct GenerationState {
     told_client: bool,
     /// The ledger row has reached a final state (or was never opened).
     ledger_final: bool,
+    /// Prompt plus completion tokens this generation settled (for tokens-per-day).
+    settled_tokens: Option<u64>,
     admitted_at: Instant,
     dispatched_at: Option<Instant>,
     first_token_at: Option<Instant>,
@@ -85,6 +87,7 @@ impl Actor for GenerationActor {
             client_gone: false,
             told_client: false,
             ledger_final: true,
+            settled_tokens: None,
             admitted_at: now,
             dispatched_at: None,
             first_token_at: None,
@@ -205,7 +208,7 @@ impl Actor for GenerationActor {
         }
         state.directory.remove(&state.args.request_id);
         if let Some(hook) = state.args.on_end.take() {
-            (hook.0)();
+            (hook.0)(state.settled_tokens);
         }
         Ok(())
     }
@@ -571,7 +574,12 @@ impl GenerationState {
                 tokio::time::sleep(Duration::from_millis(backoff_ms)).await;
             }
             match self.args.ledger.settle(&settlement).await {
-                Ok(SettleOutcome::Applied | SettleOutcome::AlreadyFinal) => {
+                Ok(SettleOutcome::Applied) => {
+                    self.ledger_final = true;
+                    self.settled_tokens = Some(prompt_tokens.saturating_add(completion_tokens));
+                    return true;
+                }
+                Ok(SettleOutcome::AlreadyFinal) => {
                     self.ledger_final = true;
                     return true;
                 }

@@ -59,8 +59,9 @@ pub enum GenEvent {
     Failed(Failure),
 }
 
-/// Runs once when the generation ends, whatever the path (releases a concurrency slot).
-pub struct EndHook(pub Box<dyn FnOnce() + Send + Sync>);
+/// Runs once when the generation ends, whatever the path (releases a concurrency slot,
+/// counts tokens per day); it gets the tokens settled by this generation, if any.
+pub struct EndHook(pub Box<dyn FnOnce(Option<u64>) + Send + Sync>);
 
 impl std::fmt::Debug for EndHook {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
