@@ -279,8 +279,7 @@ async fn shutdown_signal() {
 }
 
 fn init_tracing() {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let filter = switchyard::telemetry::filter(&std::env::var("RUST_LOG").unwrap_or_default());
     let json = std::env::var("SWITCHYARD_LOG_FORMAT").is_ok_and(|v| v == "json");
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)

@@ -15,6 +15,8 @@ mod jwt_callers;
 mod leaks;
 #[path = "server/limits.rs"]
 mod limits;
+#[path = "server/logs.rs"]
+mod logs;
 #[path = "server/path.rs"]
 mod path;
 #[path = "server/production.rs"]
