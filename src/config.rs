@@ -92,6 +92,8 @@ pub struct TimeoutSettings {
     pub cancel_grace_ms: u64,
     /// Waiting for a node's final usage report after a cancel or node loss.
     pub settle_wait_secs: u64,
+    /// How often the sweeper looks for reservations that outlived every deadline.
+    pub sweep_interval_secs: u64,
 }
 
 impl Default for TimeoutSettings {
@@ -101,6 +103,7 @@ impl Default for TimeoutSettings {
             total_secs: 600,
             cancel_grace_ms: 2000,
             settle_wait_secs: 20,
+            sweep_interval_secs: 30,
         }
     }
 }

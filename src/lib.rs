@@ -17,4 +17,5 @@ pub mod quota;
 pub mod server;
 pub mod sim;
 pub mod store;
+pub mod sweeper;
 pub mod telemetry;

@@ -177,6 +177,15 @@ impl Server {
             shutdown: CancellationToken::new(),
             config,
         });
+        // Rows still reserved after the longest request plus the wait for its usage report
+        // (and a margin) are swept.
+        tokio::spawn(crate::sweeper::run(
+            state.store.clone(),
+            state.clock.clone(),
+            Duration::from_secs(state.config.timeouts.sweep_interval_secs.max(1)),
+            slot_ttl,
+            state.shutdown.clone(),
+        ));
         let addr = listener.local_addr()?;
         let app = crate::http::router(state.clone());
         let shutdown = state.shutdown.clone();

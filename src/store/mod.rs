@@ -298,6 +298,13 @@ pub trait Store: Ledger {
     async fn ledger_rows(&self, team_id: Option<i64>) -> Result<Vec<LedgerRow>, StoreError>;
     /// Rows still `reserved` (the `switchyard_ledger_open_reservations` gauge).
     async fn open_reservations(&self) -> Result<i64, StoreError>;
+    /// Request ids of rows still `reserved` that were created before `before`, oldest
+    /// first, at most `limit` (the sweeper's work list).
+    async fn stale_reservations(
+        &self,
+        before: DateTime<Utc>,
+        limit: i64,
+    ) -> Result<Vec<String>, StoreError>;
     /// Succeeds when the database answers (`/readyz`).
     async fn ping(&self) -> Result<(), StoreError>;
 }

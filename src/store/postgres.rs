@@ -648,6 +648,22 @@ impl Store for PostgresStore {
             .map_err(unavailable)
     }
 
+    async fn stale_reservations(
+        &self,
+        before: DateTime<Utc>,
+        limit: i64,
+    ) -> Result<Vec<String>, StoreError> {
+        sqlx::query_scalar(
+            "SELECT request_id FROM usage_ledger WHERE status = 'reserved' AND created_at < $1 \
+             ORDER BY created_at LIMIT $2",
+        )
+        .bind(before)
+        .bind(limit)
+        .fetch_all(&self.pool)
+        .await
+        .map_err(unavailable)
+    }
+
     async fn ping(&self) -> Result<(), StoreError> {
         sqlx::query("SELECT 1")
             .execute(&self.pool)

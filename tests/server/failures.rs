@@ -186,3 +186,65 @@ async fn a_replica_shutting_down_lets_running_streams_finish() {
     assert!(done, "the stream completed during the drain");
     assert!(events.iter().all(|e| e.get("error").is_none()));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_sweeper_cancels_reservations_that_outlived_every_deadline_and_nothing_else() {
+    let fleet = fleet(&[("small", 1)], 20.0, |_| {}).await;
+    let reservation = |id: &str| switchyard::store::Reservation {
+        request_id: id.into(),
+        team_id: fleet.team_id,
+        key_id: None,
+        model: "llama-3.1-8b-instruct".into(),
+        estimated_prompt_tokens: 10,
+        max_tokens: 10,
+        estimated_cost: 3,
+        price_input_per_mtok: 100_000,
+        price_output_per_mtok: 200_000,
+    };
+    // A replica died under this one: nobody will ever settle it.
+    fleet.store.reserve(&reservation("orphaned")).await.unwrap();
+    fleet.store.reserve(&reservation("finished")).await.unwrap();
+    let done = switchyard::store::Settlement {
+        request_id: "finished".into(),
+        prompt_tokens: 10,
+        completion_tokens: 10,
+    };
+    fleet.store.settle(&done).await.unwrap();
+    let before_cutoff = chrono::Utc::now() - chrono::Duration::seconds(60);
+    assert_eq!(
+        switchyard::sweeper::sweep(fleet.store.as_ref(), before_cutoff)
+            .await
+            .unwrap(),
+        0,
+        "too young"
+    );
+    let after = chrono::Utc::now() + chrono::Duration::seconds(1);
+    assert_eq!(
+        switchyard::sweeper::sweep(fleet.store.as_ref(), after)
+            .await
+            .unwrap(),
+        1
+    );
+    assert_eq!(
+        fleet
+            .store
+            .ledger_row("orphaned")
+            .await
+            .unwrap()
+            .unwrap()
+            .status,
+        LedgerStatus::Cancelled
+    );
+    assert_eq!(
+        fleet
+            .store
+            .ledger_row("finished")
+            .await
+            .unwrap()
+            .unwrap()
+            .status,
+        LedgerStatus::Settled
+    );
+    assert_eq!(fleet.store.open_reservations().await.unwrap(), 0);
+    fleet.shutdown(Duration::from_secs(1)).await;
+}

@@ -1,0 +1,57 @@
+//! The reservation sweeper: a ledger row still `reserved` after the longest a request may
+//! take (total timeout, plus the wait for a node's usage report, plus margin) belongs to a
+//! generation that can no longer settle it — its replica died and its node never reported.
+//! The sweeper cancels such rows so their reserved credit returns to the team. Every
+//! replica runs it; the cancel is conditional, so two sweeps never conflict.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use switchyard_actors::ports::{Clock, SettleOutcome};
+use tokio_util::sync::CancellationToken;
+
+use crate::store::{Store, StoreError};
+
+/// Rows handled per pass.
+const BATCH: i64 = 500;
+
+/// Cancels the rows still reserved that were created before `before`; returns how many it
+/// cancelled.
+pub async fn sweep(store: &dyn Store, before: DateTime<Utc>) -> Result<usize, StoreError> {
+    let mut cancelled = 0;
+    for request_id in store.stale_reservations(before, BATCH).await? {
+        match store.cancel(&request_id).await {
+            Ok(SettleOutcome::Applied) => {
+                cancelled += 1;
+                tracing::warn!(%request_id, "swept a reservation that outlived every deadline");
+            }
+            Ok(_) => {}
+            Err(e) => return Err(StoreError::Unavailable(e.to_string())),
+        }
+    }
+    Ok(cancelled)
+}
+
+/// Runs [`sweep`] every `every` for rows older than `max_age`, until `stop`.
+pub async fn run(
+    store: Arc<dyn Store>,
+    clock: Arc<dyn Clock>,
+    every: Duration,
+    max_age: Duration,
+    stop: CancellationToken,
+) {
+    let _guard = switchyard_actors::tasks::TaskGuard::new("sweeper");
+    loop {
+        tokio::select! {
+            () = stop.cancelled() => return,
+            () = tokio::time::sleep(every) => {}
+        }
+        let Ok(age) = chrono::Duration::from_std(max_age) else {
+            continue;
+        };
+        if let Err(e) = sweep(store.as_ref(), clock.wall() - age).await {
+            tracing::warn!(error = %e, "reservation sweep failed; retrying next period");
+        }
+    }
+}
