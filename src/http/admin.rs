@@ -382,3 +382,41 @@ pub async fn drain_node(
         json!({ "node_id": id, "status": "draining" }),
     ))
 }
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LoadModel {
+    name: String,
+}
+
+pub async fn load_model(
+    State(state): State<Arc<AppState>>,
+    _admin: Admin,
+    Path(id): Path<String>,
+    Json(body): Json<LoadModel>,
+) -> Result<Response, ApiError> {
+    if state.config.resolve_model(&body.name).is_none() {
+        return Err(ApiError::new(
+            ErrorCode::ModelNotFound,
+            format!("Unknown model `{}`.", body.name),
+        ));
+    }
+    let live = state
+        .nodes
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .get(&id)
+        .cloned();
+    let node = live.ok_or_else(|| {
+        ApiError::new(
+            ErrorCode::NotFound,
+            "The node is not connected to this replica.",
+        )
+    })?;
+    node.load_model(&body.name);
+    tracing::info!(node_id = %id, model = %body.name, "load_model sent");
+    Ok(ok(
+        StatusCode::ACCEPTED,
+        json!({ "node_id": id, "model": body.name, "status": "requested" }),
+    ))
+}

@@ -38,6 +38,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         )
         .route("/admin/nodes/{id}/token", delete(admin::revoke_node_token))
         .route("/admin/nodes/{id}/drain", post(admin::drain_node))
+        .route("/admin/nodes/{id}/load_model", post(admin::load_model))
         .route("/healthz", get(health::healthz))
         .route("/readyz", get(health::readyz))
         .route("/metrics", get(health::metrics))

@@ -394,3 +394,69 @@ async fn tokens_per_day_is_counted_at_settle_and_the_sdk_does_not_retry_quota_ex
     );
     fleet.shutdown(Duration::from_secs(1)).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_place_comes_back_after_a_client_drop_and_an_engine_crash() {
+    let fleet = crate::common::fleet(&[("small", 1)], 10.0, |c| {
+        c.server.timeouts.cancel_grace_ms = 100
+    })
+    .await;
+    let (key, _) = key_with(&fleet, json!({"max_streams": 1})).await;
+    let url = format!("{}/chat/completions", fleet.openai_base_url());
+    let long = json!({"model": "small", "messages": [{"role": "user", "content": "go"}], "max_tokens": 500, "stream": true});
+    let status = |r: &reqwest::Response| r.status().as_u16();
+
+    // A client drops: its place returns once the node confirms the stop.
+    let first = http()
+        .post(&url)
+        .bearer_auth(&key)
+        .json(&long)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(status(&first), 200);
+    let busy = http()
+        .post(&url)
+        .bearer_auth(&key)
+        .json(&long)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(status(&busy), 429, "the one place is taken");
+    drop(first);
+    crate::common::wait_for(Duration::from_secs(5), "the place after a drop", || {
+        let (url, key) = (url.clone(), key.clone());
+        async move {
+            let body = json!({"model": "small", "messages": [{"role": "user", "content": "x"}], "max_tokens": 1});
+            let r = http().post(url).bearer_auth(key).json(&body).send().await.unwrap();
+            r.status().as_u16() == 200
+        }
+    })
+    .await;
+
+    // The engine crashes mid-stream: the place returns too.
+    fleet.nodes[0].sim.set_faults(&switchyard::sim::FaultSpec {
+        crash_after_tokens: Some(2),
+        ..Default::default()
+    });
+    let crashed = http()
+        .post(&url)
+        .bearer_auth(&key)
+        .json(&long)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(status(&crashed), 200);
+    let text = crashed.text().await.unwrap();
+    assert!(text.contains("model_backend_error"));
+    crate::common::wait_for(Duration::from_secs(5), "the place after a crash", || {
+        let (url, key) = (url.clone(), key.clone());
+        async move {
+            let body = json!({"model": "small", "messages": [{"role": "user", "content": "x"}], "max_tokens": 1});
+            let r = http().post(url).bearer_auth(key).json(&body).send().await.unwrap();
+            r.status().as_u16() == 200 || r.status().as_u16() == 502
+        }
+    })
+    .await;
+    fleet.shutdown(Duration::from_secs(1)).await;
+}

@@ -127,3 +127,99 @@ async fn internal_references_get_422_before_anything_is_reserved() {
     assert!(fleet.store.ledger_rows(None).await.unwrap().is_empty());
     fleet.shutdown(Duration::from_secs(1)).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_of_team_a_reaches_nothing_of_team_b_on_any_route() {
+    let fleet = fleet(&[("small", 1)], 20.0, |_| {}).await;
+    let a = new_team_key(&fleet, "alpha").await;
+    let b = new_team_key(&fleet, "beta").await;
+    assert_eq!(chat(&fleet, &b, "small", 3).await, 200);
+    let base = fleet.server.base_url();
+    let b_team = fleet.store.team_by_name("beta").await.unwrap().unwrap();
+    let b_key_id = fleet.store.api_keys(b_team.id).await.unwrap()[0].id;
+    // (method, path, body, statuses team A may get)
+    let table: Vec<(reqwest::Method, String, Option<Value>, &[u16])> = vec![
+        (reqwest::Method::GET, "/admin/teams".into(), None, &[403]),
+        (
+            reqwest::Method::GET,
+            "/admin/keys?team=beta".into(),
+            None,
+            &[403],
+        ),
+        (
+            reqwest::Method::DELETE,
+            format!("/admin/keys/{b_key_id}"),
+            None,
+            &[403],
+        ),
+        (
+            reqwest::Method::POST,
+            "/admin/credits".into(),
+            Some(json!({"team": "beta", "amount": -100})),
+            &[403],
+        ),
+        (
+            reqwest::Method::POST,
+            "/admin/keys".into(),
+            Some(json!({"team": "beta"})),
+            &[403],
+        ),
+        (reqwest::Method::GET, "/admin/nodes".into(), None, &[403]),
+        (
+            reqwest::Method::POST,
+            "/admin/nodes/small-1/drain".into(),
+            None,
+            &[403],
+        ),
+        (
+            reqwest::Method::DELETE,
+            "/admin/nodes/small-1/token".into(),
+            None,
+            &[403],
+        ),
+        (
+            reqwest::Method::GET,
+            format!("/v1/usage?team={}", b_team.id),
+            None,
+            &[200],
+        ),
+        (
+            reqwest::Method::GET,
+            "/v1/generations/anything".into(),
+            None,
+            &[404],
+        ),
+    ];
+    for (method, path, body, allowed) in table {
+        let mut req = http()
+            .request(method.clone(), format!("{base}{path}"))
+            .bearer_auth(&a);
+        if let Some(b) = &body {
+            req = req.json(b);
+        }
+        let resp = req.send().await.unwrap();
+        let status = resp.status().as_u16();
+        assert!(allowed.contains(&status), "{method} {path}: {status}");
+        let text = resp.text().await.unwrap();
+        assert!(
+            !text.contains("beta") && !text.contains(&b),
+            "{method} {path} leaked team B: {text}"
+        );
+        if path.starts_with("/v1/usage") {
+            let v: Value = serde_json::from_str(&text).unwrap();
+            assert!(
+                v["data"].as_array().unwrap().is_empty(),
+                "a query parameter cannot widen the scope"
+            );
+        }
+    }
+    // Nothing of team B changed.
+    let b_after = fleet.store.team_by_name("beta").await.unwrap().unwrap();
+    assert_eq!(b_after.balance_microcredits, b_team.balance_microcredits);
+    assert!(
+        fleet.store.api_keys(b_team.id).await.unwrap()[0]
+            .revoked_at
+            .is_none()
+    );
+    fleet.shutdown(Duration::from_secs(1)).await;
+}

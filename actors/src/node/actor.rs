@@ -185,6 +185,7 @@ impl Actor for NodeActor {
                     queue.node_draining(&state.args.node_id);
                 }
             }
+            NodeMsg::LoadModel(name) => send(state, &myself, ServerFrame::LoadModel { name }),
             NodeMsg::ConnectionLost => myself.stop(Some("connection lost".into())),
             NodeMsg::CheckHeartbeat => {
                 let silent = state

@@ -50,6 +50,8 @@ pub enum NodeMsg {
     Frame(NodeFrame),
     /// Stop giving this node new work (operator drain).
     Drain,
+    /// Ask the node to load another model (operator).
+    LoadModel(String),
     /// The socket closed, or a frame could not be written: the node is gone.
     ConnectionLost,
     /// Periodic check for a missed heartbeat.
@@ -87,6 +89,11 @@ impl NodeHandle {
     /// Asks the node to drain.
     pub fn drain(&self) {
         let _ = self.actor.cast(NodeMsg::Drain);
+    }
+
+    /// Asks the node to load a model.
+    pub fn load_model(&self, name: &str) {
+        let _ = self.actor.cast(NodeMsg::LoadModel(name.to_owned()));
     }
 
     pub(crate) fn assign(
