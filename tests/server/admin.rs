@@ -137,6 +137,22 @@ async fn node_tokens_list_drain_and_revocation_closes_the_socket() {
 
     let (s, _) = admin(
         &fleet,
+        reqwest::Method::POST,
+        "/admin/nodes/small-1/load_model",
+        Some(json!({"name": "large"})),
+    )
+    .await;
+    assert_eq!(s, 202, "load_model is relayed to the node");
+    let (s, _) = admin(
+        &fleet,
+        reqwest::Method::POST,
+        "/admin/nodes/small-1/load_model",
+        Some(json!({"name": "gpt-9"})),
+    )
+    .await;
+    assert_eq!(s, 404);
+    let (s, _) = admin(
+        &fleet,
         reqwest::Method::DELETE,
         "/admin/nodes/small-1/token",
         None,
