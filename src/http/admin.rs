@@ -217,7 +217,8 @@ pub async fn revoke_key(
 ) -> Result<Response, ApiError> {
     let revoked = state.store.revoke_api_key(id).await.map_err(store_error)?;
     tracing::info!(key_id = id, revoked, "api key revoked");
-    Ok(ok(StatusCode::OK, json!({ "id": id, "revoked": true })))
+    // `revoked: false` means there was no live key with this id (unknown or revoked before).
+    Ok(ok(StatusCode::OK, json!({ "id": id, "revoked": revoked })))
 }
 
 #[derive(Debug, Deserialize)]

@@ -42,14 +42,18 @@ pub async fn chat_completions(
     tracing::Span::current().record("request_id", request_id.as_str());
     match run(&state, &headers, body, &request_id).await {
         Ok(response) => response,
-        Err(e) => {
-            // Refusals before a generation exists are counted here; the generation counts
-            // its own outcome otherwise.
-            metrics::counter!(REQUESTS_TOTAL, "model" => "", "code" => e.failure.code.as_str())
-                .increment(1);
-            e.with_request_id(&request_id).into_response()
-        }
+        Err(e) => e.with_request_id(&request_id).into_response(),
     }
+}
+
+/// A request that passed every check before a generation: ready to start.
+struct Admitted {
+    args: GenerationArgs,
+    events: mpsc::UnboundedReceiver<switchyard_actors::generation::GenEvent>,
+    rate: crate::quota::RateHeaders,
+    model: String,
+    stream: bool,
+    include_usage: bool,
 }
 
 async fn run(
@@ -58,6 +62,49 @@ async fn run(
     body: Value,
     request_id: &str,
 ) -> Result<Response, ApiError> {
+    // Refusals before a generation exists are counted here; a generation counts its own.
+    let admitted = admit(state, headers, body, request_id)
+        .await
+        .inspect_err(count_refusal)?;
+    let Admitted {
+        args,
+        events,
+        rate,
+        model,
+        stream,
+        include_usage,
+    } = admitted;
+    let generation = state
+        .generations
+        .start_generation(args, events)
+        .await
+        .map_err(|f| ApiError::from(f).with_rate_headers(rate.clone()))?;
+    let render = Render::new(
+        request_id,
+        &model,
+        include_usage,
+        state.clock.wall().timestamp(),
+    );
+    let mut response = if stream {
+        sse::stream(generation, render)
+    } else {
+        sse::collect(generation, render).await?
+    };
+    if let Ok(v) = HeaderValue::from_str(request_id) {
+        response.headers_mut().insert("x-request-id", v);
+    }
+    rate.apply(response.headers_mut());
+    Ok(response)
+}
+
+/// Credential, SSRF guard, body, allowlist and per-principal limits, cheapest first; then
+/// the generation's arguments with its reservation estimate.
+async fn admit(
+    state: &AppState,
+    headers: &HeaderMap,
+    body: Value,
+    request_id: &str,
+) -> Result<Admitted, ApiError> {
     let principal = state.auth.authenticate(headers).await?;
     tracing::Span::current().record("team_id", principal.team_id);
     if let Err(unsafe_ref) = super::ssrf::check(&body) {
@@ -77,12 +124,12 @@ async fn run(
             "This key may not use that model.",
         ));
     }
-    let (rate, on_end) = state.limits.admit(&principal, request_id).await?;
     let queue = state
         .queues
         .get(&req.resolved.name)
         .cloned()
         .ok_or_else(|| ApiError::new(ErrorCode::ModelNotFound, "The model is not served."))?;
+    let (rate, on_end) = state.limits.admit(&principal, request_id).await?;
     let max_tokens = req
         .max_tokens
         .unwrap_or(u64::from(req.resolved.default_max_tokens));
@@ -101,7 +148,7 @@ async fn run(
         price_input_per_mtok: pin,
         price_output_per_mtok: pout,
     };
-    let (events, rx) = mpsc::unbounded_channel();
+    let (tx, events) = mpsc::unbounded_channel();
     let args = GenerationArgs {
         request_id: request_id.to_owned(),
         model: req.resolved.name.clone(),
@@ -109,32 +156,25 @@ async fn run(
         reservation,
         queue,
         ledger: state.store.clone(),
-        events,
+        events: tx,
         timeouts: state.config.generation_timeouts(),
         clock: state.clock.clone(),
         on_end,
     };
-    let generation = state
-        .generations
-        .start_generation(args, rx)
-        .await
-        .map_err(|f| ApiError::from(f).with_rate_headers(rate.clone()))?;
-    let render = Render::new(
-        request_id,
-        &req.resolved.name,
-        req.include_usage,
-        state.clock.wall().timestamp(),
-    );
-    let mut response = if req.stream {
-        sse::stream(generation, render)
-    } else {
-        sse::collect(generation, render).await?
-    };
-    if let Ok(v) = HeaderValue::from_str(request_id) {
-        response.headers_mut().insert("x-request-id", v);
-    }
-    rate.apply(response.headers_mut());
-    Ok(response)
+    Ok(Admitted {
+        args,
+        events,
+        rate,
+        model: req.resolved.name,
+        stream: req.stream,
+        include_usage: req.include_usage,
+    })
+}
+
+/// Counts a request refused before it became a generation.
+fn count_refusal(e: &ApiError) {
+    metrics::counter!(REQUESTS_TOTAL, "model" => "", "code" => e.failure.code.as_str())
+        .increment(1);
 }
 
 /// Checks the fields Switchyard acts on; the rest pass through to the engine untouched.

@@ -1,7 +1,9 @@
 //! The SSRF guard: a request body that references a URL the platform (or an engine with
 //! tool or image fetching) could be made to call inside the network is refused with 422
-//! `unsafe_reference` before anything is reserved. Checked: every string in the body that
-//! looks like a URL (`scheme://…`), and every `url` field.
+//! `unsafe_reference` before anything is reserved. Checked: every `url`-like field (`url`,
+//! `*_url`, `uri`, `href`, `endpoint`) anywhere in the body, and every URL-shaped string
+//! inside tool definitions and tool calls. Conversation text is not: a developer asking
+//! about `http://localhost:3000` is not making the platform fetch it.
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
@@ -28,23 +30,52 @@ pub enum Unsafe {
 
 /// The first unsafe reference in `body`, if any.
 pub fn check(body: &Value) -> Result<(), Unsafe> {
-    walk(body, false, 0)
+    walk(body, Field::Other, false, 0)
 }
 
-fn walk(v: &Value, is_url_field: bool, depth: usize) -> Result<(), Unsafe> {
+/// What kind of field a value sits in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Field {
+    /// A field that names a resource to fetch.
+    Url,
+    /// Anything else.
+    Other,
+}
+
+fn field_kind(key: &str) -> Field {
+    let k = key.to_ascii_lowercase();
+    if matches!(k.as_str(), "url" | "uri" | "href" | "endpoint")
+        || k.ends_with("_url")
+        || k.ends_with("_uri")
+    {
+        Field::Url
+    } else {
+        Field::Other
+    }
+}
+
+/// Subtrees whose strings a tool-using engine may act on.
+fn is_tool_key(key: &str) -> bool {
+    matches!(
+        key,
+        "tools" | "functions" | "tool_calls" | "function_call" | "tool_choice"
+    )
+}
+
+fn walk(v: &Value, field: Field, in_tools: bool, depth: usize) -> Result<(), Unsafe> {
     if depth > MAX_DEPTH {
         return Err(Unsafe::TooDeep);
     }
     match v {
-        Value::String(s) => check_string(s, is_url_field),
-        Value::Array(items) => items.iter().try_for_each(|i| walk(i, false, depth + 1)),
-        Value::Object(map) => map.iter().try_for_each(|(k, v)| {
-            walk(
-                v,
-                k.eq_ignore_ascii_case("url") || k.ends_with("_url"),
-                depth + 1,
-            )
-        }),
+        Value::String(s) if field == Field::Url => check_string(s, true),
+        Value::String(s) if in_tools => check_string(s, false),
+        Value::String(_) => Ok(()),
+        Value::Array(items) => items
+            .iter()
+            .try_for_each(|i| walk(i, field, in_tools, depth + 1)),
+        Value::Object(map) => map
+            .iter()
+            .try_for_each(|(k, v)| walk(v, field_kind(k), in_tools || is_tool_key(k), depth + 1)),
         _ => Ok(()),
     }
 }
@@ -105,25 +136,46 @@ fn check_url(u: &str) -> Result<(), Unsafe> {
     Ok(())
 }
 
-/// Dotted, decimal (`2130706433`), hex (`0x7f000001`) and IPv6 forms all count.
+/// Every form a resolver accepts counts: IPv6, dotted quads, and the `inet_aton` shorthands
+/// (`127.1`, `2130706433`, octal `0177.0.0.1`, hex `0x7f000001`).
 fn parse_ip(host: &str) -> Option<IpAddr> {
     if let Ok(ip) = host.parse::<IpAddr>() {
         return Some(ip);
     }
-    let n = if let Some(hex) = host.strip_prefix("0x") {
+    let parts: Vec<u32> = host.split('.').map(parse_part).collect::<Option<_>>()?;
+    let n = match parts.as_slice() {
+        [a] => *a,
+        [a, b] if *a < 256 && *b < (1 << 24) => (a << 24) | b,
+        [a, b, c] if *a < 256 && *b < 256 && *c < (1 << 16) => (a << 24) | (b << 16) | c,
+        [a, b, c, d] if [a, b, c, d].iter().all(|p| **p < 256) => {
+            (a << 24) | (b << 16) | (c << 8) | d
+        }
+        _ => return None,
+    };
+    Some(IpAddr::V4(Ipv4Addr::from(n)))
+}
+
+fn parse_part(p: &str) -> Option<u32> {
+    if let Some(hex) = p.strip_prefix("0x").or_else(|| p.strip_prefix("0X")) {
         u32::from_str_radix(hex, 16).ok()
-    } else if host.chars().all(|c| c.is_ascii_digit()) {
-        host.parse::<u32>().ok()
+    } else if p.len() > 1 && p.starts_with('0') {
+        u32::from_str_radix(&p[1..], 8).ok()
+    } else if !p.is_empty() && p.chars().all(|c| c.is_ascii_digit()) {
+        p.parse().ok()
     } else {
         None
-    };
-    n.map(|n| IpAddr::V4(Ipv4Addr::from(n)))
+    }
 }
 
 fn is_public(ip: IpAddr) -> bool {
     match ip {
         IpAddr::V4(v4) => is_public_v4(v4),
-        IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+        // Mapped (::ffff:a.b.c.d) and the deprecated compatible (::a.b.c.d) forms reach
+        // the IPv4 address they carry.
+        IpAddr::V6(v6) => match v6
+            .to_ipv4_mapped()
+            .or_else(|| v6.to_ipv4().filter(|_| v6.segments()[..6] == [0; 6]))
+        {
             Some(v4) => is_public_v4(v4),
             None => is_public_v6(v6),
         },
@@ -137,6 +189,7 @@ fn is_public_v4(ip: Ipv4Addr) -> bool {
         || ip.is_link_local() // 169.254/16, the metadata service among them
         || ip.is_unspecified()
         || ip.is_broadcast()
+        || ip.is_multicast()
         || ip.is_documentation()
         || o[0] == 0
         || (o[0] == 100 && (64..128).contains(&o[1])) // carrier-grade NAT
@@ -148,6 +201,7 @@ fn is_public_v6(ip: Ipv6Addr) -> bool {
     let s = ip.segments();
     !(ip.is_loopback()
         || ip.is_unspecified()
+        || ip.is_multicast()
         || (s[0] & 0xfe00) == 0xfc00 // unique local
         || (s[0] & 0xffc0) == 0xfe80 // link local
         || s[0] == 0xfd00)
@@ -177,6 +231,10 @@ mod tests {
             "http://[::ffff:127.0.0.1]/",
             "http://2130706433/",
             "http://0x7f000001/",
+            "http://127.1/",
+            "http://0177.0.0.1/",
+            "http://[::127.0.0.1]/",
+            "http://224.0.0.1/",
             "http://user@127.0.0.1/",
             "file:///etc/passwd",
             "gopher://example.com/",
@@ -188,6 +246,11 @@ mod tests {
         assert!(refused(
             json!({"tools": [{"function": {"parameters": {"endpoint": "see http://10.0.0.1/admin please"}}}]})
         ));
+        assert!(refused(
+            json!({"tools": [{"function": {"description": "calls http://10.0.0.1/admin"}}]})
+        ));
+        let call = json!({"tool_calls": [{"function": {"arguments": "{\"target\": \"http://169.254.169.254/\"}"}}]});
+        assert!(refused(call));
     }
 
     #[test]
@@ -199,6 +262,8 @@ mod tests {
             json!({"image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}})
         ));
         assert!(!refused(json!({"url": "https://8.8.8.8/"})));
+        let question = json!({"messages": [{"role": "user", "content": "why does http://localhost:3000 refuse me?"}]});
+        assert!(!refused(question), "conversation text is not fetched");
         assert!(!refused(
             json!({"messages": [{"role": "user", "content": "ratio 3:2, time 10:30"}]})
         ));
