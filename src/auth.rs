@@ -42,15 +42,15 @@ pub struct Principal {
 }
 
 impl Principal {
-    fn from_key(key: ApiKeyRecord) -> Self {
+    fn from_key(key: ApiKeyRecord, defaults: &Defaults) -> Self {
         Self {
             team_id: key.team_id,
             key_id: Some(key.id),
             subject: key.id.to_string(),
             model_allowlist: key.model_allowlist,
-            rpm: key.rpm,
+            rpm: key.rpm.or(Some(defaults.rpm)),
             max_streams: key.max_streams,
-            tokens_per_day: key.tokens_per_day,
+            tokens_per_day: key.tokens_per_day.or(Some(defaults.tokens_per_day)),
             admin: false,
         }
     }
@@ -63,6 +63,18 @@ impl Principal {
     }
 }
 
+/// Limits of principals whose credential sets none (configuration), so every answer can
+/// carry its `x-ratelimit-*` headers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Defaults {
+    /// Requests per minute.
+    pub rpm: u32,
+    /// Tokens per UTC day.
+    pub tokens_per_day: u64,
+    /// Concurrent generations of a JWT principal.
+    pub jwt_max_streams: u32,
+}
+
 /// Key hash → (when it was read, the record if one exists).
 type KeyCache = BTreeMap<String, (Instant, Option<ApiKeyRecord>)>;
 
@@ -73,7 +85,7 @@ pub struct Authenticator {
     clock: Arc<dyn Clock>,
     cache: Arc<Mutex<KeyCache>>,
     jwt: Option<JwtVerifier>,
-    jwt_max_streams: u32,
+    defaults: Defaults,
 }
 
 fn bearer(headers: &HeaderMap) -> Option<&str> {
@@ -96,14 +108,14 @@ impl Authenticator {
         store: Arc<dyn Store>,
         clock: Arc<dyn Clock>,
         jwt: Option<JwtVerifier>,
-        jwt_max_streams: u32,
+        defaults: Defaults,
     ) -> Self {
         Self {
             store,
             clock,
             cache: Arc::default(),
             jwt,
-            jwt_max_streams,
+            defaults,
         }
     }
 
@@ -121,7 +133,7 @@ impl Authenticator {
         if !key.is_usable(self.clock.wall()) {
             return Err(unauthorized("The API key is revoked or expired."));
         }
-        Ok(Principal::from_key(key))
+        Ok(Principal::from_key(key, &self.defaults))
     }
 
     /// Whether the bearer is a JWT with the admin role (for the admin API).
@@ -165,9 +177,9 @@ impl Authenticator {
             key_id: None,
             subject: format!("user:{}", claims.sub),
             model_allowlist: None,
-            rpm: None,
-            max_streams: Some(self.jwt_max_streams),
-            tokens_per_day: None,
+            rpm: Some(self.defaults.rpm),
+            max_streams: Some(self.defaults.jwt_max_streams),
+            tokens_per_day: Some(self.defaults.tokens_per_day),
             admin: claims.role == Role::Admin,
         })
     }

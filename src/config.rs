@@ -150,6 +150,10 @@ pub struct Config {
     pub jwt_issuer: Option<String>,
     /// Concurrent generations of a JWT principal (a person, seed 001: 2).
     pub jwt_max_streams: u32,
+    /// Requests per minute of a principal whose key sets none.
+    pub default_rpm: u32,
+    /// Tokens per UTC day of a principal whose key sets none.
+    pub default_tokens_per_day: u64,
     /// Node choice.
     pub routing: RoutingStrategy,
     /// Largest request body in bytes (`request_too_large` above).
@@ -176,6 +180,8 @@ impl Default for Config {
             jwt_audience: None,
             jwt_issuer: None,
             jwt_max_streams: 2,
+            default_rpm: 10_000,
+            default_tokens_per_day: 1_000_000_000,
             routing: RoutingStrategy::LeastLoaded,
             max_body_bytes: 1024 * 1024,
             queue: QueueSettings::default(),

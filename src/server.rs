@@ -162,7 +162,11 @@ impl Server {
                 store.clone(),
                 clock.clone(),
                 jwt_verifier(&config, &clock),
-                config.jwt_max_streams,
+                crate::auth::Defaults {
+                    rpm: config.default_rpm,
+                    tokens_per_day: config.default_tokens_per_day,
+                    jwt_max_streams: config.jwt_max_streams,
+                },
             ),
             limits: Limits::new(coordinator.clone(), clock.clone(), slot_ttl),
             registrations: governor::RateLimiter::direct(governor::Quota::per_second(per_second)),

@@ -112,6 +112,17 @@ async fn non_streaming_has_the_completion_shape() {
     let fleet = fleet(&[("small", 1)], 20.0, |_| {}).await;
     let resp = post_chat(&fleet, &chat("small", 7, false)).await;
     assert_eq!(resp.status(), 200);
+    // A key without limits of its own gets the configured defaults, and their headers.
+    for h in [
+        "x-ratelimit-limit-requests",
+        "x-ratelimit-remaining-requests",
+        "x-ratelimit-reset-requests",
+        "x-ratelimit-limit-tokens",
+        "x-ratelimit-remaining-tokens",
+    ] {
+        assert!(resp.headers().contains_key(h), "{h} missing");
+    }
+    assert_eq!(resp.headers()["x-ratelimit-limit-requests"], "10000");
     let body: Value = resp.json().await.unwrap();
     assert_eq!(shape(&body), shape(&openai_fixture("completion.json")));
     assert_eq!(body["usage"]["completion_tokens"], 7);
