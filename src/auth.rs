@@ -54,13 +54,6 @@ impl Principal {
             admin: false,
         }
     }
-
-    /// Whether `model` (a resolved name or an alias) is allowed.
-    pub fn allows_model(&self, model: &str) -> bool {
-        self.model_allowlist
-            .as_ref()
-            .is_none_or(|allowed| allowed.iter().any(|m| m == model))
-    }
 }
 
 /// Limits of principals whose credential sets none (configuration), so every answer can

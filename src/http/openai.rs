@@ -21,8 +21,6 @@ use crate::server::AppState;
 
 /// A validated chat request.
 struct ChatRequest {
-    /// The name the client asked for (an alias or the version itself).
-    model: String,
     resolved: ModelConfig,
     stream: bool,
     include_usage: bool,
@@ -118,7 +116,7 @@ async fn admit(
     }
     let req = validate(state, body)?;
     tracing::Span::current().record("model", req.resolved.name.as_str());
-    if !principal.allows_model(&req.resolved.name) && !principal.allows_model(&req.model) {
+    if !allowed(state, &principal, &req.resolved) {
         return Err(ApiError::new(
             ErrorCode::ModelNotAllowed,
             "This key may not use that model.",
@@ -197,7 +195,6 @@ fn validate(state: &AppState, body: Value) -> Result<ChatRequest, ApiError> {
                 format!("The model `{model_name}` does not exist."),
             )
         })?;
-    let model = model_name.to_owned();
     let messages = obj
         .get("messages")
         .and_then(Value::as_array)
@@ -244,7 +241,6 @@ fn validate(state: &AppState, body: Value) -> Result<ChatRequest, ApiError> {
     obj.insert("model".into(), Value::String(resolved.name.clone()));
     obj.remove("stream_options");
     Ok(ChatRequest {
-        model,
         resolved,
         stream,
         include_usage,
@@ -282,7 +278,7 @@ pub async fn models(State(state): State<Arc<AppState>>, headers: HeaderMap) -> R
     let mut data = Vec::new();
     for m in &state.config.models {
         for id in std::iter::once(&m.name).chain(&m.aliases) {
-            if principal.allows_model(&m.name) || principal.allows_model(id) {
+            if allowed(&state, &principal, m) {
                 let mut entry = Map::new();
                 entry.insert("id".into(), Value::String(id.clone()));
                 entry.insert("object".into(), Value::String("model".into()));
@@ -293,4 +289,17 @@ pub async fn models(State(state): State<Arc<AppState>>, headers: HeaderMap) -> R
         }
     }
     axum::Json(serde_json::json!({ "object": "list", "data": data })).into_response()
+}
+
+/// Whether the principal's allowlist admits `model`: an entry may name the model or any of
+/// its aliases, and admits the model under every name.
+fn allowed(state: &AppState, principal: &crate::auth::Principal, model: &ModelConfig) -> bool {
+    principal.model_allowlist.as_ref().is_none_or(|list| {
+        list.iter().any(|entry| {
+            state
+                .config
+                .resolve_model(entry)
+                .is_some_and(|m| m.name == model.name)
+        })
+    })
 }

@@ -73,6 +73,32 @@ async fn teams_credits_and_keys_round_trip_and_revocation_takes_effect_within_5_
 
     let url = format!("{}/chat/completions", fleet.openai_base_url());
     assert_eq!(chat_status(&url, &plaintext).await, 200);
+    // The allowlist (["small"]) filters /v1/models and refuses other models.
+    let models: Value = http()
+        .get(format!("{}/models", fleet.openai_base_url()))
+        .bearer_auth(&plaintext)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let mut ids: Vec<&str> = models["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|m| m["id"].as_str())
+        .collect();
+    ids.sort_unstable();
+    assert_eq!(ids, ["llama-3.1-8b-instruct", "small"]);
+    let other = http()
+        .post(&url)
+        .bearer_auth(&plaintext)
+        .json(&json!({"model": "large", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(other.status(), 403);
     let (s, _) = admin(
         &fleet,
         reqwest::Method::DELETE,
