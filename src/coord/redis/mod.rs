@@ -18,17 +18,20 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, LazyLock, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
 use async_trait::async_trait;
 use futures::StreamExt;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig, PubSubSink, PubSubStream};
-use redis::{Client, Msg, RedisError, RedisResult, Script};
+use redis::{Client, Msg, RedisError, RedisResult};
 use tokio::sync::mpsc::{self, UnboundedReceiver, UnboundedSender};
 use tokio_util::sync::CancellationToken;
 
 use switchyard_actors::ports::{CoordError, Coordinator, LimitVerdict};
+
+mod scripts;
+use scripts::{ACQUIRE_LEASE, ACQUIRE_SLOT, INCR, PUT_HASH, RELEASE_LEASE, WINDOW_ADMIT};
 
 /// How long one call may wait for Redis before it fails with `Unavailable`.
 pub const DEFAULT_COMMAND_TIMEOUT: Duration = Duration::from_secs(2);
@@ -38,140 +41,6 @@ pub const DEFAULT_HEALTH_INTERVAL: Duration = Duration::from_secs(5);
 /// Longest TTL handed to Redis, in milliseconds: far beyond any real TTL, and small enough
 /// that Redis never rejects `now + ttl` as an overflow.
 const MAX_TTL_MS: u64 = 1 << 60;
-
-/// `put_hash`: replace the hash whole, like the in-process `DEL` + `HSET` + `PEXPIRE`.
-/// KEYS[1] the key; ARGV[1] TTL in ms, then field, value, field, value… An empty field list
-/// leaves no key (Redis has no empty hashes). HSET goes in slices so that `unpack` stays
-/// within Lua's stack however many fields there are.
-static PUT_HASH: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(
-        r"
-redis.call('DEL', KEYS[1])
-if #ARGV > 1 then
-  for i = 2, #ARGV, 200 do
-    redis.call('HSET', KEYS[1], unpack(ARGV, i, math.min(i + 199, #ARGV)))
-  end
-  redis.call('PEXPIRE', KEYS[1], ARGV[1])
-end
-return 1
-",
-    )
-});
-
-/// `acquire_lease`. KEYS[1] the lease, KEYS[2] its fencing counter; ARGV[1] owner, ARGV[2]
-/// TTL in ms. Free: INCR the fence and take it. Held by the owner: renew, same token. Held by
-/// another: nil. Any other kind at the key: an error (GET itself fails on a hash). A renewal
-/// returns the stored digits as a string, so a token Lua's doubles cannot hold is an error
-/// on parsing, never a rounded token.
-static ACQUIRE_LEASE: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(
-        r"
-local held = redis.call('GET', KEYS[1])
-if held then
-  local token, owner = string.match(held, '^lease:(%d+):(.*)$')
-  if not token then
-    return redis.error_reply('WRONGTYPE key holds a counter, not a lease')
-  end
-  if owner == ARGV[1] then
-    redis.call('PEXPIRE', KEYS[1], ARGV[2])
-    return token
-  end
-  return false
-end
-local token = redis.call('INCR', KEYS[2])
-redis.call('SET', KEYS[1], 'lease:' .. string.format('%d', token) .. ':' .. ARGV[1], 'PX', ARGV[2])
-return token
-",
-    )
-});
-
-/// `release_lease`: compare-and-delete. KEYS[1] the lease; ARGV[1] owner. A late release
-/// from a fenced-out owner leaves its successor's lease alone.
-static RELEASE_LEASE: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(
-        r"
-local held = redis.call('GET', KEYS[1])
-if not held then
-  return 0
-end
-local token, owner = string.match(held, '^lease:(%d+):(.*)$')
-if not token then
-  return redis.error_reply('WRONGTYPE key holds a counter, not a lease')
-end
-if owner == ARGV[1] then
-  redis.call('DEL', KEYS[1])
-  return 1
-end
-return 0
-",
-    )
-});
-
-/// `incr`. KEYS[1] the counter; ARGV[1] the amount, ARGV[2] TTL in ms. A new counter is
-/// created with its expiry (SET NX PX); an existing one only adds, keeping its expiry. The
-/// sum goes back as a string: Lua numbers are doubles and would round counters above 2^53.
-/// A counter found without expiry (written by something else) gets one rather than living
-/// forever.
-/// `acquire_slot`. KEYS[1] the set; ARGV[1] now ms, ARGV[2] member, ARGV[3] limit, ARGV[4]
-/// TTL ms. Expired members (score <= now) leave first; a present member is renewed.
-/// Returns {admitted, count, ms until the earliest member expires}.
-static ACQUIRE_SLOT: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(
-        r"
-local now = tonumber(ARGV[1])
-local ttl = tonumber(ARGV[4])
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
-local admitted = 0
-if redis.call('ZSCORE', KEYS[1], ARGV[2]) or redis.call('ZCARD', KEYS[1]) < tonumber(ARGV[3]) then
-  redis.call('ZADD', KEYS[1], now + ttl, ARGV[2])
-  admitted = 1
-end
-redis.call('PEXPIRE', KEYS[1], ttl)
-local first = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
-local wait = 0
-if first[2] then wait = math.max(0, tonumber(first[2]) - now) end
-return {admitted, redis.call('ZCARD', KEYS[1]), wait}
-",
-    )
-});
-
-/// `window_admit`: a sliding-window log. KEYS[1] the log; ARGV[1] now ms, ARGV[2] member,
-/// ARGV[3] window ms, ARGV[4] limit. Returns {admitted, count, ms until the oldest entry
-/// leaves the window}.
-static WINDOW_ADMIT: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(
-        r"
-local now = tonumber(ARGV[1])
-local window = tonumber(ARGV[3])
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - window)
-local admitted = 0
-if redis.call('ZCARD', KEYS[1]) < tonumber(ARGV[4]) then
-  redis.call('ZADD', KEYS[1], now, ARGV[2])
-  admitted = 1
-end
-redis.call('PEXPIRE', KEYS[1], window)
-local first = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
-local wait = 0
-if first[2] then wait = math.max(0, tonumber(first[2]) + window - now) end
-return {admitted, redis.call('ZCARD', KEYS[1]), wait}
-",
-    )
-});
-
-static INCR: LazyLock<Script> = LazyLock::new(|| {
-    Script::new(
-        r"
-if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
-  return ARGV[1]
-end
-redis.call('INCRBY', KEYS[1], ARGV[1])
-if redis.call('PTTL', KEYS[1]) == -1 then
-  redis.call('PEXPIRE', KEYS[1], ARGV[2])
-end
-return redis.call('GET', KEYS[1])
-",
-    )
-});
 
 /// Tunables of [`RedisCoordinator::connect_with`].
 #[derive(Debug, Clone, Copy)]

@@ -1,0 +1,136 @@
+//! Error mapping and row decoding for the PostgreSQL store: SQL types to domain types,
+//! with every conversion checked.
+
+#[allow(unused_imports)]
+use super::*;
+
+/// PostgreSQL text cannot hold NUL, and refuses it with an error; SQLite stores it. A key
+/// that cannot be stored cannot be found either, so lookups answer "absent" without asking.
+pub(super) fn storable(text: &str) -> bool {
+    !text.contains('\0')
+}
+
+/// `at` truncated to the millisecond (towards the past, as `timestamp_millis` does).
+pub(super) fn millis(at: DateTime<Utc>) -> DateTime<Utc> {
+    at.with_nanosecond(at.nanosecond() / 1_000_000 * 1_000_000)
+        .unwrap_or(at)
+}
+
+pub(super) fn unavailable(e: sqlx::Error) -> StoreError {
+    StoreError::Unavailable(e.to_string())
+}
+
+pub(super) fn ledger_unavailable(e: sqlx::Error) -> LedgerError {
+    LedgerError::Unavailable(e.to_string())
+}
+
+/// A unique violation becomes `Conflict(message())`; a check violation or a value PostgreSQL
+/// cannot hold (SQLSTATE class 22: NUL in text, a timestamp beyond its range) is `Invalid`;
+/// anything else is `Unavailable`.
+pub(super) fn conflict_or(e: sqlx::Error, message: impl FnOnce() -> String) -> StoreError {
+    match &e {
+        sqlx::Error::Database(d) if d.is_unique_violation() => StoreError::Conflict(message()),
+        sqlx::Error::Database(d)
+            if d.is_check_violation() || d.code().is_some_and(|c| c.starts_with("22")) =>
+        {
+            StoreError::Invalid(d.to_string())
+        }
+        sqlx::Error::Encode(err) => StoreError::Invalid(err.to_string()),
+        _ => unavailable(e),
+    }
+}
+
+pub(super) fn found(rows_affected: u64) -> Result<(), StoreError> {
+    if rows_affected == 0 {
+        Err(StoreError::NotFound)
+    } else {
+        Ok(())
+    }
+}
+
+/// Token counts are u64 at the port and BIGINT here; a count beyond i64 is refused rather
+/// than clamped, so the ledger never records a number nobody produced.
+pub(super) fn tokens(n: u64) -> Result<i64, LedgerError> {
+    i64::try_from(n).map_err(|_| LedgerError::Unavailable(format!("token count {n} out of range")))
+}
+
+/// Reads a column, mapping a decode failure (a corrupt or foreign row) to `Invalid`.
+pub(super) fn col<'r, T>(row: &'r PgRow, name: &str) -> Result<T, StoreError>
+where
+    T: sqlx::Decode<'r, Postgres> + sqlx::Type<Postgres>,
+{
+    row.try_get(name)
+        .map_err(|e| StoreError::Invalid(format!("column {name}: {e}")))
+}
+
+/// Reads a nullable BIGINT column into a narrower unsigned type.
+pub(super) fn opt_int<T: TryFrom<i64>>(row: &PgRow, name: &str) -> Result<Option<T>, StoreError> {
+    col::<Option<i64>>(row, name)?
+        .map(|v| {
+            T::try_from(v)
+                .map_err(|_| StoreError::Invalid(format!("column {name}: {v} out of range")))
+        })
+        .transpose()
+}
+
+pub(super) fn team_from_row(row: &PgRow) -> Result<Team, StoreError> {
+    Ok(Team {
+        id: col(row, "id")?,
+        name: col(row, "name")?,
+        balance_microcredits: col(row, "balance_microcredits")?,
+    })
+}
+
+pub(super) fn key_from_row(row: &PgRow) -> Result<ApiKeyRecord, StoreError> {
+    Ok(ApiKeyRecord {
+        id: col(row, "id")?,
+        team_id: col(row, "team_id")?,
+        prefix: col(row, "prefix")?,
+        model_allowlist: col(row, "model_allowlist")?,
+        rpm: opt_int(row, "rpm")?,
+        tokens_per_day: opt_int(row, "tokens_per_day")?,
+        max_streams: opt_int(row, "max_streams")?,
+        expires_at: col(row, "expires_at")?,
+        revoked_at: col(row, "revoked_at")?,
+        message_quota: opt_int(row, "message_quota")?,
+        burst_capacity: opt_int(row, "burst_capacity")?,
+        burst_refill_seconds: opt_int(row, "burst_refill_seconds")?,
+        created_at: col(row, "created_at")?,
+    })
+}
+
+pub(super) fn node_from_row(row: &PgRow) -> Result<NodeRecord, StoreError> {
+    let gpus: String = col(row, "gpus")?;
+    Ok(NodeRecord {
+        id: col(row, "id")?,
+        location: col(row, "location")?,
+        token_hash: col(row, "token_hash")?,
+        gpus: serde_json::from_str(&gpus)
+            .map_err(|e| StoreError::Invalid(format!("column gpus: {e}")))?,
+        models: col(row, "models")?,
+        last_seen: col(row, "last_seen")?,
+        orchestrator_id: col(row, "orchestrator_id")?,
+        drained_at: col(row, "drained_at")?,
+        created_at: col(row, "created_at")?,
+    })
+}
+
+pub(super) fn ledger_from_row(row: &PgRow) -> Result<LedgerRow, StoreError> {
+    let status: String = col(row, "status")?;
+    Ok(LedgerRow {
+        id: col(row, "id")?,
+        request_id: col(row, "request_id")?,
+        team_id: col(row, "team_id")?,
+        key_id: col(row, "key_id")?,
+        model: col(row, "model")?,
+        prompt_tokens: col(row, "prompt_tokens")?,
+        completion_tokens: col(row, "completion_tokens")?,
+        cost_microcredits: col(row, "cost_microcredits")?,
+        estimated_cost_microcredits: col(row, "estimated_cost_microcredits")?,
+        price_input_per_mtok: col(row, "price_input_per_mtok")?,
+        price_output_per_mtok: col(row, "price_output_per_mtok")?,
+        status: LedgerStatus::from_str(&status)?,
+        created_at: col(row, "created_at")?,
+        settled_at: col(row, "settled_at")?,
+    })
+}
