@@ -281,7 +281,7 @@ pub async fn create_node(
         .create_node(&body.node_id, &body.location, &hash_secret(&token))
         .await
         .map_err(store_error)?;
-    tracing::info!(node_id = %body.node_id, "node token issued");
+    tracing::info!(node_id = %body.node_id, "node credential issued");
     Ok(ok(
         StatusCode::CREATED,
         json!({ "node_id": body.node_id, "token": token }),
@@ -307,7 +307,7 @@ pub async fn revoke_node_token(
     if let Some(node) = live {
         node.stop();
     }
-    tracing::info!(node_id = %id, revoked, "node token revoked");
+    tracing::info!(node_id = %id, revoked, "node credential revoked");
     Ok(ok(
         StatusCode::OK,
         json!({ "node_id": id, "revoked": revoked }),

@@ -31,6 +31,47 @@ async fn key_with(fleet: &switchyard::demo::Fleet, limits: Value) -> (String, i6
     )
 }
 
+/// What one request of a burst got back.
+#[derive(Debug)]
+struct Outcome {
+    status: u16,
+    /// The value of the header asked for.
+    header: Option<String>,
+    /// `error.code` of an error body.
+    code: Option<String>,
+}
+
+/// Sends `n` copies of `body` at once with `key`, reading every answer to the end.
+async fn burst(url: &str, key: &str, body: &Value, n: usize, header: &'static str) -> Vec<Outcome> {
+    futures::stream::iter(0..n)
+        .map(|_| async move {
+            let resp = http()
+                .post(url)
+                .bearer_auth(key)
+                .json(body)
+                .send()
+                .await
+                .unwrap();
+            let status = resp.status().as_u16();
+            let header = resp
+                .headers()
+                .get(header)
+                .map(|v| v.to_str().unwrap().to_owned());
+            let text = resp.text().await.unwrap();
+            let code = serde_json::from_str::<Value>(&text)
+                .ok()
+                .and_then(|v| v["error"]["code"].as_str().map(String::from));
+            Outcome {
+                status,
+                header,
+                code,
+            }
+        })
+        .buffer_unordered(n)
+        .collect()
+        .await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn max_streams_holds_under_500_concurrent_streams_and_places_come_back() {
     let (db_url, db_name) = fresh_pg().await;
@@ -97,42 +138,17 @@ async fn max_streams_holds_under_500_concurrent_streams_and_places_come_back() {
     };
     let url = format!("{}/chat/completions", fleet.openai_base_url());
     let body = json!({"model": "small", "messages": [{"role": "user", "content": "go"}], "max_tokens": 40, "stream": true});
-    let outcomes: Vec<(u16, Option<String>, Option<String>)> = futures::stream::iter(0..500)
-        .map(|_| {
-            let (url, key, body) = (url.clone(), key.clone(), body.clone());
-            async move {
-                let resp = http()
-                    .post(url)
-                    .bearer_auth(key)
-                    .json(&body)
-                    .send()
-                    .await
-                    .unwrap();
-                let status = resp.status().as_u16();
-                let retry = resp
-                    .headers()
-                    .get("retry-after")
-                    .map(|v| v.to_str().unwrap().to_owned());
-                let text = resp.text().await.unwrap();
-                let code = serde_json::from_str::<Value>(&text)
-                    .ok()
-                    .and_then(|v| v["error"]["code"].as_str().map(String::from));
-                (status, retry, code)
-            }
-        })
-        .buffer_unordered(500)
-        .collect()
-        .await;
+    let outcomes = burst(&url, &key, &body, 500, "retry-after").await;
     stop.store(true, Ordering::Relaxed);
     sampler.await.unwrap();
-    let ok = outcomes.iter().filter(|o| o.0 == 200).count();
-    let limited: Vec<_> = outcomes.iter().filter(|o| o.0 == 429).collect();
+    let ok = outcomes.iter().filter(|o| o.status == 200).count();
+    let limited: Vec<_> = outcomes.iter().filter(|o| o.status == 429).collect();
     assert!(ok >= 10, "at least the first ten ran: {ok}");
     assert_eq!(ok + limited.len(), 500);
     assert!(
         limited
             .iter()
-            .all(|o| o.1.is_some() && o.2.as_deref() == Some("concurrency_limited"))
+            .all(|o| o.header.is_some() && o.code.as_deref() == Some("concurrency_limited"))
     );
     assert!(
         peak_engines.load(Ordering::Relaxed) <= 10,
@@ -246,35 +262,13 @@ async fn a_balance_covering_ten_estimates_admits_at_most_ten_of_200_concurrent_r
     let key = key["key"].as_str().unwrap().to_owned();
     let url = format!("{}/chat/completions", fleet.openai_base_url());
     let body = json!({"model": "small", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 100, "stream": true});
-    let outcomes: Vec<(u16, Option<String>)> = futures::stream::iter(0..200)
-        .map(|_| {
-            let (url, key, body) = (url.clone(), key.clone(), body.clone());
-            async move {
-                let r = http()
-                    .post(url)
-                    .bearer_auth(key)
-                    .json(&body)
-                    .send()
-                    .await
-                    .unwrap();
-                let status = r.status().as_u16();
-                let retry = r
-                    .headers()
-                    .get("x-should-retry")
-                    .map(|v| v.to_str().unwrap().to_owned());
-                r.text().await.unwrap();
-                (status, retry)
-            }
-        })
-        .buffer_unordered(200)
-        .collect()
-        .await;
-    let admitted = outcomes.iter().filter(|o| o.0 == 200).count();
+    let outcomes = burst(&url, &key, &body, 200, "x-should-retry").await;
+    let admitted = outcomes.iter().filter(|o| o.status == 200).count();
     assert!((1..=10).contains(&admitted), "admitted {admitted}");
-    let refused: Vec<_> = outcomes.iter().filter(|o| o.0 == 402).collect();
+    let refused: Vec<_> = outcomes.iter().filter(|o| o.status == 402).collect();
     assert_eq!(admitted + refused.len(), 200);
     assert!(
-        refused.iter().all(|o| o.1.as_deref() == Some("false")),
+        refused.iter().all(|o| o.header.as_deref() == Some("false")),
         "402 says do not retry"
     );
     let team = fleet.store.team_by_name("frugal").await.unwrap().unwrap();
