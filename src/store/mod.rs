@@ -8,6 +8,7 @@
 
 pub mod conformance;
 pub mod postgres;
+mod sql;
 pub mod sqlite;
 
 use std::sync::Arc;

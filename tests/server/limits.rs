@@ -355,32 +355,14 @@ async fn tokens_per_day_is_counted_at_settle_and_the_sdk_does_not_retry_quota_ex
             .sum::<f64>()
     };
     let metrics_url = format!("{}/metrics", fleet.server.base_url());
-    let before = metric(
-        &http()
-            .get(&metrics_url)
-            .send()
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap(),
-    );
+    let before = metric(&page(&metrics_url).await);
     let out =
         crate::common::run_python("server_sdk.py", &[&fleet.openai_base_url(), &key, "quota"])
             .await;
     let seen: Value = serde_json::from_str(out.trim().lines().last().unwrap()).unwrap();
     assert_eq!(seen["quota"]["error"], "RateLimitError");
     assert_eq!(seen["quota"]["code"], "quota_exhausted");
-    let after = metric(
-        &http()
-            .get(&metrics_url)
-            .send()
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap(),
-    );
+    let after = metric(&page(&metrics_url).await);
     assert_eq!(
         after - before,
         1.0,
@@ -453,4 +435,9 @@ async fn a_stream_place_comes_back_after_a_client_drop_and_an_engine_crash() {
     })
     .await;
     fleet.shutdown(Duration::from_secs(1)).await;
+}
+
+/// The body of a GET.
+async fn page(url: &str) -> String {
+    http().get(url).send().await.unwrap().text().await.unwrap()
 }

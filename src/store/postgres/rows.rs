@@ -16,13 +16,7 @@ pub(super) fn millis(at: DateTime<Utc>) -> DateTime<Utc> {
         .unwrap_or(at)
 }
 
-pub(super) fn unavailable(e: sqlx::Error) -> StoreError {
-    StoreError::Unavailable(e.to_string())
-}
-
-pub(super) fn ledger_unavailable(e: sqlx::Error) -> LedgerError {
-    LedgerError::Unavailable(e.to_string())
-}
+pub(super) use crate::store::sql::{found, ledger_unavailable, tokens, unavailable};
 
 /// A unique violation becomes `Conflict(message())`; a check violation or a value PostgreSQL
 /// cannot hold (SQLSTATE class 22: NUL in text, a timestamp beyond its range) is `Invalid`;
@@ -38,20 +32,6 @@ pub(super) fn conflict_or(e: sqlx::Error, message: impl FnOnce() -> String) -> S
         sqlx::Error::Encode(err) => StoreError::Invalid(err.to_string()),
         _ => unavailable(e),
     }
-}
-
-pub(super) fn found(rows_affected: u64) -> Result<(), StoreError> {
-    if rows_affected == 0 {
-        Err(StoreError::NotFound)
-    } else {
-        Ok(())
-    }
-}
-
-/// Token counts are u64 at the port and BIGINT here; a count beyond i64 is refused rather
-/// than clamped, so the ledger never records a number nobody produced.
-pub(super) fn tokens(n: u64) -> Result<i64, LedgerError> {
-    i64::try_from(n).map_err(|_| LedgerError::Unavailable(format!("token count {n} out of range")))
 }
 
 /// Reads a column, mapping a decode failure (a corrupt or foreign row) to `Invalid`.

@@ -4,13 +4,7 @@
 #[allow(unused_imports)]
 use super::*;
 
-pub(super) fn unavailable(e: sqlx::Error) -> StoreError {
-    StoreError::Unavailable(e.to_string())
-}
-
-pub(super) fn ledger_unavailable(e: sqlx::Error) -> LedgerError {
-    LedgerError::Unavailable(e.to_string())
-}
+pub(super) use crate::store::sql::{found, ledger_unavailable, tokens, unavailable};
 
 /// A unique violation becomes `Conflict(message())`; anything else is `Unavailable`.
 pub(super) fn conflict_or(e: sqlx::Error, message: impl FnOnce() -> String) -> StoreError {
@@ -19,20 +13,6 @@ pub(super) fn conflict_or(e: sqlx::Error, message: impl FnOnce() -> String) -> S
         sqlx::Error::Database(d) if d.is_check_violation() => StoreError::Invalid(d.to_string()),
         _ => unavailable(e),
     }
-}
-
-pub(super) fn found(rows_affected: u64) -> Result<(), StoreError> {
-    if rows_affected == 0 {
-        Err(StoreError::NotFound)
-    } else {
-        Ok(())
-    }
-}
-
-/// Token counts are u64 at the port and INTEGER in SQLite; a count beyond i64 is refused
-/// rather than clamped, so the ledger never records a number nobody produced.
-pub(super) fn tokens(n: u64) -> Result<i64, LedgerError> {
-    i64::try_from(n).map_err(|_| LedgerError::Unavailable(format!("token count {n} out of range")))
 }
 
 pub(super) fn time(ms: i64) -> Result<DateTime<Utc>, StoreError> {
