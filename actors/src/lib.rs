@@ -21,6 +21,7 @@
 
 pub mod error;
 pub mod generation;
+pub mod lifecycle;
 pub mod metric_names;
 pub mod model_queue;
 pub mod node;
