@@ -1,7 +1,8 @@
 //! Integration tests of the store, each behaviour run on both backends: SQLite (a file in a
 //! fresh temp directory) and PostgreSQL (a fresh database per test, see `store/harness.rs`).
 //! Here: connecting, migrating and configuration round trips; the ledger's bodies are in
-//! `store/ledger.rs`, PostgreSQL's lock waits in `store/postgres.rs`. Each body is a plain
+//! `store/ledger.rs`, the generation lifecycle's in `store/generations.rs`, PostgreSQL's
+//! lock waits in `store/postgres.rs`. Each body is a plain
 //! async fn; `on_both!` runs it once per backend, as `<body>::sqlite` and
 //! `<body>::postgres`.
 
@@ -19,11 +20,13 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 use switchyard::store::conformance::{self, reservation, settlement};
+use switchyard::store::generations_conformance;
 use switchyard::store::{
     API_KEY_PREFIX, Ledger, LedgerError, LedgerStatus, NODE_TOKEN_PREFIX, NewApiKey, PostgresStore,
     Reservation, SettleOutcome, SqliteStore, Store, StoreError, connect_store, cost_of,
     display_prefix, hash_secret, new_secret,
 };
+use switchyard_actors::lifecycle::memory::MemoryGenerations;
 use switchyard_actors::ports::Clock;
 use switchyard_actors::ports::memory::MemoryLedger;
 
@@ -60,6 +63,8 @@ macro_rules! on_both {
     };
 }
 
+#[path = "store/generations.rs"]
+mod generations;
 #[path = "store/ledger.rs"]
 mod ledger;
 #[path = "store/postgres.rs"]
@@ -189,6 +194,27 @@ async fn ledger_conformance_sqlite_in_memory() {
         .await
         .unwrap();
     conformance::balance_conformance_suite(&store, "b:")
+        .await
+        .unwrap();
+}
+
+/// The reference the SQL stores are held to passes its own contract.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn generations_conformance_in_memory_reference() {
+    let store = Arc::new(MemoryGenerations::default());
+    generations_conformance::generations_conformance_suite(store.clone(), "first:")
+        .await
+        .unwrap();
+    generations_conformance::generations_conformance_suite(store, "second:")
+        .await
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn generations_conformance_sqlite_in_memory() {
+    let store = SqliteStore::connect("sqlite::memory:").await.unwrap();
+    store.migrate().await.unwrap();
+    generations_conformance::generations_conformance_suite(Arc::new(store), "g:")
         .await
         .unwrap();
 }

@@ -1,12 +1,14 @@
-//! The authoritative store: configuration (teams, credits, API keys, nodes) and the usage
-//! ledger, behind one [`Store`] trait that extends the actors' [`Ledger`] port.
-//! [`SqliteStore`] backs the embedded mode and [`PostgresStore`] production; [`connect_store`]
-//! picks one by URL. Both behave alike, and both must pass the [`conformance`] suite.
+//! The authoritative store: configuration (teams, credits, API keys, nodes), the usage
+//! ledger and the generation lifecycle, behind one [`Store`] trait that extends the actors'
+//! [`Ledger`] and [`GenerationStore`] ports. [`SqliteStore`] backs the embedded mode and
+//! [`PostgresStore`] production; [`connect_store`] picks one by URL. Both behave alike, and
+//! both must pass the [`conformance`] and [`generations_conformance`] suites.
 //!
 //! Secrets never reach the store: callers keep the plaintext from [`new_secret`] and store
 //! [`hash_secret`] of it.
 
 pub mod conformance;
+pub mod generations_conformance;
 pub mod postgres;
 mod sql;
 pub mod sqlite;
@@ -21,6 +23,7 @@ use sha2::{Digest, Sha256};
 
 pub use postgres::PostgresStore;
 pub use sqlite::SqliteStore;
+pub use switchyard_actors::lifecycle::GenerationStore;
 pub use switchyard_actors::ports::{
     Ledger, LedgerError, Microcredits, Reservation, SettleOutcome, Settlement, cost_of,
 };
@@ -232,11 +235,13 @@ pub struct LedgerRow {
     pub settled_at: Option<DateTime<Utc>>,
 }
 
-/// Configuration and ledger storage. The [`Ledger`] supertrait carries the request path's
-/// reserve/settle/cancel; everything else serves the admin API, authentication and the node
-/// control plane.
+/// Configuration, ledger and generation storage. The [`Ledger`] supertrait carries the
+/// request path's reserve/settle/cancel, the [`GenerationStore`] supertrait the Generations
+/// API's records, quota windows and burst buckets; everything else serves the admin API,
+/// authentication and the node control plane. An `Arc<dyn Store>` coerces to
+/// `Arc<dyn Ledger>` and `Arc<dyn GenerationStore>` (trait upcasting).
 #[async_trait]
-pub trait Store: Ledger {
+pub trait Store: Ledger + GenerationStore {
     /// Applies the backend's pending migrations (embedded at compile time); applied ones are
     /// skipped, so calling it at every start is fine.
     async fn migrate(&self) -> Result<(), StoreError>;

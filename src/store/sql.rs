@@ -1,6 +1,12 @@
-//! Helpers both SQL stores share: how database failures and counts map onto the store's
-//! and the ledger's errors.
+//! Helpers both SQL stores share: how database failures and counts map onto the store's,
+//! the ledger's and the generation store's errors, and the generation statements and row
+//! mapping, so the two backends run the same text.
 
+use sqlx::{ColumnIndex, Decode, Row, Type};
+use switchyard_actors::lifecycle::{
+    AttemptState, Bucket, Effect, GenerationRecord, LifecycleError, MessageState, Status,
+    WindowCounters,
+};
 use switchyard_actors::ports::LedgerError;
 
 use super::StoreError;
@@ -26,4 +32,276 @@ pub(super) fn found(rows_affected: u64) -> Result<(), StoreError> {
 /// produced.
 pub(super) fn tokens(n: u64) -> Result<i64, LedgerError> {
     i64::try_from(n).map_err(|_| LedgerError::Unavailable(format!("token count {n} out of range")))
+}
+
+// ---------------------------------------------------------------------------------------
+// Generations (the [`GenerationStore`] port): the statements and row mapping both backends
+// run, so they cannot drift apart. SQLite understands PostgreSQL's `$n` placeholders (sqlx
+// binds them by number), so one text serves both.
+
+/// Columns of `generations` read into a [`GenerationRecord`], in the order
+/// [`bind_record!`] binds them.
+macro_rules! generation_columns {
+    () => {
+        "id, subject, idempotency_key, fingerprint, model, status, cancel_requested, attempt, \
+         attempt_state, message, window_start_ms, slot_held, slot_expires_ms, input_tokens, \
+         output_tokens, output, error_code, created_ms, terminal_ms"
+    };
+}
+
+/// The record with this id.
+pub(super) const SELECT_GENERATION: &str = concat!(
+    "SELECT ",
+    generation_columns!(),
+    " FROM generations WHERE id = $1"
+);
+
+/// The record of (subject, idempotency key).
+pub(super) const SELECT_GENERATION_BY_KEY: &str = concat!(
+    "SELECT ",
+    generation_columns!(),
+    " FROM generations WHERE subject = $1 AND idempotency_key = $2"
+);
+
+/// [`SELECT_GENERATION`], locking the row (PostgreSQL; SQLite's write lock covers it).
+pub(super) const LOCK_GENERATION: &str = concat!(
+    "SELECT ",
+    generation_columns!(),
+    " FROM generations WHERE id = $1 FOR UPDATE"
+);
+
+/// [`SELECT_GENERATION_BY_KEY`], locking the row (PostgreSQL).
+pub(super) const LOCK_GENERATION_BY_KEY: &str = concat!(
+    "SELECT ",
+    generation_columns!(),
+    " FROM generations WHERE subject = $1 AND idempotency_key = $2 FOR UPDATE"
+);
+
+/// A new record; bind with [`bind_record!`].
+pub(super) const INSERT_GENERATION: &str = concat!(
+    "INSERT INTO generations (",
+    generation_columns!(),
+    ") VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, \
+     $18, $19)"
+);
+
+/// Overwrites record `$1` with everything [`apply`](switchyard_actors::lifecycle::apply)
+/// or a readmission may change; bind with [`bind_record!`] (subject and key are bound too,
+/// and never change).
+pub(super) const UPDATE_GENERATION: &str = "UPDATE generations SET fingerprint = $4, \
+     model = $5, status = $6, cancel_requested = $7, attempt = $8, attempt_state = $9, \
+     message = $10, window_start_ms = $11, slot_held = $12, slot_expires_ms = $13, \
+     input_tokens = $14, output_tokens = $15, output = $16, error_code = $17, \
+     created_ms = $18, terminal_ms = $19 WHERE id = $1 AND subject = $2 \
+     AND idempotency_key = $3";
+
+/// Slots a principal holds at `$2`: held and not past their bound (an expired slot no
+/// longer counts, even before the sweeper ends its generation).
+pub(super) const COUNT_HELD_SLOTS: &str = "SELECT COUNT(*) FROM generations \
+     WHERE subject = $1 AND slot_held AND slot_expires_ms > $2";
+
+/// A principal's counters in one window.
+pub(super) const SELECT_WINDOW: &str =
+    "SELECT used, reserved FROM message_windows WHERE subject = $1 AND window_start_ms = $2";
+
+/// Admission's reservation: `reserved + 1` in the window.
+pub(super) const RESERVE_MESSAGE: &str = "INSERT INTO message_windows \
+     (subject, window_start_ms, used, reserved) VALUES ($1, $2, 0, 1) \
+     ON CONFLICT (subject, window_start_ms) \
+     DO UPDATE SET reserved = message_windows.reserved + 1";
+
+/// An [`Effect`]: `reserved - 1`, and `used + $3` (1 to consume, 0 to release). `reserved`
+/// stops at zero as in the in-memory reference, so a counter that drifted can never wedge a
+/// generation's transitions on the CHECK.
+pub(super) const SETTLE_MESSAGE: &str = "INSERT INTO message_windows \
+     (subject, window_start_ms, used, reserved) VALUES ($1, $2, $3, 0) \
+     ON CONFLICT (subject, window_start_ms) \
+     DO UPDATE SET used = message_windows.used + excluded.used, \
+     reserved = CASE WHEN message_windows.reserved > 0 \
+     THEN message_windows.reserved - 1 ELSE 0 END";
+
+/// A principal's bucket.
+pub(super) const SELECT_BUCKET: &str =
+    "SELECT bucket_milli, bucket_at_ms FROM generation_principals WHERE subject = $1";
+
+/// Stores a principal's bucket after an admission took a token.
+pub(super) const STORE_BUCKET: &str = "INSERT INTO generation_principals \
+     (subject, bucket_milli, bucket_at_ms) VALUES ($1, $2, $3) \
+     ON CONFLICT (subject) DO UPDATE SET bucket_milli = excluded.bucket_milli, \
+     bucket_at_ms = excluded.bucket_at_ms";
+
+/// One page of the sweeper's work: active generations past their bound at `$1`, by id after
+/// `$2`, at most `$3`.
+pub(super) const SELECT_EXPIRED: &str = "SELECT id FROM generations \
+     WHERE status IN ('queued', 'running') AND slot_expires_ms <= $1 AND id > $2 \
+     ORDER BY id LIMIT $3";
+
+/// Forgets outputs of generations that ended at or before `$1`.
+pub(super) const DROP_OUTPUTS: &str = "UPDATE generations SET output = NULL \
+     WHERE output IS NOT NULL AND terminal_ms <= $1";
+
+/// Generations expired per sweeper page.
+pub(super) const SWEEP_PAGE: i64 = 256;
+
+pub(super) fn lifecycle_unavailable(e: sqlx::Error) -> LifecycleError {
+    LifecycleError::Unavailable(e.to_string())
+}
+
+/// A u64 of the record as the signed 64-bit column both databases have; a value beyond it
+/// is refused (the transaction rolls back) rather than clamped. The message names the
+/// field, never its value.
+fn column_i64(n: u64, name: &str) -> Result<i64, LifecycleError> {
+    i64::try_from(n).map_err(|_| LifecycleError::Unavailable(format!("{name} out of range")))
+}
+
+/// A [`GenerationRecord`] as bind values, in [`generation_columns!`] order.
+pub(super) struct RecordParams<'a> {
+    pub(super) rec: &'a GenerationRecord,
+    pub(super) attempt: i64,
+    pub(super) input_tokens: i64,
+    pub(super) output_tokens: i64,
+}
+
+impl<'a> RecordParams<'a> {
+    pub(super) fn of(rec: &'a GenerationRecord) -> Result<Self, LifecycleError> {
+        Ok(Self {
+            rec,
+            attempt: column_i64(rec.attempt, "attempt")?,
+            input_tokens: column_i64(rec.input_tokens, "input_tokens")?,
+            output_tokens: column_i64(rec.output_tokens, "output_tokens")?,
+        })
+    }
+}
+
+/// Binds a [`RecordParams`] to [`INSERT_GENERATION`] or [`UPDATE_GENERATION`]. A macro
+/// rather than a function: it works on either backend's query without spelling out sqlx's
+/// encoding bounds.
+macro_rules! bind_record {
+    ($query:expr, $p:expr) => {{
+        let p = &$p;
+        $query
+            .bind(p.rec.id.as_str())
+            .bind(p.rec.subject.as_str())
+            .bind(p.rec.idempotency_key.as_str())
+            .bind(p.rec.fingerprint.as_str())
+            .bind(p.rec.model.as_str())
+            .bind(p.rec.status.as_str())
+            .bind(p.rec.cancel_requested)
+            .bind(p.attempt)
+            .bind(p.rec.attempt_state.as_str())
+            .bind(p.rec.message.as_str())
+            .bind(p.rec.window_start_ms)
+            .bind(p.rec.slot_held)
+            .bind(p.rec.slot_expires_ms)
+            .bind(p.input_tokens)
+            .bind(p.output_tokens)
+            .bind(p.rec.output.as_deref())
+            .bind(p.rec.error_code.as_deref())
+            .bind(p.rec.created_ms)
+            .bind(p.rec.terminal_ms)
+    }};
+}
+pub(super) use bind_record;
+
+/// The window and the `used` increment an [`Effect`] names, for [`SETTLE_MESSAGE`].
+pub(super) fn effect_params(effect: Effect) -> (i64, i64) {
+    match effect {
+        Effect::ConsumeMessage { window_start_ms } => (window_start_ms, 1),
+        Effect::ReleaseMessage { window_start_ms } => (window_start_ms, 0),
+    }
+}
+
+/// Reads a column; a decode failure names the column, never the value.
+fn gen_col<'r, R, T>(row: &'r R, name: &str) -> Result<T, LifecycleError>
+where
+    R: Row,
+    for<'n> &'n str: ColumnIndex<R>,
+    T: Decode<'r, R::Database> + Type<R::Database>,
+{
+    row.try_get(name)
+        .map_err(|_| LifecycleError::Unavailable(format!("generations.{name} is unreadable")))
+}
+
+fn gen_u64<R>(row: &R, name: &str) -> Result<u64, LifecycleError>
+where
+    R: Row,
+    for<'n> &'n str: ColumnIndex<R>,
+    for<'r> i64: Decode<'r, R::Database> + Type<R::Database>,
+{
+    let v: i64 = gen_col(row, name)?;
+    u64::try_from(v).map_err(|_| LifecycleError::Unavailable(format!("generations.{name} < 0")))
+}
+
+fn gen_enum<R, T>(row: &R, name: &str, parse: fn(&str) -> Option<T>) -> Result<T, LifecycleError>
+where
+    R: Row,
+    for<'n> &'n str: ColumnIndex<R>,
+    for<'r> String: Decode<'r, R::Database> + Type<R::Database>,
+{
+    let text: String = gen_col(row, name)?;
+    parse(&text)
+        .ok_or_else(|| LifecycleError::Unavailable(format!("generations.{name} is unknown")))
+}
+
+/// A `generations` row (all of [`generation_columns!`]) as a record, on either backend.
+pub(super) fn generation_from_row<R>(row: &R) -> Result<GenerationRecord, LifecycleError>
+where
+    R: Row,
+    for<'n> &'n str: ColumnIndex<R>,
+    for<'r> String: Decode<'r, R::Database> + Type<R::Database>,
+    for<'r> Option<String>: Decode<'r, R::Database> + Type<R::Database>,
+    for<'r> i64: Decode<'r, R::Database> + Type<R::Database>,
+    for<'r> Option<i64>: Decode<'r, R::Database> + Type<R::Database>,
+    for<'r> bool: Decode<'r, R::Database> + Type<R::Database>,
+{
+    Ok(GenerationRecord {
+        id: gen_col(row, "id")?,
+        subject: gen_col(row, "subject")?,
+        idempotency_key: gen_col(row, "idempotency_key")?,
+        fingerprint: gen_col(row, "fingerprint")?,
+        model: gen_col(row, "model")?,
+        status: gen_enum(row, "status", Status::parse)?,
+        cancel_requested: gen_col(row, "cancel_requested")?,
+        attempt: gen_u64(row, "attempt")?,
+        attempt_state: gen_enum(row, "attempt_state", AttemptState::parse)?,
+        message: gen_enum(row, "message", MessageState::parse)?,
+        window_start_ms: gen_col(row, "window_start_ms")?,
+        slot_held: gen_col(row, "slot_held")?,
+        slot_expires_ms: gen_col(row, "slot_expires_ms")?,
+        input_tokens: gen_u64(row, "input_tokens")?,
+        output_tokens: gen_u64(row, "output_tokens")?,
+        output: gen_col(row, "output")?,
+        error_code: gen_col(row, "error_code")?,
+        created_ms: gen_col(row, "created_ms")?,
+        terminal_ms: gen_col(row, "terminal_ms")?,
+    })
+}
+
+/// `(used, reserved)` as stored, as [`WindowCounters`]; a missing row is an untouched window.
+pub(super) fn window_counters(row: Option<(i64, i64)>) -> Result<WindowCounters, LifecycleError> {
+    let Some((used, reserved)) = row else {
+        return Ok(WindowCounters::default());
+    };
+    let counter = |v: i64, name: &str| {
+        u32::try_from(v).map_err(|_| {
+            LifecycleError::Unavailable(format!("message_windows.{name} out of range"))
+        })
+    };
+    Ok(WindowCounters {
+        used: counter(used, "used")?,
+        reserved: counter(reserved, "reserved")?,
+    })
+}
+
+/// A principal's stored bucket; `None` before its first admission (it starts full).
+pub(super) fn bucket(row: Option<(Option<i64>, Option<i64>)>) -> Option<Bucket> {
+    match row {
+        Some((Some(milli), Some(at_ms))) => Some(Bucket { milli, at_ms }),
+        _ => None,
+    }
+}
+
+/// Held slots as [`decide`](switchyard_actors::lifecycle::admission::decide) takes them.
+pub(super) fn active_count(n: i64) -> u32 {
+    u32::try_from(n.max(0)).unwrap_or(u32::MAX)
 }

@@ -196,3 +196,114 @@ async fn the_schema_holds_its_rules() {
         ]
     );
 }
+
+/// Another replica's admission, mid-transaction: it created the principal's lock row and
+/// reserved the window's last message. An admission of the same principal waits on it and
+/// then counts that reservation.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_admission_behind_the_principal_lock_counts_what_the_holder_reserved() {
+    use switchyard_actors::lifecycle::{Decision, MessagePolicy, NewGeneration};
+
+    let db = Db::new(Backend::Postgres, "behind_principal").await;
+    let store = db.store();
+    let raw = db.raw().await;
+    let mut holder = raw.postgres().begin().await.unwrap();
+    for sql in [
+        "INSERT INTO generation_principals (subject) VALUES ('alice')",
+        "INSERT INTO message_windows (subject, window_start_ms, used, reserved) \
+         VALUES ('alice', 0, 0, 1)",
+    ] {
+        sqlx::query(sql).execute(&mut *holder).await.unwrap();
+    }
+    let policy = MessagePolicy {
+        limit: 1,
+        ..MessagePolicy::default()
+    };
+    let admit = tokio::spawn({
+        let store = Arc::clone(&store);
+        async move {
+            let new = NewGeneration {
+                id: "gen-second".to_owned(),
+                subject: "alice".to_owned(),
+                idempotency_key: "k".to_owned(),
+                fingerprint: "fp".to_owned(),
+                model: "m".to_owned(),
+            };
+            store.admit_generation(&new, &policy, 1_000).await
+        }
+    });
+    lock_waiters(raw.postgres(), 1).await;
+    holder.commit().await.unwrap();
+
+    assert_eq!(
+        admit.await.unwrap().unwrap(),
+        Decision::QuotaExhausted {
+            limit: 1,
+            remaining: 0,
+            reset_at_ms: policy.window_ms,
+        }
+    );
+    assert_eq!(store.get_generation("gen-second").await.unwrap(), None);
+}
+
+/// A transition queued behind another that ended the generation acts on the committed end:
+/// it is refused as final and writes nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transition_behind_a_committed_end_is_refused() {
+    use switchyard_actors::lifecycle::{
+        Decision, Event, MessagePolicy, NewGeneration, Refusal, Status, WindowCounters,
+    };
+
+    let db = Db::new(Backend::Postgres, "behind_end").await;
+    let store = db.store();
+    let new = NewGeneration {
+        id: "gen-1".to_owned(),
+        subject: "bob".to_owned(),
+        idempotency_key: "k".to_owned(),
+        fingerprint: "fp".to_owned(),
+        model: "m".to_owned(),
+    };
+    let Decision::Admitted(_) = store
+        .admit_generation(&new, &MessagePolicy::default(), 0)
+        .await
+        .unwrap()
+    else {
+        panic!("not admitted");
+    };
+    store
+        .apply_generation("gen-1", &Event::Dispatch { attempt: 1 }, 1)
+        .await
+        .unwrap();
+
+    let raw = db.raw().await;
+    let mut holder = raw.postgres().begin().await.unwrap();
+    sqlx::query(
+        "UPDATE generations SET status = 'cancelled', slot_held = false, \
+         attempt_state = 'fenced', terminal_ms = 2 WHERE id = 'gen-1'",
+    )
+    .execute(&mut *holder)
+    .await
+    .unwrap();
+    let accept = tokio::spawn({
+        let store = Arc::clone(&store);
+        async move {
+            store
+                .apply_generation("gen-1", &Event::Accept { attempt: 1 }, 3)
+                .await
+        }
+    });
+    lock_waiters(raw.postgres(), 1).await;
+    holder.commit().await.unwrap();
+
+    let applied = accept.await.unwrap().unwrap();
+    assert_eq!(applied.result, Err(Refusal::Final));
+    assert_eq!(applied.record.status, Status::Cancelled);
+    // The accept's consume never happened.
+    assert_eq!(
+        store.message_window("bob", 0).await.unwrap(),
+        WindowCounters {
+            used: 0,
+            reserved: 1
+        }
+    );
+}

@@ -26,6 +26,7 @@ use super::{
     StoreError, Team, covers,
 };
 
+mod generations;
 mod rows;
 #[allow(unused_imports)]
 use rows::*;
