@@ -17,6 +17,7 @@ use super::engine::{
     EngineClient, MAX_ERROR_MESSAGE, error_code_for_status, error_message, read_limited,
     truncate_chars,
 };
+use super::faults::AgentFaults;
 use super::ledger::{Done, Key, Ledger};
 use super::sse::SseParser;
 use super::writer::Outgoing;
@@ -41,8 +42,10 @@ pub(crate) struct AssignCtx {
     pub engine: EngineClient,
     pub out: mpsc::Sender<Outgoing>,
     pub ledger: Arc<Ledger>,
-    /// Cancelled by a `cancel` frame, a lost connection or shutdown.
+    /// Cancelled by a `cancel` frame, an expired lease, a lost connection or shutdown.
     pub cancel: CancellationToken,
+    /// Injected faults (tests and drills).
+    pub faults: AgentFaults,
 }
 
 /// Runs the assignment to its end; returns its key for the session's bookkeeping.
@@ -122,7 +125,7 @@ struct Id {
 enum End {
     /// `data: [DONE]`.
     Completed,
-    /// `cancel`, a lost connection, or shutdown.
+    /// `cancel`, an expired lease, a lost connection, or shutdown.
     Cancelled,
     /// Body error, EOF without `[DONE]`, an oversized or unparsable event, an error event:
     /// what went wrong (for the log) and the message for the server (which may quote the
@@ -136,7 +139,13 @@ async fn stream(id: &Id, ctx: &AssignCtx, mut resp: reqwest::Response) {
         request_id: id.request_id.clone(),
         attempt: id.attempt,
     };
-    let end = if ctx.send(accepted).await {
+    let sent = if ctx.faults.take_accepted_drop() {
+        tracing::warn!("fault injected: accepted frame not sent");
+        true
+    } else {
+        ctx.send(accepted).await
+    };
+    let end = if sent {
         relay_events(id, ctx, &mut resp, &mut relay).await
     } else {
         End::Cancelled

@@ -6,6 +6,8 @@ use std::time::Duration;
 
 use switchyard_actors::protocol::{Gpu, Location};
 
+use super::faults::AgentFaults;
+
 /// Path of the node control plane on the server (SPEC section 7).
 pub const CONNECT_PATH: &str = "/v1/nodes/connect";
 
@@ -36,6 +38,9 @@ pub struct AgentConfig {
     pub health_poll_interval: Duration,
     /// Seed of the backoff jitter; `None` draws one from the OS (tests and simulations pass one).
     pub seed: Option<u64>,
+    /// Injected faults, none armed by default; keep a clone to arm them while the agent runs
+    /// (tests and drills only).
+    pub faults: AgentFaults,
 }
 
 impl AgentConfig {
@@ -59,6 +64,7 @@ impl AgentConfig {
             version: env!("CARGO_PKG_VERSION").to_owned(),
             health_poll_interval: Duration::from_secs(1),
             seed: None,
+            faults: AgentFaults::default(),
         }
     }
 
@@ -96,6 +102,7 @@ impl fmt::Debug for AgentConfig {
             .field("version", &self.version)
             .field("health_poll_interval", &self.health_poll_interval)
             .field("seed", &self.seed)
+            .field("faults", &self.faults)
             .finish()
     }
 }

@@ -9,7 +9,8 @@
 //!             ├─ session (one connection)
 //!             │   ├─ writer task      ◀── bounded channel ◀─┬─ heartbeat task (/metrics)
 //!             │   ├─ reader loop: assign/cancel/ack/drain   ├─ assignment tasks (engine SSE)
-//!             │   └─ in-flight map (cancel tokens)          └─ resent unacked dones (first)
+//!             │   ├─ in-flight map (cancel tokens)          ├─ lease pings (reader loop)
+//!             │   └─ leases (renewed by every message)      └─ resent unacked dones (first)
 //!             └─ full-jitter backoff, then again
 //! ```
 //!
@@ -18,12 +19,25 @@
 //! serves one model per process), a lost connection cancels in-flight work and keeps its
 //! `done` (`finish_reason: "abort"`, usage so far) for resending, and drain waits for in-flight
 //! work and then at most 60 s for the last acks.
+//!
+//! Attempt leases (`lease.rs`): an `assign` carrying `lease_ms = L` runs only while the server
+//! is heard from. Any inbound message on the connection that carried it (a frame, a ping, a
+//! pong) renews the lease; once the agent has heard nothing for L, it stops that attempt exactly
+//! as a `cancel` would (closes the engine request, keeps a `done` with `finish_reason: "abort"`
+//! and the usage so far, resent until acked), because the server may already have fenced the
+//! attempt and dispatched another. This holds on a half-open connection the agent has not yet
+//! given up on (that takes `max(3 heartbeat intervals, 2 s)` of silence). While a leased
+//! attempt runs the agent pings at least every L/3 of the shortest lease, so a healthy but
+//! quiet server renews it with its automatic pongs. Assignments without `lease_ms` run until
+//! they finish, are cancelled, or the connection is lost.
 
 mod assignment;
 mod backoff;
 mod config;
 mod engine;
+mod faults;
 mod heartbeat;
+mod lease;
 mod ledger;
 mod metrics;
 mod session;
@@ -43,6 +57,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 pub use config::{AgentConfig, AgentError, CONNECT_PATH, Endpoint, Scheme};
+pub use faults::AgentFaults;
 pub use stats::AgentStats;
 pub use transport::{BoxIo, Dialer, Io, TcpDialer};
 

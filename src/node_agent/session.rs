@@ -1,6 +1,7 @@
 //! One connection to the server: dial, register, then relay until the socket is lost, the
 //! server drains the node, or the agent shuts down. In-flight assignments belong to the
-//! session: when it ends they are cancelled, and their `done`s stay in the ledger.
+//! session: when it ends they are cancelled, and their `done`s stay in the ledger. A leased
+//! assignment is also cancelled once the server has been silent for its lease (`lease.rs`).
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -18,6 +19,7 @@ use super::assignment::{self, AssignCtx, Assignment};
 use super::config::{AgentConfig, Endpoint};
 use super::engine::EngineClient;
 use super::heartbeat::heartbeat_loop;
+use super::lease::Leases;
 use super::ledger::{Key, Ledger};
 use super::stats::AgentStats;
 use super::transport::{self, Dialer, Ws};
@@ -208,6 +210,8 @@ struct Session<'a> {
     /// Cancels every assignment of this session at once.
     cancel_all: CancellationToken,
     idle_timeout: Duration,
+    /// Leases of the leased assignments in flight, renewed by anything the server sends.
+    leases: Leases,
 }
 
 enum Flow {
@@ -254,6 +258,7 @@ impl<'a> Session<'a> {
             task_keys: BTreeMap::new(),
             cancel_all: CancellationToken::new(),
             idle_timeout,
+            leases: Leases::new(Instant::now()),
         }
     }
 
@@ -281,7 +286,11 @@ impl<'a> Session<'a> {
                     }))
                 }
                 msg = self.stream.next() => {
-                    idle.as_mut().reset(Instant::now() + self.idle_timeout);
+                    let now = Instant::now();
+                    idle.as_mut().reset(now + self.idle_timeout);
+                    if matches!(msg, Some(Ok(_))) {
+                        self.leases.heard(now);
+                    }
                     self.on_message(msg, draining).await
                 }
                 Some(joined) = self.tasks.join_next_with_id() => {
@@ -291,6 +300,17 @@ impl<'a> Session<'a> {
                 () = &mut idle => Flow::End(SessionEnd::Lost(format!(
                     "no frame from the server for {:?}", self.idle_timeout
                 ))),
+                () = sleep_opt(self.leases.deadline()) => {
+                    self.expire_leases();
+                    Flow::Continue
+                }
+                () = sleep_opt(self.leases.ping_due()) => {
+                    // A full channel means the writer is stuck behind a server that does not
+                    // read: another ping would not get a pong either.
+                    let _ = self.out.try_send(Outgoing::Ping);
+                    self.leases.pinged(Instant::now());
+                    Flow::Continue
+                }
                 () = sleep_opt(drain_deadline) => {
                     tracing::warn!(
                         unacked = self.sh.ledger.unacked_len(),
@@ -337,6 +357,7 @@ impl<'a> Session<'a> {
                 attempt,
                 model,
                 body,
+                lease_ms,
             } => {
                 self.on_assign(
                     Assignment {
@@ -345,6 +366,7 @@ impl<'a> Session<'a> {
                         model,
                         body,
                     },
+                    lease_ms.map(Duration::from_millis),
                     *draining,
                 )
                 .await;
@@ -392,7 +414,7 @@ impl<'a> Session<'a> {
         Flow::Continue
     }
 
-    async fn on_assign(&mut self, a: Assignment, draining: bool) {
+    async fn on_assign(&mut self, a: Assignment, lease: Option<Duration>, draining: bool) {
         let key = (a.request_id.clone(), a.attempt);
         if draining {
             let refusal = NodeFrame::Error {
@@ -414,9 +436,13 @@ impl<'a> Session<'a> {
             out: self.out.clone(),
             ledger: self.sh.ledger.clone(),
             cancel: cancel.clone(),
+            faults: self.sh.cfg.faults.clone(),
         };
         let handle = self.tasks.spawn(assignment::run(a, ctx));
         self.task_keys.insert(handle.id(), key.clone());
+        if let Some(lease) = lease {
+            self.leases.hold(key.clone(), lease, Instant::now());
+        }
         self.in_flight.insert(key, InFlight { cancel });
         self.sh.stats.assignment_started();
         self.sh.stats.set_in_flight(self.in_flight.len());
@@ -428,6 +454,7 @@ impl<'a> Session<'a> {
             Err(e) => e.id(),
         };
         if let Some(key) = self.task_keys.remove(&id) {
+            self.leases.release(&key);
             self.in_flight.remove(&key);
         }
         if let Err(e) = joined
@@ -436,6 +463,25 @@ impl<'a> Session<'a> {
             tracing::error!(error = %e, "assignment task failed");
         }
         self.sh.stats.set_in_flight(self.in_flight.len());
+    }
+
+    /// Stops, exactly as a `cancel` would, every leased assignment whose server has been
+    /// silent for its lease: the server may already have fenced the attempt and dispatched
+    /// another. Each records its `done` (`abort`, usage so far), kept until acked.
+    fn expire_leases(&mut self) {
+        for ((request_id, attempt), lease, silent) in self.leases.expire(Instant::now()) {
+            let Some(f) = self.in_flight.get(&(request_id.clone(), attempt)) else {
+                continue;
+            };
+            tracing::warn!(
+                %request_id,
+                attempt,
+                lease_ms = lease.as_millis() as u64,
+                silent_ms = silent.as_millis() as u64,
+                "lease expired: nothing heard from the server; stopping the attempt"
+            );
+            f.cancel.cancel();
+        }
     }
 
     /// Cancels what runs. On shutdown or drain the writer gets [`SHUTDOWN_FLUSH`] to send the

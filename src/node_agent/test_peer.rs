@@ -4,6 +4,8 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use axum::Router;
@@ -33,6 +35,8 @@ pub struct Peer {
 pub struct Conn {
     frames: mpsc::UnboundedReceiver<NodeFrame>,
     out: mpsc::UnboundedSender<Cmd>,
+    /// WebSocket pings read from the agent (axum answers each with a pong while reading).
+    pings: Arc<AtomicU64>,
 }
 
 /// What the test tells a connection to do.
@@ -152,6 +156,11 @@ impl Conn {
         let _ = self.out.send(Cmd::Close);
     }
 
+    /// Pings received from the agent so far.
+    pub fn pings(&self) -> u64 {
+        self.pings.load(Ordering::SeqCst)
+    }
+
     /// Goes silent with the socket left open.
     pub fn mute(self) {
         let _ = self.out.send(Cmd::Mute);
@@ -169,17 +178,29 @@ async fn serve_conn(socket: WebSocket, conns: mpsc::UnboundedSender<Conn>) {
     let (mut sink, mut stream) = socket.split();
     let (frames_tx, frames) = mpsc::unbounded_channel();
     let (out, mut out_rx) = mpsc::unbounded_channel::<Cmd>();
-    if conns.send(Conn { frames, out }).is_err() {
+    let pings = Arc::new(AtomicU64::new(0));
+    let conn = Conn {
+        frames,
+        out,
+        pings: pings.clone(),
+    };
+    if conns.send(conn).is_err() {
         return;
     }
     let reader = async move {
         while let Some(Ok(msg)) = stream.next().await {
-            if let Message::Text(text) = msg {
-                let frame: NodeFrame = serde_json::from_str(text.as_str())
-                    .unwrap_or_else(|e| panic!("agent sent a bad frame ({e}): {text}"));
-                if frames_tx.send(frame).is_err() {
-                    return;
+            match msg {
+                Message::Text(text) => {
+                    let frame: NodeFrame = serde_json::from_str(text.as_str())
+                        .unwrap_or_else(|e| panic!("agent sent a bad frame ({e}): {text}"));
+                    if frames_tx.send(frame).is_err() {
+                        return;
+                    }
                 }
+                Message::Ping(_) => {
+                    pings.fetch_add(1, Ordering::SeqCst);
+                }
+                _ => {}
             }
         }
     };

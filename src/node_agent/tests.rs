@@ -15,6 +15,8 @@ use super::test_peer::{Conn, Peer};
 use super::*;
 use crate::sim::{FaultSpec, SimConfig, SimServer};
 
+mod lease;
+
 async fn sim(time_scale: f64, faults: FaultSpec) -> SimServer {
     SimServer::start(SimConfig {
         model: "tiny".into(),
@@ -87,6 +89,7 @@ fn assign_model(request_id: &str, model: &str, max_tokens: u32) -> ServerFrame {
             "max_tokens": max_tokens,
             "stream": false,
         }),
+        lease_ms: None,
     }
 }
 
@@ -358,6 +361,7 @@ async fn engine_refusals_map_to_error_codes_without_done() {
         attempt: 1,
         model: "tiny".into(),
         body: serde_json::json!(["not", "an", "object"]),
+        lease_ms: None,
     });
     let (code, _) = relayed(&mut conn, "r-body", true).await.error.unwrap();
     assert_eq!(code, "invalid_request");
