@@ -37,6 +37,12 @@ pub struct Principal {
     pub max_streams: Option<u32>,
     /// Tokens per UTC day.
     pub tokens_per_day: Option<u64>,
+    /// Messages per quota window (Generations API); `None`: the configured default.
+    pub message_quota: Option<u32>,
+    /// Burst bucket capacity; `None`: the configured default.
+    pub burst_capacity: Option<u32>,
+    /// Seconds per burst token; `None`: the configured default.
+    pub burst_refill_seconds: Option<u32>,
     /// Whether the credential carries the admin role.
     pub admin: bool,
 }
@@ -51,6 +57,9 @@ impl Principal {
             rpm: key.rpm.or(Some(defaults.rpm)),
             max_streams: key.max_streams,
             tokens_per_day: key.tokens_per_day.or(Some(defaults.tokens_per_day)),
+            message_quota: key.message_quota,
+            burst_capacity: key.burst_capacity,
+            burst_refill_seconds: key.burst_refill_seconds,
             admin: false,
         }
     }
@@ -173,6 +182,9 @@ impl Authenticator {
             rpm: Some(self.defaults.rpm),
             max_streams: Some(self.defaults.jwt_max_streams),
             tokens_per_day: Some(self.defaults.tokens_per_day),
+            message_quota: None,
+            burst_capacity: None,
+            burst_refill_seconds: None,
             admin: claims.role == Role::Admin,
         })
     }

@@ -8,7 +8,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use serde::Deserialize;
-use switchyard_actors::generation::Timeouts;
+use switchyard_actors::generation::{StreamBound, Timeouts};
 use switchyard_actors::model_queue::{QueueConfig, RoutingStrategy};
 
 use crate::env_names;
@@ -94,6 +94,9 @@ pub struct TimeoutSettings {
     pub settle_wait_secs: u64,
     /// How often the sweeper looks for reservations that outlived every deadline.
     pub sweep_interval_secs: u64,
+    /// An attempt's lease: a node that hears nothing from the server for this long stops
+    /// the attempt; after losing a node, the server waits this long before another attempt.
+    pub lease_ms: u64,
 }
 
 impl Default for TimeoutSettings {
@@ -104,6 +107,50 @@ impl Default for TimeoutSettings {
             cancel_grace_ms: 2000,
             settle_wait_secs: 20,
             sweep_interval_secs: 30,
+            lease_ms: 5000,
+        }
+    }
+}
+
+/// The Generations API's message policy and result retention (SPEC section 5), and the
+/// bound on every stream's unread output.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct GenerationSettings {
+    /// Messages per principal per window (a key's `message_quota` overrides it).
+    pub messages_per_window: u32,
+    /// Window length in hours; windows are fixed and UTC-aligned (it must divide 24).
+    pub window_hours: u32,
+    /// Burst bucket capacity (a key's `burst_capacity` overrides it).
+    pub burst_capacity: u32,
+    /// Seconds per bucket token (a key's `burst_refill_seconds` overrides it).
+    pub burst_refill_secs: u32,
+    /// Active generations per principal (a key's `max_streams` overrides it).
+    pub max_active: u32,
+    /// Hours a terminal generation's result stays readable.
+    pub retention_hours: u32,
+    /// Unread bytes a stream may hold before its reader counts as too slow.
+    pub stream_buffer_bytes: usize,
+    /// Age in ms of the oldest unread event before the reader counts as too slow.
+    pub stream_buffer_age_ms: u64,
+    /// Kernel send buffer of each client connection (SO_SNDBUF), so a reader that stops
+    /// reading backs up into the bounded stream buffer instead of megabytes of kernel
+    /// autotuned buffer; 0 leaves the kernel's autotuning.
+    pub socket_send_buffer_bytes: usize,
+}
+
+impl Default for GenerationSettings {
+    fn default() -> Self {
+        Self {
+            messages_per_window: 40,
+            window_hours: 3,
+            burst_capacity: 20,
+            burst_refill_secs: 3,
+            max_active: 2,
+            retention_hours: 24,
+            stream_buffer_bytes: 256 * 1024,
+            stream_buffer_age_ms: 10_000,
+            socket_send_buffer_bytes: 64 * 1024,
         }
     }
 }
@@ -164,6 +211,8 @@ pub struct Config {
     pub timeouts: TimeoutSettings,
     /// Node control plane.
     pub nodes: NodeSettings,
+    /// Generations API policy and stream bounds.
+    pub generations: GenerationSettings,
     /// The models.
     pub models: Vec<ModelConfig>,
 }
@@ -187,6 +236,7 @@ impl Default for Config {
             queue: QueueSettings::default(),
             timeouts: TimeoutSettings::default(),
             nodes: NodeSettings::default(),
+            generations: GenerationSettings::default(),
             models: default_models(),
         }
     }
@@ -301,6 +351,16 @@ impl Config {
         if self.queue.deadline_secs == 0 || self.timeouts.total_secs == 0 {
             return invalid("queue deadline and total timeout must be > 0".into());
         }
+        let g = &self.generations;
+        if g.window_hours == 0 || 24 % g.window_hours != 0 {
+            return invalid("generations.window_hours must divide 24".into());
+        }
+        if g.burst_refill_secs == 0 || g.stream_buffer_bytes == 0 || self.timeouts.lease_ms == 0 {
+            return invalid(
+                "generations.burst_refill_secs, stream_buffer_bytes and timeouts.lease_ms must be > 0"
+                    .into(),
+            );
+        }
         if self.nodes.registrations_per_second == 0 {
             return invalid("nodes.registrations_per_second must be > 0".into());
         }
@@ -314,7 +374,21 @@ impl Config {
             total: Duration::from_secs(self.timeouts.total_secs),
             cancel_grace: Duration::from_millis(self.timeouts.cancel_grace_ms),
             settle_wait: Duration::from_secs(self.timeouts.settle_wait_secs),
+            lease: Duration::from_millis(self.timeouts.lease_ms),
         }
+    }
+
+    /// How far behind a stream's reader may fall.
+    pub fn stream_bound(&self) -> StreamBound {
+        StreamBound {
+            max_bytes: self.generations.stream_buffer_bytes,
+            max_age: Duration::from_millis(self.generations.stream_buffer_age_ms),
+        }
+    }
+
+    /// Hours a terminal result stays readable, in ms.
+    pub fn retention_ms(&self) -> i64 {
+        i64::from(self.generations.retention_hours) * 3_600_000
     }
 
     /// Queue limits of one model.

@@ -123,6 +123,8 @@ pub struct SimNode {
     pub sim: SimServer,
     /// Its agent's counters.
     pub agent_stats: Arc<AgentStats>,
+    /// The agent's injected faults (for drills and tests).
+    pub faults: node_agent::AgentFaults,
     agent_stop: CancellationToken,
     agent_task: tokio::task::JoinHandle<()>,
 }
@@ -238,6 +240,7 @@ impl Fleet {
         agent.location = Location::Onprem;
         agent.backoff_min = config.agent_backoff_min;
         agent.heartbeat_interval = config.heartbeat_interval;
+        let faults = agent.faults.clone();
         let stats = Arc::new(AgentStats::default());
         let stop = CancellationToken::new();
         let task = {
@@ -253,6 +256,7 @@ impl Fleet {
             model: model.to_owned(),
             sim,
             agent_stats: stats,
+            faults,
             agent_stop: stop,
             agent_task: task,
         })

@@ -115,6 +115,39 @@ fn jwt_verifier(config: &Config, clock: &Arc<dyn Clock>) -> Option<crate::jwt::J
     ))
 }
 
+/// Relays cancels published by other replicas to the generations running here.
+async fn spawn_cancel_listener(state: &Arc<AppState>) {
+    let mut cancels = match state
+        .coordinator
+        .subscribe(crate::http::CANCEL_CHANNEL)
+        .await
+    {
+        Ok(rx) => rx,
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot hear cancels from other replicas");
+            return;
+        }
+    };
+    let generations = state.generations.clone();
+    let stop = state.shutdown.clone();
+    tokio::spawn(async move {
+        let _guard = switchyard_actors::tasks::TaskGuard::new("cancel_listener");
+        loop {
+            tokio::select! {
+                () = stop.cancelled() => return,
+                msg = cancels.recv() => match msg {
+                    Some(id) => {
+                        if let Ok(id) = String::from_utf8(id) {
+                            generations.cancel(&id);
+                        }
+                    }
+                    None => return,
+                },
+            }
+        }
+    });
+}
+
 /// A running replica.
 #[derive(Debug)]
 pub struct Server {
@@ -188,15 +221,23 @@ impl Server {
             state.clock.clone(),
             Duration::from_secs(state.config.timeouts.sweep_interval_secs.max(1)),
             slot_ttl,
+            state.config.retention_ms(),
             state.shutdown.clone(),
         ));
+        spawn_cancel_listener(&state).await;
         let addr = listener.local_addr()?;
         let app = crate::http::router(state.clone());
         let shutdown = state.shutdown.clone();
+        let send_buffer = state.config.generations.socket_send_buffer_bytes;
         let task = tokio::spawn(async move {
-            let listener = listener.tap_io(|tcp| {
+            let listener = listener.tap_io(move |tcp| {
                 if let Err(e) = tcp.set_nodelay(true) {
                     tracing::warn!(error = %e, "could not set TCP_NODELAY");
+                }
+                if send_buffer > 0
+                    && let Err(e) = socket2::SockRef::from(&*tcp).set_send_buffer_size(send_buffer)
+                {
+                    tracing::warn!(error = %e, "could not bound the socket's send buffer");
                 }
             });
             let serve =

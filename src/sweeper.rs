@@ -33,12 +33,14 @@ pub async fn sweep(store: &dyn Store, before: DateTime<Utc>) -> Result<usize, St
     Ok(cancelled)
 }
 
-/// Runs [`sweep`] every `every` for rows older than `max_age`, until `stop`.
+/// Runs [`sweep`] every `every` for rows older than `max_age`, and expires generation records
+/// past their slot's bound (dropping results older than `retention_ms`), until `stop`.
 pub async fn run(
     store: Arc<dyn Store>,
     clock: Arc<dyn Clock>,
     every: Duration,
     max_age: Duration,
+    retention_ms: i64,
     stop: CancellationToken,
 ) {
     let _guard = switchyard_actors::tasks::TaskGuard::new("sweeper");
@@ -52,6 +54,12 @@ pub async fn run(
         };
         if let Err(e) = sweep(store.as_ref(), clock.wall() - age).await {
             tracing::warn!(error = %e, "reservation sweep failed; retrying next period");
+        }
+        let now_ms = clock.wall().timestamp_millis();
+        match store.sweep_generations(now_ms, retention_ms).await {
+            Ok(0) => {}
+            Ok(n) => tracing::warn!(expired = n, "expired generations that outlived their slot"),
+            Err(e) => tracing::warn!(error = %e, "generation sweep failed; retrying next period"),
         }
     }
 }

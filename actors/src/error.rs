@@ -85,6 +85,37 @@ impl ErrorCode {
         }
     }
 
+    /// Parses a code as [`Self::as_str`] writes it.
+    pub fn parse(s: &str) -> Option<Self> {
+        use ErrorCode::*;
+        [
+            InvalidRequest,
+            Unauthorized,
+            InsufficientBalance,
+            ModelNotAllowed,
+            Forbidden,
+            ModelNotFound,
+            NotFound,
+            IdempotencyConflict,
+            GenerationInProgress,
+            ResultUnavailable,
+            RequestTooLarge,
+            UnsafeReference,
+            RateLimited,
+            ConcurrencyLimited,
+            QuotaExhausted,
+            QueueFull,
+            ModelBackendError,
+            CapacityExhausted,
+            NoHealthyNode,
+            ModelLoading,
+            QuotaServiceUnavailable,
+            GenerationTimeout,
+        ]
+        .into_iter()
+        .find(|c| c.as_str() == s)
+    }
+
     /// Whether retrying the same request later can succeed.
     pub fn retryable(self) -> bool {
         matches!(

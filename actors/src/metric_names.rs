@@ -22,3 +22,5 @@ pub const NODES: &str = "switchyard_nodes";
 pub const TASKS_ALIVE: &str = "switchyard_tasks_alive";
 /// Counter: frames dropped because they came from an older attempt, or duplicated a seq.
 pub const STALE_FRAMES_TOTAL: &str = "switchyard_stale_frames_total";
+/// Streams cancelled because their reader fell behind the buffer bound.
+pub const SLOW_READERS_TOTAL: &str = "switchyard_slow_readers_total";

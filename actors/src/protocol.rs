@@ -126,6 +126,11 @@ pub enum ServerFrame {
         model: String,
         /// The OpenAI request body to forward.
         body: serde_json::Value,
+        /// The attempt's lease: the node stops this work once it has heard nothing from the
+        /// server for this long (any frame or pong renews it), because the server may by then
+        /// have fenced the attempt and dispatched a new one. Absent: no lease.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        lease_ms: Option<u64>,
     },
     /// Stop this assignment.
     Cancel {

@@ -1,8 +1,11 @@
 //! The HTTP surface: the route table only. Handlers live in a file per endpoint group.
 
 mod admin;
+mod generations;
+pub use generations::CANCEL_CHANNEL;
 pub mod error;
 mod health;
+mod lifecycle;
 mod nodes_ws;
 mod openai;
 pub mod sse;
@@ -23,6 +26,9 @@ pub fn router(state: Arc<AppState>) -> Router {
     Router::new()
         .route("/v1/chat/completions", post(openai::chat_completions))
         .route("/v1/models", get(openai::models))
+        .route("/v1/generations", post(generations::create))
+        .route("/v1/generations/{id}", get(generations::get))
+        .route("/v1/generations/{id}/cancel", post(generations::cancel))
         .route("/v1/usage", get(usage::usage))
         .route("/v1/nodes/connect", get(nodes_ws::connect))
         .route(

@@ -65,6 +65,7 @@ async fn serve_node(state: Arc<AppState>, mut socket: WebSocket) {
         queues,
         directory: state.generations.directory().clone(),
         ledger: state.store.clone(),
+        lifecycle: Some(state.store.clone()),
         coordinator: state.coordinator.clone(),
         replica_id: state.replica_id.clone(),
         heartbeat_timeout: Duration::from_secs(state.config.nodes.heartbeat_timeout_secs),

@@ -8,13 +8,12 @@ use axum::http::{HeaderMap, HeaderValue};
 use axum::response::{IntoResponse, Response};
 use serde_json::{Map, Value};
 use switchyard_actors::error::ErrorCode;
-use switchyard_actors::generation::GenerationArgs;
-use switchyard_actors::metric_names::REQUESTS_TOTAL;
-use switchyard_actors::ports::{Reservation, cost_of};
-use tokio::sync::mpsc;
+use switchyard_actors::generation::{GenEvent, Usage};
+use switchyard_actors::lifecycle::{GenerationRecord, Status as LifecycleStatus};
 use tracing::instrument;
 
 use super::error::{ApiError, Json};
+use super::lifecycle::{self, Plan, Started};
 use super::sse::{self, Render};
 use crate::config::ModelConfig;
 use crate::server::AppState;
@@ -44,76 +43,95 @@ pub async fn chat_completions(
     }
 }
 
-/// A request that passed every check before a generation: ready to start.
-struct Admitted {
-    args: GenerationArgs,
-    events: mpsc::UnboundedReceiver<switchyard_actors::generation::GenEvent>,
-    rate: crate::quota::RateHeaders,
-    model: String,
-    stream: bool,
-    include_usage: bool,
-}
-
 async fn run(
     state: &Arc<AppState>,
     headers: &HeaderMap,
     body: Value,
     request_id: &str,
 ) -> Result<Response, ApiError> {
-    // Refusals before a generation exists are counted here; a generation counts its own.
-    let admitted = admit(state, headers, body, request_id)
+    let (plan, stream, include_usage) = prepare(state, headers, body)
         .await
-        .inspect_err(count_refusal)?;
-    let Admitted {
-        args,
-        events,
-        rate,
-        model,
-        stream,
-        include_usage,
-    } = admitted;
-    let generation = state
-        .generations
-        .start_generation(args, events)
-        .await
-        .map_err(|f| ApiError::from(f).with_rate_headers(rate.clone()))?;
-    let render = Render::new(
-        request_id,
-        &model,
-        include_usage,
-        state.clock.wall().timestamp(),
-    );
+        .inspect_err(lifecycle::count_refusal)?;
+    let model = plan.model.name.clone();
+    let created = state.clock.wall().timestamp();
+    let (generation, id, rate) = match lifecycle::start(state, plan, request_id).await? {
+        Started::Running {
+            generation,
+            id,
+            rate,
+        } => (generation, id, rate),
+        Started::Existing(rec) => {
+            let render = Render::new(&rec.id, &model, include_usage, created);
+            return replay(state, &rec, render, stream).await;
+        }
+    };
+    let render = Render::new(&id, &model, include_usage, created);
     let mut response = if stream {
         sse::stream(generation, render)
     } else {
         sse::collect(generation, render).await?
     };
-    if let Ok(v) = HeaderValue::from_str(request_id) {
+    if let Ok(v) = HeaderValue::from_str(&id) {
         response.headers_mut().insert("x-request-id", v);
     }
     rate.apply(response.headers_mut());
     Ok(response)
 }
 
-/// Credential, SSRF guard, body, allowlist and per-principal limits, cheapest first; then
-/// the generation's arguments with its reservation estimate.
-async fn admit(
+/// A repeated Idempotency-Key: the retained result in this dialect, never a rerun.
+async fn replay(
+    state: &AppState,
+    rec: &GenerationRecord,
+    render: Render,
+    stream: bool,
+) -> Result<Response, ApiError> {
+    if !rec.status.is_terminal() {
+        return Err(lifecycle::in_progress(rec));
+    }
+    if !lifecycle::retained(state, rec, state.clock.wall().timestamp_millis()) {
+        return Err(lifecycle::expired(rec));
+    }
+    let usage = Usage {
+        prompt_tokens: rec.input_tokens,
+        completion_tokens: rec.output_tokens,
+        finish_reason: "stop".into(),
+    };
+    let text = GenEvent::Delta(rec.output.clone().unwrap_or_default());
+    let events = match rec.status {
+        LifecycleStatus::Completed => vec![text, GenEvent::Finished(usage)],
+        LifecycleStatus::Cancelled => vec![text, GenEvent::Cancelled(usage)],
+        _ => {
+            let code = rec
+                .error_code
+                .as_deref()
+                .and_then(ErrorCode::parse)
+                .unwrap_or(ErrorCode::ModelBackendError);
+            return Err(ApiError::new(code, "This generation failed."));
+        }
+    };
+    sse::replay(events, render, stream).await
+}
+
+/// Credential, SSRF guard, body, allowlist, Idempotency-Key: the request as a [`Plan`], and
+/// its rendering options (stream, include_usage).
+async fn prepare(
     state: &AppState,
     headers: &HeaderMap,
     body: Value,
-    request_id: &str,
-) -> Result<Admitted, ApiError> {
+) -> Result<(Plan, bool, bool), ApiError> {
     let principal = state.auth.authenticate(headers).await?;
     tracing::Span::current().record("team_id", principal.team_id);
-    if let Err(unsafe_ref) = super::ssrf::check(&body) {
-        let message = match unsafe_ref {
-            super::ssrf::Unsafe::Reference(what) => {
-                format!("The request references an internal resource ({what}).")
-            }
-            super::ssrf::Unsafe::TooDeep => "The request body is nested too deeply.".to_owned(),
-        };
-        return Err(ApiError::new(ErrorCode::UnsafeReference, message));
-    }
+    super::ssrf::guard(&body)?;
+    let idempotency = lifecycle::idempotency_key(headers)?;
+    // The semantic inputs: the body as sent, without the response-mode fields.
+    let fingerprint = idempotency.as_ref().map(|_| {
+        let mut semantic = body.clone();
+        if let Value::Object(o) = &mut semantic {
+            o.remove("stream");
+            o.remove("stream_options");
+        }
+        lifecycle::fingerprint(&semantic)
+    });
     let req = validate(state, body)?;
     tracing::Span::current().record("model", req.resolved.name.as_str());
     if !allowed(state, &principal, &req.resolved) {
@@ -122,57 +140,18 @@ async fn admit(
             "This key may not use that model.",
         ));
     }
-    let queue = state
-        .queues
-        .get(&req.resolved.name)
-        .cloned()
-        .ok_or_else(|| ApiError::new(ErrorCode::ModelNotFound, "The model is not served."))?;
-    let (rate, on_end) = state.limits.admit(&principal, request_id).await?;
     let max_tokens = req
         .max_tokens
         .unwrap_or(u64::from(req.resolved.default_max_tokens));
-    let (pin, pout) = (
-        req.resolved.price_input_per_mtok,
-        req.resolved.price_output_per_mtok,
-    );
-    let reservation = Reservation {
-        request_id: request_id.to_owned(),
-        team_id: principal.team_id,
-        key_id: principal.key_id,
-        model: req.resolved.name.clone(),
+    let plan = Plan {
+        principal,
+        model: req.resolved,
+        engine_body: req.engine_body,
         estimated_prompt_tokens: req.estimated_prompt_tokens,
         max_tokens,
-        estimated_cost: cost_of(req.estimated_prompt_tokens, max_tokens, pin, pout),
-        price_input_per_mtok: pin,
-        price_output_per_mtok: pout,
+        idempotency: idempotency.zip(fingerprint),
     };
-    let (tx, events) = mpsc::unbounded_channel();
-    let args = GenerationArgs {
-        request_id: request_id.to_owned(),
-        model: req.resolved.name.clone(),
-        body: req.engine_body,
-        reservation,
-        queue,
-        ledger: state.store.clone(),
-        events: tx,
-        timeouts: state.config.generation_timeouts(),
-        clock: state.clock.clone(),
-        on_end,
-    };
-    Ok(Admitted {
-        args,
-        events,
-        rate,
-        model: req.resolved.name,
-        stream: req.stream,
-        include_usage: req.include_usage,
-    })
-}
-
-/// Counts a request refused before it became a generation.
-fn count_refusal(e: &ApiError) {
-    metrics::counter!(REQUESTS_TOTAL, "model" => "", "code" => e.failure.code.as_str())
-        .increment(1);
+    Ok((plan, req.stream, req.include_usage))
 }
 
 /// Checks the fields Switchyard acts on; the rest pass through to the engine untouched.
@@ -293,7 +272,11 @@ pub async fn models(State(state): State<Arc<AppState>>, headers: HeaderMap) -> R
 
 /// Whether the principal's allowlist admits `model`: an entry may name the model or any of
 /// its aliases, and admits the model under every name.
-fn allowed(state: &AppState, principal: &crate::auth::Principal, model: &ModelConfig) -> bool {
+pub(super) fn allowed(
+    state: &AppState,
+    principal: &crate::auth::Principal,
+    model: &ModelConfig,
+) -> bool {
     principal.model_allowlist.as_ref().is_none_or(|list| {
         list.iter().any(|entry| {
             state

@@ -19,6 +19,8 @@ use super::error::ApiError;
 
 /// How often a comment is sent while nothing else is.
 pub const KEEP_ALIVE: Duration = Duration::from_secs(5);
+/// `finish_reason` of a generation cancelled through the Generations API (OpenAI has none).
+const CANCELLED: &str = "cancelled";
 /// `system_fingerprint` of every response.
 const FINGERPRINT: &str = "fp_switchyard";
 
@@ -131,15 +133,24 @@ fn finish_reason(u: &Usage) -> &str {
     }
 }
 
-struct StreamState {
-    generation: GenerationStream,
+/// Turns events into SSE `data:` payloads, in order.
+struct Renderer {
     render: Render,
     pending: std::collections::VecDeque<String>,
     sent_role: bool,
     ended: bool,
 }
 
-impl StreamState {
+impl Renderer {
+    fn new(render: Render) -> Self {
+        Self {
+            render,
+            pending: Default::default(),
+            sent_role: false,
+            ended: false,
+        }
+    }
+
     fn push_role(&mut self) {
         if !self.sent_role {
             self.sent_role = true;
@@ -152,6 +163,17 @@ impl StreamState {
         }
     }
 
+    fn finish(&mut self, usage: &Usage, reason: &str) {
+        self.push_role();
+        self.pending
+            .push_back(self.render.chunk(Delta::default(), Some(reason)));
+        if self.render.include_usage {
+            self.pending.push_back(self.render.usage_chunk(usage));
+        }
+        self.pending.push_back("[DONE]".to_owned());
+        self.ended = true;
+    }
+
     fn push(&mut self, event: Option<GenEvent>) {
         match event {
             Some(GenEvent::Delta(text)) => {
@@ -162,18 +184,8 @@ impl StreamState {
                 };
                 self.pending.push_back(self.render.chunk(delta, None));
             }
-            Some(GenEvent::Finished(usage)) => {
-                self.push_role();
-                self.pending.push_back(
-                    self.render
-                        .chunk(Delta::default(), Some(finish_reason(&usage))),
-                );
-                if self.render.include_usage {
-                    self.pending.push_back(self.render.usage_chunk(&usage));
-                }
-                self.pending.push_back("[DONE]".to_owned());
-                self.ended = true;
-            }
+            Some(GenEvent::Finished(usage)) => self.finish(&usage, finish_reason(&usage)),
+            Some(GenEvent::Cancelled(usage)) => self.finish(&usage, CANCELLED),
             Some(GenEvent::Failed(failure)) => {
                 self.pending.push_back(self.render.error(&failure));
                 self.ended = true;
@@ -190,26 +202,36 @@ impl StreamState {
     }
 }
 
-/// A streaming response. Headers go out at once (the request is admitted); keep-alive
-/// comments cover the wait for a node.
-pub fn stream(generation: GenerationStream, render: Render) -> Response {
-    let state = StreamState {
-        generation,
-        render,
-        pending: Default::default(),
-        sent_role: false,
-        ended: false,
-    };
-    let events = futures::stream::unfold(state, |mut st| async move {
+/// The events of a stream: a running generation's, or a retained result's.
+enum Source {
+    Live(GenerationStream),
+    Replay(std::vec::IntoIter<GenEvent>),
+}
+
+impl Source {
+    async fn next(&mut self) -> Option<GenEvent> {
+        match self {
+            Self::Live(g) => g.next().await,
+            Self::Replay(events) => events.next(),
+        }
+    }
+}
+
+fn sse_response(source: Source, render: Render) -> Response {
+    let state = (source, Renderer::new(render));
+    let events = futures::stream::unfold(state, |(mut source, mut r)| async move {
         loop {
-            if let Some(data) = st.pending.pop_front() {
-                return Some((Ok::<Event, Infallible>(Event::default().data(data)), st));
+            if let Some(data) = r.pending.pop_front() {
+                return Some((
+                    Ok::<Event, Infallible>(Event::default().data(data)),
+                    (source, r),
+                ));
             }
-            if st.ended {
+            if r.ended {
                 return None;
             }
-            let event = st.generation.next().await;
-            st.push(event);
+            let event = source.next().await;
+            r.push(event);
         }
     });
     Sse::new(events)
@@ -217,16 +239,54 @@ pub fn stream(generation: GenerationStream, render: Render) -> Response {
         .into_response()
 }
 
-/// A non-streaming response: the whole text in one `chat.completion`, or the error.
-pub async fn collect(
-    mut generation: GenerationStream,
+/// A streaming response. Headers go out at once (the request is admitted); keep-alive
+/// comments cover the wait for a node.
+pub fn stream(generation: GenerationStream, render: Render) -> Response {
+    sse_response(Source::Live(generation), render)
+}
+
+/// A retained result replayed for a repeated Idempotency-Key: the whole text in one chunk,
+/// then the end.
+pub async fn replay(
+    events: Vec<GenEvent>,
     render: Render,
+    stream: bool,
 ) -> Result<Response, ApiError> {
+    if stream {
+        Ok(sse_response(Source::Replay(events.into_iter()), render))
+    } else {
+        collect_from(Source::Replay(events.into_iter()), render).await
+    }
+}
+
+/// A non-streaming response: the whole text in one `chat.completion`, or the error.
+pub async fn collect(generation: GenerationStream, render: Render) -> Result<Response, ApiError> {
+    collect_from(Source::Live(generation), render).await
+}
+
+async fn collect_from(mut source: Source, render: Render) -> Result<Response, ApiError> {
     let mut text = String::new();
     loop {
-        match generation.next().await {
-            Some(GenEvent::Delta(d)) => text.push_str(&d),
+        let (usage, reason) = match source.next().await {
+            Some(GenEvent::Delta(d)) => {
+                text.push_str(&d);
+                continue;
+            }
             Some(GenEvent::Finished(usage)) => {
+                let reason = finish_reason(&usage).to_owned();
+                (usage, reason)
+            }
+            Some(GenEvent::Cancelled(usage)) => (usage, CANCELLED.to_owned()),
+            Some(GenEvent::Failed(failure)) => return Err(ApiError::from(failure)),
+            None => {
+                return Err(ApiError::new(
+                    ErrorCode::ModelBackendError,
+                    "The generation ended unexpectedly.",
+                ));
+            }
+        };
+        {
+            {
                 let body = json!({
                     "id": render.id,
                     "object": "chat.completion",
@@ -237,18 +297,11 @@ pub async fn collect(
                         "index": 0,
                         "message": {"role": "assistant", "content": text, "refusal": null},
                         "logprobs": null,
-                        "finish_reason": finish_reason(&usage),
+                        "finish_reason": reason,
                     }],
                     "usage": usage_json(&usage),
                 });
                 return Ok(axum::Json(body).into_response());
-            }
-            Some(GenEvent::Failed(failure)) => return Err(ApiError::from(failure)),
-            None => {
-                return Err(ApiError::new(
-                    ErrorCode::ModelBackendError,
-                    "The generation ended unexpectedly.",
-                ));
             }
         }
     }

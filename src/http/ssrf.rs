@@ -28,6 +28,20 @@ pub enum Unsafe {
     TooDeep,
 }
 
+/// [`check`] as the API's answer: 422 `unsafe_reference`.
+pub fn guard(body: &Value) -> Result<(), crate::http::error::ApiError> {
+    use switchyard_actors::error::ErrorCode;
+    check(body).map_err(|unsafe_ref| {
+        let message = match unsafe_ref {
+            Unsafe::Reference(what) => {
+                format!("The request references an internal resource ({what}).")
+            }
+            Unsafe::TooDeep => "The request body is nested too deeply.".to_owned(),
+        };
+        crate::http::error::ApiError::new(ErrorCode::UnsafeReference, message)
+    })
+}
+
 /// The first unsafe reference in `body`, if any.
 pub fn check(body: &Value) -> Result<(), Unsafe> {
     walk(body, Field::Other, false, 0)

@@ -1,4 +1,6 @@
 //! The [`GenerationActor`]: one request's lifecycle, from admission to its settled row.
+//! This file holds the actor, its state and the forward path (admit, dispatch, stream);
+//! `ending.rs` holds every way a generation ends.
 
 use std::time::Duration;
 
@@ -6,57 +8,80 @@ use ractor::{Actor, ActorProcessingErr, ActorRef};
 use tokio::time::Instant;
 
 use super::directory::Directory;
+use super::events::SendError;
 use super::msg::{GenEvent, GenerationArgs, GenerationMsg, Timer, Usage};
 use crate::error::{ErrorCode, Failure};
+use crate::lifecycle::{Event, Refusal};
 use crate::metric_names::{
-    ACTIVE_STREAMS, OUTPUT_TOKENS_PER_SECOND, QUEUE_WAIT_SECONDS, REQUESTS_TOTAL,
-    STALE_FRAMES_TOTAL, TTFT_SECONDS,
+    ACTIVE_STREAMS, QUEUE_WAIT_SECONDS, REQUESTS_TOTAL, SLOW_READERS_TOTAL, STALE_FRAMES_TOTAL,
+    TTFT_SECONDS,
 };
 use crate::node::NodeHandle;
-use crate::ports::{LedgerError, SettleOutcome, Settlement};
+use crate::ports::LedgerError;
 use crate::tasks::TaskGuard;
+
+/// Output kept for a lifecycle generation's result, at most.
+const MAX_RETAINED_OUTPUT: usize = 1 << 20;
 
 /// Where a generation is in its life.
 #[derive(Debug)]
-enum Phase {
+pub(super) enum Phase {
     /// Spawned, not yet admitted.
     New,
     /// Waiting in the model's queue.
     Queued,
     /// Assigned to a node under the current attempt.
-    Running { node: NodeHandle, accepted: bool },
+    Running { node: NodeHandle },
+    /// The node was lost before anything proved the attempt ran: waiting out its lease, so
+    /// that it is fenced before anything else is decided.
+    Fencing,
     /// The node was told to stop; waiting for its `done`.
     Cancelling,
     /// The node is gone or failed after accepting; waiting for a resent `done`.
     AwaitingDone,
 }
 
+/// Why the server is stopping a running generation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Stop {
+    /// Cancelled: by its owner, by its client leaving, or for reading too slowly.
+    Cancelled,
+    /// Past a deadline.
+    Timeout,
+}
+
 /// The actor's state.
 #[derive(Debug)]
 pub struct GenerationState {
-    args: GenerationArgs,
-    directory: Directory,
-    phase: Phase,
+    pub(super) args: GenerationArgs,
+    pub(super) directory: Directory,
+    pub(super) phase: Phase,
     /// Current attempt epoch; frames of other epochs are fenced.
-    attempt: u64,
+    pub(super) attempt: u64,
     /// A lost or failed first attempt is retried once.
-    retried: bool,
+    pub(super) retried: bool,
+    /// The current attempt is proven to have started (`accepted`, a chunk or `done`).
+    pub(super) evidence: bool,
     /// Next expected chunk position of the current attempt.
-    next_seq: u64,
+    pub(super) next_seq: u64,
     /// Chunks received in the current attempt (the fallback usage when no `done` comes).
-    chunks: u64,
-    client_gone: bool,
+    pub(super) chunks: u64,
+    /// The output so far, for a lifecycle generation's retained result.
+    pub(super) output: String,
+    pub(super) stop: Option<Stop>,
+    pub(super) client_gone: bool,
     /// The client has been sent its terminal event.
-    told_client: bool,
+    pub(super) told_client: bool,
     /// The ledger row has reached a final state (or was never opened).
-    ledger_final: bool,
+    pub(super) ledger_final: bool,
     /// Prompt plus completion tokens this generation settled (for tokens-per-day).
-    settled_tokens: Option<u64>,
-    admitted_at: Instant,
-    dispatched_at: Option<Instant>,
-    first_token_at: Option<Instant>,
-    last_token_at: Option<Instant>,
-    timers: Vec<ractor::concurrency::JoinHandle<Result<(), ractor::MessagingErr<GenerationMsg>>>>,
+    pub(super) settled_tokens: Option<u64>,
+    pub(super) admitted_at: Instant,
+    pub(super) dispatched_at: Option<Instant>,
+    pub(super) first_token_at: Option<Instant>,
+    pub(super) last_token_at: Option<Instant>,
+    pub(super) timers:
+        Vec<ractor::concurrency::JoinHandle<Result<(), ractor::MessagingErr<GenerationMsg>>>>,
     _guard: TaskGuard,
 }
 
@@ -80,10 +105,13 @@ impl Actor for GenerationActor {
             args,
             directory,
             phase: Phase::New,
-            attempt: 1,
+            attempt: 0,
             retried: false,
+            evidence: false,
             next_seq: 0,
             chunks: 0,
+            output: String::new(),
+            stop: None,
             client_gone: false,
             told_client: false,
             ledger_final: true,
@@ -124,17 +152,17 @@ impl Actor for GenerationActor {
                 }
             }
             GenerationMsg::Accepted { attempt } => {
-                if let Phase::Running { accepted, .. } = &mut state.phase
-                    && attempt == state.attempt
-                {
-                    *accepted = true;
+                if state.frame_is_current(attempt) {
+                    state.prove_started().await;
+                } else {
+                    metrics::counter!(STALE_FRAMES_TOTAL, "reason" => "old_attempt").increment(1);
                 }
             }
             GenerationMsg::Chunk {
                 attempt,
                 seq,
                 delta,
-            } => state.chunk(attempt, seq, delta),
+            } => state.chunk(&myself, attempt, seq, delta).await,
             GenerationMsg::Done {
                 attempt,
                 prompt_tokens,
@@ -142,26 +170,22 @@ impl Actor for GenerationActor {
                 finish_reason,
                 node,
             } => {
-                if attempt != state.attempt {
-                    // An older attempt's report: the node may forget it; it is not billed.
-                    metrics::counter!(STALE_FRAMES_TOTAL, "reason" => "old_attempt").increment(1);
-                    node.ack(&state.args.request_id, attempt);
-                    return Ok(());
-                }
                 let usage = Usage {
                     prompt_tokens,
                     completion_tokens,
                     finish_reason,
                 };
-                state.done(&myself, usage, &node).await;
+                state.done(&myself, attempt, usage, &node).await;
             }
             GenerationMsg::EngineError {
                 attempt,
                 code,
                 message,
             } => {
-                if attempt == state.attempt {
+                if state.frame_is_current(attempt) {
                     state.engine_error(&myself, &code, &message).await;
+                } else {
+                    metrics::counter!(STALE_FRAMES_TOTAL, "reason" => "old_attempt").increment(1);
                 }
             }
             GenerationMsg::NodeLost { attempt } => {
@@ -170,6 +194,7 @@ impl Actor for GenerationActor {
                 }
             }
             GenerationMsg::ClientGone => state.client_gone(&myself).await,
+            GenerationMsg::Cancel => state.cancel(&myself).await,
             GenerationMsg::Timer(timer) => state.timer(&myself, timer).await,
         }
         Ok(())
@@ -191,7 +216,7 @@ impl Actor for GenerationActor {
                 }
                 // Stopped (a replica shutting down) while a node may still be working: the
                 // row stays reserved for the node's `done`, which it resends to whichever
-                // replica it reconnects to.
+                // replica it reconnects to; the record is expired by the sweeper.
                 _ => {
                     tracing::info!(request_id = %state.args.request_id, "stopped mid-flight; the row awaits the node's done")
                 }
@@ -215,61 +240,102 @@ impl Actor for GenerationActor {
 }
 
 impl GenerationState {
-    fn model(&self) -> String {
+    pub(super) fn model(&self) -> String {
         self.args.model.clone()
     }
 
-    /// Sends an event to the client; a closed channel means the client left.
-    fn tell(&mut self, event: GenEvent) {
+    /// A frame of the current attempt, while that attempt may be running.
+    pub(super) fn frame_is_current(&self, attempt: u64) -> bool {
+        attempt == self.attempt
+            && matches!(
+                self.phase,
+                Phase::Running { .. } | Phase::Cancelling | Phase::AwaitingDone
+            )
+    }
+
+    /// Sends an event to the client. A closed channel means the client left; a reader
+    /// further behind than the stream's bound is treated as gone (and cancelled by the
+    /// caller, see [`Self::slow_reader`]).
+    pub(super) fn tell(&mut self, event: GenEvent) -> Option<SendError> {
         let terminal = !matches!(event, GenEvent::Delta(_));
-        if self.client_gone {
-            return;
-        }
-        if self.args.events.send(event).is_err() {
-            self.client_gone = true;
-        }
         if terminal {
             self.told_client = true;
+        }
+        if self.client_gone {
+            return None;
+        }
+        let now = self.args.clock.now();
+        match self.args.events.send(event, now) {
+            Ok(()) => None,
+            Err(e) => {
+                self.client_gone = true;
+                Some(e)
+            }
         }
     }
 
     /// Tells the client about a failure once and counts the outcome.
-    fn fail_client(&mut self, failure: Failure) {
+    pub(super) fn fail_client(&mut self, failure: Failure) {
         if !self.told_client {
             metrics::counter!(REQUESTS_TOTAL, "model" => self.model(), "code" => failure.code.as_str())
                 .increment(1);
             self.tell(GenEvent::Failed(failure));
-            self.told_client = true;
         }
     }
 
-    fn arm(&mut self, myself: &ActorRef<GenerationMsg>, after: Duration, timer: Timer) {
+    pub(super) fn arm(&mut self, myself: &ActorRef<GenerationMsg>, after: Duration, timer: Timer) {
         self.timers
             .push(myself.send_after(after, move || GenerationMsg::Timer(timer)));
     }
 
+    /// Applies `event` to the generation's record, if it has one. `None` when it has none
+    /// or the store could not be reached (the sweeper reconciles it later).
+    pub(super) async fn record(&self, event: Event) -> Option<Result<(), Refusal>> {
+        let store = self.args.lifecycle.as_ref()?;
+        let now = self.args.clock.wall().timestamp_millis();
+        match store
+            .apply_generation(&self.args.request_id, &event, now)
+            .await
+        {
+            Ok(applied) => {
+                if let Err(refusal) = &applied.result {
+                    tracing::debug!(request_id = %self.args.request_id, %refusal, "record refused a transition");
+                }
+                Some(applied.result.map(|_| ()))
+            }
+            Err(e) => {
+                tracing::warn!(request_id = %self.args.request_id, error = %e, "could not record a transition");
+                None
+            }
+        }
+    }
+
     async fn admit(&mut self, myself: &ActorRef<GenerationMsg>) -> Result<(), Failure> {
-        match self.args.ledger.reserve(&self.args.reservation).await {
-            Ok(()) => self.ledger_final = false,
-            Err(LedgerError::InsufficientBalance) => {
-                return Err(Failure::new(
-                    ErrorCode::InsufficientBalance,
-                    "The team's balance cannot cover this request.",
-                ));
+        let refused = match self.args.ledger.reserve(&self.args.reservation).await {
+            Ok(()) => {
+                self.ledger_final = false;
+                None
             }
-            Err(LedgerError::Duplicate) => {
-                return Err(Failure::new(
-                    ErrorCode::InvalidRequest,
-                    "Duplicate request id.",
-                ));
-            }
-            Err(LedgerError::Unavailable(_)) => {
-                return Err(Failure::new(
+            Err(LedgerError::InsufficientBalance) => Some(Failure::new(
+                ErrorCode::InsufficientBalance,
+                "The team's balance cannot cover this request.",
+            )),
+            Err(LedgerError::Duplicate) => Some(Failure::new(
+                ErrorCode::InvalidRequest,
+                "Duplicate request id.",
+            )),
+            Err(LedgerError::Unavailable(_)) => Some(
+                Failure::new(
                     ErrorCode::QuotaServiceUnavailable,
                     "The ledger is unreachable; the request was not admitted.",
                 )
-                .retry_after(1));
-            }
+                .retry_after(1),
+            ),
+        };
+        if let Some(failure) = refused {
+            self.reject_record(&failure).await;
+            self.told_client = true;
+            return Err(failure);
         }
         let queue = self.args.queue.clone();
         if let Err(failure) = queue
@@ -277,6 +343,7 @@ impl GenerationState {
             .await
         {
             self.cancel_row().await;
+            self.reject_record(&failure).await;
             metrics::counter!(REQUESTS_TOTAL, "model" => self.model(), "code" => failure.code.as_str())
                 .increment(1);
             self.told_client = true;
@@ -291,11 +358,34 @@ impl GenerationState {
     }
 
     async fn dispatch(&mut self, myself: &ActorRef<GenerationMsg>, node: NodeHandle) {
-        if !matches!(self.phase, Phase::Queued) || self.client_gone {
+        if !matches!(self.phase, Phase::Queued) || self.client_gone || self.stop.is_some() {
             // The queue counted this assignment against the node: give the slot back.
             self.args.queue.released(node.node_id());
             return;
         }
+        let attempt = self.attempt + 1;
+        // The epoch is recorded before any node hears of it, so a stale one can be fenced.
+        if let Some(Err(refusal)) = self.record(Event::Dispatch { attempt }).await {
+            self.args.queue.released(node.node_id());
+            match refusal {
+                // Cancelled meanwhile through another replica.
+                Refusal::NotAllowed(_) => {
+                    self.stop = Some(Stop::Cancelled);
+                    self.end_cancelled_without_work(myself).await;
+                }
+                // Ended elsewhere (the sweeper): nothing to run.
+                Refusal::Final | Refusal::Stale => {
+                    self.told_client = true;
+                    self.cancel_row().await;
+                    myself.stop(None);
+                }
+            }
+            return;
+        }
+        self.attempt = attempt;
+        self.evidence = false;
+        self.next_seq = 0;
+        self.chunks = 0;
         let now = self.args.clock.now();
         if self.dispatched_at.is_none() {
             let waited = now.saturating_duration_since(self.admitted_at);
@@ -304,34 +394,45 @@ impl GenerationState {
         }
         self.dispatched_at = Some(now);
         let body = self.args.body.clone();
+        let lease_ms = u64::try_from(self.args.timeouts.lease.as_millis()).ok();
         if !node.assign(
             &self.args.request_id,
             self.attempt,
             &self.args.model,
             body,
+            lease_ms,
             myself.clone(),
         ) {
+            // Never sent: proven not started.
             self.args.queue.released(node.node_id());
-            self.phase = Phase::Running {
-                node,
-                accepted: false,
-            };
-            self.node_lost(myself).await;
+            self.phase = Phase::Running { node };
+            self.engine_error(myself, "not_sent", "the node's connection is gone")
+                .await;
             return;
         }
         tracing::debug!(request_id = %self.args.request_id, node_id = node.node_id(), attempt = self.attempt, "dispatched");
-        self.phase = Phase::Running {
-            node,
-            accepted: false,
-        };
+        self.phase = Phase::Running { node };
         let first = self.args.timeouts.first_token;
         self.arm(myself, first, Timer::FirstToken);
     }
 
-    fn chunk(&mut self, attempt: u64, seq: u64, delta: String) {
-        if attempt != self.attempt
-            || !matches!(self.phase, Phase::Running { .. } | Phase::Cancelling)
-        {
+    /// The current attempt proved it started: the message is consumed (once).
+    pub(super) async fn prove_started(&mut self) {
+        if !self.evidence {
+            self.evidence = true;
+            let attempt = self.attempt;
+            self.record(Event::Accept { attempt }).await;
+        }
+    }
+
+    async fn chunk(
+        &mut self,
+        myself: &ActorRef<GenerationMsg>,
+        attempt: u64,
+        seq: u64,
+        delta: String,
+    ) {
+        if !self.frame_is_current(attempt) {
             metrics::counter!(STALE_FRAMES_TOTAL, "reason" => "old_attempt").increment(1);
             return;
         }
@@ -342,6 +443,7 @@ impl GenerationState {
         if seq > self.next_seq {
             tracing::warn!(request_id = %self.args.request_id, expected = self.next_seq, got = seq, "gap in chunk sequence");
         }
+        self.prove_started().await;
         self.next_seq = seq + 1;
         self.chunks += 1;
         let now = self.args.clock.now();
@@ -351,250 +453,24 @@ impl GenerationState {
             metrics::histogram!(TTFT_SECONDS, "model" => self.model()).record(ttft.as_secs_f64());
         }
         self.last_token_at = Some(now);
-        self.tell(GenEvent::Delta(delta));
-    }
-
-    async fn done(&mut self, myself: &ActorRef<GenerationMsg>, usage: Usage, node: &NodeHandle) {
-        let settled = self
-            .settle(usage.prompt_tokens, usage.completion_tokens)
-            .await;
-        if settled {
-            node.ack(&self.args.request_id, self.attempt);
+        if self.args.lifecycle.is_some() && self.output.len() + delta.len() <= MAX_RETAINED_OUTPUT {
+            self.output.push_str(&delta);
         }
-        match usage.finish_reason.as_str() {
-            // After our own cancel the client was already told; otherwise the node stopped on
-            // its own (its agent shut down): a backend failure.
-            "abort" => self.fail_client(Failure::new(
-                ErrorCode::ModelBackendError,
-                "The node stopped the generation.",
-            )),
-            "error" => self.fail_client(Failure::new(
-                ErrorCode::ModelBackendError,
-                "The engine failed mid-stream.",
-            )),
-            _ => {
-                if !self.told_client {
-                    self.record_rate(usage.completion_tokens);
-                    metrics::counter!(REQUESTS_TOTAL, "model" => self.model(), "code" => "ok")
-                        .increment(1);
-                    self.tell(GenEvent::Finished(usage));
-                    self.told_client = true;
-                }
-            }
-        }
-        myself.stop(None);
-    }
-
-    fn record_rate(&self, completion_tokens: u64) {
-        if let (Some(first), Some(last)) = (self.first_token_at, self.last_token_at) {
-            let secs = last.saturating_duration_since(first).as_secs_f64();
-            if completion_tokens > 1 && secs > 0.0 {
-                let rate = (completion_tokens - 1) as f64 / secs;
-                metrics::histogram!(OUTPUT_TOKENS_PER_SECOND, "model" => self.model()).record(rate);
-            }
+        if self.tell(GenEvent::Delta(delta)) == Some(SendError::Overflow) {
+            self.slow_reader(myself).await;
         }
     }
 
-    async fn engine_error(&mut self, myself: &ActorRef<GenerationMsg>, code: &str, message: &str) {
-        let accepted = match &self.phase {
-            Phase::Running { accepted, .. } => *accepted,
-            _ => return,
-        };
-        tracing::warn!(request_id = %self.args.request_id, code, "engine error");
-        if accepted {
-            // The node sends `done` with the usage so far after this error.
-            self.fail_client(Failure::new(
-                ErrorCode::ModelBackendError,
-                "The engine failed mid-stream.",
-            ));
-            self.phase = Phase::AwaitingDone;
-            let wait = self.args.timeouts.settle_wait;
-            self.arm(myself, wait, Timer::SettleWait);
-            return;
-        }
-        let retryable = matches!(code, "model_loading" | "draining" | "model_backend_error");
-        if retryable && self.chunks == 0 && !self.retried {
-            self.retry(myself).await;
-            return;
-        }
-        let failure = match code {
-            "invalid_request" => Failure::new(
-                ErrorCode::InvalidRequest,
-                message.chars().take(500).collect::<String>(),
-            ),
-            "model_loading" => {
-                Failure::new(ErrorCode::ModelLoading, "The model is loading.").retry_after(10)
-            }
-            _ => Failure::new(
-                ErrorCode::ModelBackendError,
-                "The engine refused the request.",
-            ),
-        };
-        self.finish_without_work(myself, failure).await;
-    }
-
-    /// Retries once on another node, before anything was streamed.
-    async fn retry(&mut self, myself: &ActorRef<GenerationMsg>) {
-        self.retried = true;
-        self.attempt += 1;
-        self.next_seq = 0;
-        self.chunks = 0;
-        self.phase = Phase::Queued;
-        tracing::info!(request_id = %self.args.request_id, attempt = self.attempt, "retrying on another node");
-        let queue = self.args.queue.clone();
-        if let Err(failure) = queue
-            .enqueue(&self.args.request_id, myself.clone(), true)
-            .await
-        {
-            self.finish_without_work(myself, failure).await;
-        }
-    }
-
-    async fn node_lost(&mut self, myself: &ActorRef<GenerationMsg>) {
-        match &self.phase {
-            Phase::Running { .. } if self.chunks == 0 && !self.retried && !self.client_gone => {
-                self.retry(myself).await;
-            }
-            Phase::Running { .. } | Phase::Cancelling => {
-                self.fail_client(Failure::new(
-                    ErrorCode::ModelBackendError,
-                    "The node serving this request was lost.",
-                ));
-                // The node may reconnect and resend its `done` with exact usage.
-                self.phase = Phase::AwaitingDone;
-                let wait = self.args.timeouts.settle_wait;
-                self.arm(myself, wait, Timer::SettleWait);
-            }
-            _ => {}
-        }
-    }
-
-    async fn client_gone(&mut self, myself: &ActorRef<GenerationMsg>) {
-        self.client_gone = true;
-        match &self.phase {
-            Phase::New | Phase::Queued => {
-                self.args.queue.withdraw(&self.args.request_id);
-                metrics::counter!(REQUESTS_TOTAL, "model" => self.model(), "code" => "client_gone")
-                    .increment(1);
-                self.told_client = true;
-                self.cancel_row().await;
-                myself.stop(None);
-            }
-            Phase::Running { .. } => {
-                let grace = self.args.timeouts.cancel_grace;
-                self.arm(myself, grace, Timer::CancelGrace);
-            }
-            Phase::Cancelling | Phase::AwaitingDone => {}
-        }
-    }
-
-    async fn timer(&mut self, myself: &ActorRef<GenerationMsg>, timer: Timer) {
-        match timer {
-            Timer::CancelGrace => {
-                if matches!(self.phase, Phase::Running { .. }) {
-                    self.told_client = true;
-                    metrics::counter!(REQUESTS_TOTAL, "model" => self.model(), "code" => "client_gone").increment(1);
-                    self.cancel_on_node(myself);
-                }
-            }
-            Timer::FirstToken if self.first_token_at.is_none() => self.time_out(myself).await,
-            Timer::FirstToken => {}
-            Timer::Total => self.time_out(myself).await,
-            Timer::SettleWait => {
-                // No `done` came: settle from what was received.
-                let prompt = self.args.reservation.estimated_prompt_tokens;
-                let chunks = self.chunks;
-                tracing::warn!(request_id = %self.args.request_id, "no done from the node; settling from received chunks");
-                self.settle(prompt, chunks).await;
-                myself.stop(None);
-            }
-        }
-    }
-
-    async fn time_out(&mut self, myself: &ActorRef<GenerationMsg>) {
-        let failure = Failure::new(
-            ErrorCode::GenerationTimeout,
-            "The generation did not finish within its deadline.",
-        );
-        match self.phase {
-            Phase::New | Phase::Queued => {
-                self.args.queue.withdraw(&self.args.request_id);
-                self.finish_without_work(myself, failure).await;
-            }
-            Phase::Running { .. } => {
-                self.fail_client(failure);
-                self.cancel_on_node(myself);
-            }
-            Phase::Cancelling | Phase::AwaitingDone => {}
-        }
-    }
-
-    /// Tells the node to stop and waits for its `done` with the usage so far.
-    fn cancel_on_node(&mut self, myself: &ActorRef<GenerationMsg>) {
-        if let Phase::Running { node, .. } = std::mem::replace(&mut self.phase, Phase::AwaitingDone)
-        {
-            node.cancel(&self.args.request_id, self.attempt);
-            self.phase = Phase::Cancelling;
-        }
-        let wait = self.args.timeouts.settle_wait;
-        self.arm(myself, wait, Timer::SettleWait);
-    }
-
-    /// Ends a generation that did no GPU work: the row is cancelled, not billed.
-    async fn finish_without_work(&mut self, myself: &ActorRef<GenerationMsg>, failure: Failure) {
-        self.fail_client(failure);
-        self.cancel_row().await;
-        myself.stop(None);
-    }
-
-    async fn cancel_row(&mut self) {
-        if self.ledger_final {
-            return;
-        }
-        match self.args.ledger.cancel(&self.args.request_id).await {
-            Ok(_) => self.ledger_final = true,
-            Err(e) => {
-                tracing::error!(request_id = %self.args.request_id, error = %e, "could not cancel the ledger row")
-            }
-        }
-    }
-
-    /// Settles the row with exact usage, retrying briefly; true once the row is final.
-    async fn settle(&mut self, prompt_tokens: u64, completion_tokens: u64) -> bool {
-        if self.ledger_final {
-            return true;
-        }
-        let settlement = Settlement {
-            request_id: self.args.request_id.clone(),
-            prompt_tokens,
-            completion_tokens,
-        };
-        for backoff_ms in [0u64, 100, 500, 2000] {
-            if backoff_ms > 0 {
-                tokio::time::sleep(Duration::from_millis(backoff_ms)).await;
-            }
-            match self.args.ledger.settle(&settlement).await {
-                Ok(SettleOutcome::Applied) => {
-                    self.ledger_final = true;
-                    self.settled_tokens = Some(prompt_tokens.saturating_add(completion_tokens));
-                    return true;
-                }
-                Ok(SettleOutcome::AlreadyFinal) => {
-                    self.ledger_final = true;
-                    return true;
-                }
-                Ok(SettleOutcome::Unknown) => {
-                    tracing::error!(request_id = %self.args.request_id, "settling a row that does not exist");
-                    self.ledger_final = true;
-                    return true;
-                }
-                Err(e) => {
-                    tracing::warn!(request_id = %self.args.request_id, error = %e, "settle failed; retrying")
-                }
-            }
-        }
-        // Left reserved: the node keeps its `done` unacked and the sweeper settles it later.
-        self.ledger_final = true;
-        false
+    /// The reader fell behind its bound: cancel the generation now, as if it had left,
+    /// without the grace period (it is still connected, only too slow).
+    async fn slow_reader(&mut self, myself: &ActorRef<GenerationMsg>) {
+        metrics::counter!(SLOW_READERS_TOTAL, "model" => self.model()).increment(1);
+        tracing::info!(request_id = %self.args.request_id, "reader fell behind the stream bound; cancelling");
+        self.record(Event::RequestCancel).await;
+        self.stop = Some(Stop::Cancelled);
+        metrics::counter!(REQUESTS_TOTAL, "model" => self.model(), "code" => "slow_reader")
+            .increment(1);
+        self.told_client = true;
+        self.cancel_on_node(myself);
     }
 }

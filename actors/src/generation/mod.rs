@@ -6,6 +6,8 @@
 
 mod actor;
 mod directory;
+mod ending;
+pub mod events;
 mod msg;
 mod supervisor;
 #[cfg(test)]
@@ -13,5 +15,6 @@ mod tests;
 
 pub use actor::GenerationActor;
 pub use directory::Directory;
+pub use events::{EventReceiver, EventSender, StreamBound};
 pub use msg::{EndHook, GenEvent, GenerationArgs, GenerationMsg, Timeouts, Usage};
 pub use supervisor::{GenerationStream, Generations};

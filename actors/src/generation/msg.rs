@@ -4,9 +4,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use ractor::RpcReplyPort;
-use tokio::sync::mpsc;
 
+use super::events::EventSender;
 use crate::error::Failure;
+use crate::lifecycle::GenerationStore;
 use crate::model_queue::ModelQueueHandle;
 use crate::node::NodeHandle;
 use crate::ports::{Clock, Ledger, Reservation};
@@ -22,8 +23,13 @@ pub struct Timeouts {
     /// node is told to cancel.
     pub cancel_grace: Duration,
     /// After a cancel or a lost node, how long to wait for the node's `done` (exact usage)
-    /// before settling from what was received.
+    /// before settling from what was received. Also the bound after which a silent node's
+    /// attempt counts as fenced when it was cancelled or had already streamed.
     pub settle_wait: Duration,
+    /// Each attempt's lease: a node that has heard nothing from the server for this long
+    /// stops the attempt, so once it passed after the node was lost, the attempt is fenced
+    /// and may be dispatched again.
+    pub lease: Duration,
 }
 
 impl Default for Timeouts {
@@ -33,6 +39,7 @@ impl Default for Timeouts {
             total: Duration::from_secs(600),
             cancel_grace: Duration::from_secs(2),
             settle_wait: Duration::from_secs(20),
+            lease: Duration::from_secs(5),
         }
     }
 }
@@ -55,6 +62,9 @@ pub enum GenEvent {
     Delta(String),
     /// The generation completed; its row is settled with this usage.
     Finished(Usage),
+    /// The generation was cancelled and the node confirmed the stop (or was fenced); the
+    /// usage is what it produced until then.
+    Cancelled(Usage),
     /// The generation failed.
     Failed(Failure),
 }
@@ -85,13 +95,16 @@ pub struct GenerationArgs {
     /// The ledger.
     pub ledger: Arc<dyn Ledger>,
     /// Where events for the client go.
-    pub events: mpsc::UnboundedSender<GenEvent>,
+    pub events: EventSender,
     /// Deadlines.
     pub timeouts: Timeouts,
     /// Time source.
     pub clock: Arc<dyn Clock>,
     /// Called when the generation ends.
     pub on_end: Option<EndHook>,
+    /// The generation's record (`request_id` is its id) when it was admitted through the
+    /// lifecycle (the Generations API, or an Idempotency-Key).
+    pub lifecycle: Option<Arc<dyn GenerationStore>>,
 }
 
 /// Deadlines a generation arms.
@@ -105,6 +118,8 @@ pub enum Timer {
     CancelGrace,
     /// Waited long enough for the node's `done`.
     SettleWait,
+    /// The lost node's lease on the attempt has run out: the attempt is fenced.
+    Lease,
 }
 
 /// What a [`super::GenerationActor`] handles.
@@ -163,6 +178,8 @@ pub enum GenerationMsg {
     },
     /// The client went away.
     ClientGone,
+    /// The owner asked to cancel (its record already says so).
+    Cancel,
     /// A deadline fired.
     Timer(Timer),
 }

@@ -7,23 +7,22 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use ractor::{
-    Actor, ActorCell, ActorId, ActorProcessingErr, ActorRef, RpcReplyPort, SupervisionEvent,
-};
-use tokio::sync::mpsc;
-
 use super::actor::GenerationActor;
 use super::directory::Directory;
+use super::events::{CrashSender, EventReceiver};
 use super::msg::{GenEvent, GenerationArgs, GenerationMsg};
 use crate::error::{ErrorCode, Failure};
 use crate::ports::Ledger;
 use crate::tasks::TaskGuard;
+use ractor::{
+    Actor, ActorCell, ActorId, ActorProcessingErr, ActorRef, RpcReplyPort, SupervisionEvent,
+};
 
 /// What the supervisor remembers of each child, to clean up after a crash.
 #[derive(Debug)]
 struct Child {
     request_id: String,
-    events: mpsc::UnboundedSender<GenEvent>,
+    events: CrashSender,
 }
 
 /// Messages of the supervisor.
@@ -77,7 +76,7 @@ impl Actor for GenerationSupervisor {
             SupervisorMsg::Spawn(args, reply) => {
                 let child = Child {
                     request_id: args.request_id.clone(),
-                    events: args.events.clone(),
+                    events: args.events.crash_sender(),
                 };
                 let spawned = Actor::spawn_linked(
                     None,
@@ -130,7 +129,7 @@ async fn crashed(state: &SupervisorState, _cell: &ActorCell, child: Child) {
     if let Err(e) = state.ledger.cancel(&child.request_id).await {
         tracing::error!(request_id = %child.request_id, error = %e, "could not release a crashed generation's row");
     }
-    let _ = child.events.send(GenEvent::Failed(Failure::new(
+    child.events.send(GenEvent::Failed(Failure::new(
         ErrorCode::ModelBackendError,
         "The generation failed inside the server.",
     )));
@@ -167,7 +166,7 @@ impl Generations {
     pub async fn start_generation(
         &self,
         args: GenerationArgs,
-        events: mpsc::UnboundedReceiver<GenEvent>,
+        events: EventReceiver,
     ) -> Result<GenerationStream, Failure> {
         let unavailable = |what: &str| {
             Failure::new(
@@ -200,6 +199,14 @@ impl Generations {
         }
     }
 
+    /// Tells the live generation `request_id` on this replica that it was cancelled; false
+    /// when it does not run here.
+    pub fn cancel(&self, request_id: &str) -> bool {
+        self.directory
+            .get(request_id)
+            .is_some_and(|g| g.cast(GenerationMsg::Cancel).is_ok())
+    }
+
     /// Stops the supervisor and with it every generation.
     pub fn stop(&self) {
         self.supervisor.stop(None);
@@ -210,13 +217,18 @@ impl Generations {
 #[derive(Debug)]
 pub struct GenerationStream {
     actor: ActorRef<GenerationMsg>,
-    events: mpsc::UnboundedReceiver<GenEvent>,
+    events: EventReceiver,
 }
 
 impl GenerationStream {
     /// The next event; `None` after the terminal one.
     pub async fn next(&mut self) -> Option<GenEvent> {
         self.events.recv().await
+    }
+
+    /// Asks the generation to cancel (its record already says so).
+    pub fn cancel(&self) {
+        let _ = self.actor.cast(GenerationMsg::Cancel);
     }
 }
 

@@ -139,6 +139,7 @@ async fn connect(h: &Harness, id: &str) -> (NodeHandle, mpsc::Receiver<ServerFra
         queues: [(MODEL.to_string(), h.queue.clone())].into(),
         directory: h.gens.directory().clone(),
         ledger: h.ledger.clone(),
+        lifecycle: None,
         coordinator: h.coord.clone(),
         replica_id: "r1".into(),
         heartbeat_timeout: Duration::from_secs(15),
@@ -150,7 +151,7 @@ async fn connect(h: &Harness, id: &str) -> (NodeHandle, mpsc::Receiver<ServerFra
 }
 
 async fn start(h: &Harness, request_id: &str) -> Result<GenerationStream, crate::error::Failure> {
-    let (tx, rx) = mpsc::unbounded_channel();
+    let (tx, rx) = events::channel(StreamBound::default());
     let args = GenerationArgs {
         request_id: request_id.into(),
         model: MODEL.into(),
@@ -172,12 +173,13 @@ async fn start(h: &Harness, request_id: &str) -> Result<GenerationStream, crate:
         timeouts: Timeouts::default(),
         clock: Arc::new(SystemClock),
         on_end: None,
+        lifecycle: None,
     };
     h.gens.start_generation(args, rx).await
 }
 
 async fn expect_assign(out: &mut mpsc::Receiver<ServerFrame>) -> (String, u64) {
-    match tokio::time::timeout(Duration::from_secs(5), out.recv())
+    match tokio::time::timeout(Duration::from_secs(30), out.recv())
         .await
         .unwrap()
         .unwrap()
@@ -281,12 +283,15 @@ async fn a_node_lost_before_any_token_is_retried_once_on_another_node() {
     let (n2, mut out2) = connect(&h, "n2").await;
     let mut stream = start(&h, "r1").await.unwrap();
     assert_eq!(expect_assign(&mut out1).await.1, 1);
+    let lost_at = tokio::time::Instant::now();
     n1.connection_lost();
     assert_eq!(
         expect_assign(&mut out2).await,
         ("r1".into(), 2),
         "attempt 2 on the other node"
     );
+    // Its `accepted` may have been lost: attempt 1 is fenced by its lease first.
+    assert!(lost_at.elapsed() >= Timeouts::default().lease);
     n2.deliver(chunk("r1", 1, 0, "stale")); // the old epoch is fenced
     n2.deliver(chunk("r1", 2, 0, "fresh"));
     n2.deliver(done("r1", 2, 12, 1, "length"));

@@ -9,6 +9,7 @@ use tokio::sync::mpsc;
 
 use super::msg::{NodeHandle, NodeLoad, NodeMsg};
 use crate::generation::{Directory, GenerationMsg};
+use crate::lifecycle::{Event, GenerationStore, LifecycleError, Outcome, Refusal};
 use crate::metric_names::{NODE_KV_CACHE_USAGE, STALE_FRAMES_TOTAL};
 use crate::model_queue::ModelQueueHandle;
 use crate::ports::{Clock, Coordinator, Ledger, Settlement};
@@ -33,6 +34,8 @@ pub struct NodeArgs {
     pub directory: Directory,
     /// For `done` frames whose generation is gone.
     pub ledger: Arc<dyn Ledger>,
+    /// Generation records, to fence a gone generation's `done` from an old attempt.
+    pub lifecycle: Option<Arc<dyn GenerationStore>>,
     /// Where heartbeats go (`node:{id}`, TTL 15 s).
     pub coordinator: Arc<dyn Coordinator>,
     /// This replica's id, recorded as the node's owner.
@@ -124,10 +127,19 @@ impl Actor for NodeActor {
                 attempt,
                 model,
                 body,
+                lease_ms,
                 generation,
             } => {
+                // Never sent: the generation may retry at once (proven not started).
+                let not_sent = |generation: &ActorRef<GenerationMsg>, why: &str| {
+                    let _ = generation.cast(GenerationMsg::EngineError {
+                        attempt,
+                        code: "not_sent".into(),
+                        message: why.into(),
+                    });
+                };
                 if state.draining {
-                    let _ = generation.cast(GenerationMsg::NodeLost { attempt });
+                    not_sent(&generation, "the node is draining");
                     return Ok(());
                 }
                 let frame = ServerFrame::Assign {
@@ -135,9 +147,10 @@ impl Actor for NodeActor {
                     attempt,
                     model: model.clone(),
                     body,
+                    lease_ms,
                 };
                 if state.args.outbound.try_send(frame).is_err() {
-                    let _ = generation.cast(GenerationMsg::NodeLost { attempt });
+                    not_sent(&generation, "the node's connection is gone");
                     myself.stop(Some("outbound channel closed or full".into()));
                     return Ok(());
                 }
@@ -356,7 +369,7 @@ async fn on_frame(state: &mut NodeState, myself: &ActorRef<NodeMsg>, frame: Node
                 attempt,
                 prompt_tokens,
                 completion_tokens,
-                finish_reason,
+                finish_reason: finish_reason.clone(),
                 node: state.handle.clone(),
             };
             if !route(state, &request_id, msg) {
@@ -367,6 +380,7 @@ async fn on_frame(state: &mut NodeState, myself: &ActorRef<NodeMsg>, frame: Node
                     attempt,
                     prompt_tokens,
                     completion_tokens,
+                    finish_reason,
                 )
                 .await;
             }
@@ -419,7 +433,43 @@ async fn settle_orphan(
     attempt: u64,
     prompt_tokens: u64,
     completion_tokens: u64,
+    finish_reason: String,
 ) {
+    if let Some(store) = &state.args.lifecycle {
+        let now = state.args.clock.wall().timestamp_millis();
+        let finish = Event::Finish {
+            attempt,
+            from_node: true,
+            outcome: match finish_reason.as_str() {
+                "stop" | "length" => Outcome::Completed,
+                _ => Outcome::Failed("model_backend_error".into()),
+            },
+            input_tokens: prompt_tokens,
+            output_tokens: completion_tokens,
+            output: None,
+        };
+        match store.apply_generation(&request_id, &finish, now).await {
+            // A fenced or older attempt: rejected, never billed; the node may forget it.
+            Ok(applied) if applied.result == Err(Refusal::Stale) => {
+                metrics::counter!(STALE_FRAMES_TOTAL, "reason" => "old_attempt").increment(1);
+                tracing::info!(%request_id, attempt, "rejected a done from a fenced attempt");
+                send(
+                    state,
+                    myself,
+                    ServerFrame::Ack {
+                        request_id,
+                        attempt,
+                    },
+                );
+                return;
+            }
+            Ok(_) | Err(LifecycleError::Unknown) => {}
+            Err(e) => {
+                tracing::warn!(%request_id, error = %e, "could not check a done's attempt; left unacked");
+                return;
+            }
+        }
+    }
     let settlement = Settlement {
         request_id: request_id.clone(),
         prompt_tokens,

@@ -29,6 +29,8 @@ pub enum NodeMsg {
         model: String,
         /// The OpenAI body to forward.
         body: serde_json::Value,
+        /// The attempt's lease, sent to the node.
+        lease_ms: Option<u64>,
         /// Where this assignment's frames go.
         generation: ActorRef<GenerationMsg>,
     },
@@ -102,6 +104,7 @@ impl NodeHandle {
         attempt: u64,
         model: &str,
         body: serde_json::Value,
+        lease_ms: Option<u64>,
         generation: ActorRef<GenerationMsg>,
     ) -> bool {
         self.actor
@@ -110,6 +113,7 @@ impl NodeHandle {
                 attempt,
                 model: model.to_owned(),
                 body,
+                lease_ms,
                 generation,
             })
             .is_ok()

@@ -1,0 +1,440 @@
+//! Every way a generation ends: the node's `done`, an engine error, node loss (with the
+//! lease that fences a silent attempt), the client leaving, a cancel, a deadline. Each path
+//! settles or cancels the ledger row exactly once and moves the record (when there is one)
+//! only through transitions its state machine allows.
+
+use std::time::Duration;
+
+use ractor::ActorRef;
+
+use super::actor::{GenerationState, Phase, Stop};
+use super::msg::{GenEvent, GenerationMsg, Timer, Usage};
+use crate::error::{ErrorCode, Failure};
+use crate::lifecycle::{Event, Outcome};
+use crate::metric_names::{OUTPUT_TOKENS_PER_SECOND, REQUESTS_TOTAL, STALE_FRAMES_TOTAL};
+use crate::node::NodeHandle;
+use crate::ports::{SettleOutcome, Settlement};
+
+impl GenerationState {
+    /// The node's final report for `attempt`.
+    pub(super) async fn done(
+        &mut self,
+        myself: &ActorRef<GenerationMsg>,
+        attempt: u64,
+        usage: Usage,
+        node: &NodeHandle,
+    ) {
+        if attempt == self.attempt && matches!(self.phase, Phase::Fencing) {
+            // The lost node came back and confirmed it stopped: the attempt cannot continue,
+            // which is what the lease was waiting to establish. Its partial work was never
+            // delivered and is not billed.
+            node.ack(&self.args.request_id, attempt);
+            metrics::counter!(STALE_FRAMES_TOTAL, "reason" => "fenced_attempt").increment(1);
+            self.lease_over(myself).await;
+            return;
+        }
+        if !self.frame_is_current(attempt) {
+            // An older (fenced) attempt's report: the node may forget it; it is not billed.
+            metrics::counter!(STALE_FRAMES_TOTAL, "reason" => "old_attempt").increment(1);
+            node.ack(&self.args.request_id, attempt);
+            return;
+        }
+        let settled = self
+            .settle(usage.prompt_tokens, usage.completion_tokens)
+            .await;
+        if settled {
+            node.ack(&self.args.request_id, self.attempt);
+        }
+        let outcome = match (usage.finish_reason.as_str(), self.stop) {
+            ("abort", Some(Stop::Cancelled)) => Outcome::Cancelled,
+            ("abort", Some(Stop::Timeout)) => Outcome::Failed("generation_timeout".into()),
+            ("abort" | "error", _) => Outcome::Failed("model_backend_error".into()),
+            _ => Outcome::Completed,
+        };
+        self.finish_record(true, outcome.clone(), &usage).await;
+        match outcome {
+            Outcome::Cancelled => {
+                metrics::counter!(REQUESTS_TOTAL, "model" => self.model(), "code" => "cancelled")
+                    .increment(1);
+                self.tell(GenEvent::Cancelled(usage));
+            }
+            // After our own stop the client was already told; otherwise the node stopped on
+            // its own (its agent shut down) or the engine failed: a backend failure.
+            Outcome::Failed(_) => self.fail_client(Failure::new(
+                ErrorCode::ModelBackendError,
+                "The engine stopped the generation.",
+            )),
+            Outcome::Completed => {
+                if !self.told_client {
+                    self.record_rate(usage.completion_tokens);
+                    metrics::counter!(REQUESTS_TOTAL, "model" => self.model(), "code" => "ok")
+                        .increment(1);
+                    self.tell(GenEvent::Finished(usage));
+                }
+            }
+        }
+        myself.stop(None);
+    }
+
+    /// Moves the record to its end. From the node: its `done` of the current attempt; from
+    /// the server: only once nothing can be running (refused or fenced).
+    async fn finish_record(&mut self, from_node: bool, outcome: Outcome, usage: &Usage) {
+        if self.args.lifecycle.is_none() {
+            return;
+        }
+        // PostgreSQL text cannot hold NUL; the retained copy shows it as U+FFFD (the stream
+        // delivered the original).
+        let mut output = std::mem::take(&mut self.output);
+        if output.contains('\0') {
+            output = output.replace('\0', "\u{fffd}");
+        }
+        let output = Some(output);
+        let attempt = self.attempt;
+        self.record(Event::Finish {
+            attempt,
+            from_node,
+            outcome,
+            input_tokens: usage.prompt_tokens,
+            output_tokens: usage.completion_tokens,
+            output,
+        })
+        .await;
+    }
+
+    pub(super) fn record_rate(&self, completion_tokens: u64) {
+        if let (Some(first), Some(last)) = (self.first_token_at, self.last_token_at) {
+            let secs = last.saturating_duration_since(first).as_secs_f64();
+            if completion_tokens > 1 && secs > 0.0 {
+                let rate = (completion_tokens - 1) as f64 / secs;
+                metrics::histogram!(OUTPUT_TOKENS_PER_SECOND, "model" => self.model()).record(rate);
+            }
+        }
+    }
+
+    pub(super) async fn engine_error(
+        &mut self,
+        myself: &ActorRef<GenerationMsg>,
+        code: &str,
+        message: &str,
+    ) {
+        if !matches!(self.phase, Phase::Running { .. }) {
+            return;
+        }
+        tracing::warn!(request_id = %self.args.request_id, code, "engine error");
+        if self.evidence {
+            // The node sends `done` with the usage so far after this error.
+            self.fail_client(Failure::new(
+                ErrorCode::ModelBackendError,
+                "The engine failed mid-stream.",
+            ));
+            self.phase = Phase::AwaitingDone;
+            let wait = self.args.timeouts.settle_wait;
+            self.arm(myself, wait, Timer::SettleWait);
+            return;
+        }
+        // Refused before starting: proven never started.
+        let attempt = self.attempt;
+        self.record(Event::Refuse { attempt }).await;
+        let retryable = matches!(
+            code,
+            "model_loading" | "draining" | "model_backend_error" | "not_sent"
+        );
+        if retryable && !self.retried && self.stop.is_none() && !self.client_gone {
+            self.retry(myself).await;
+            return;
+        }
+        if self.stop == Some(Stop::Cancelled) {
+            self.end_cancelled_without_work(myself).await;
+            return;
+        }
+        let failure = match code {
+            "invalid_request" => Failure::new(
+                ErrorCode::InvalidRequest,
+                message.chars().take(500).collect::<String>(),
+            ),
+            "model_loading" => {
+                Failure::new(ErrorCode::ModelLoading, "The model is loading.").retry_after(10)
+            }
+            _ => Failure::new(
+                ErrorCode::ModelBackendError,
+                "The engine refused the request.",
+            ),
+        };
+        self.finish_without_work(myself, failure).await;
+    }
+
+    /// Retries once on another node; the previous attempt is refused or fenced.
+    async fn retry(&mut self, myself: &ActorRef<GenerationMsg>) {
+        self.retried = true;
+        self.phase = Phase::Queued;
+        tracing::info!(request_id = %self.args.request_id, attempt = self.attempt + 1, "retrying on another node");
+        let queue = self.args.queue.clone();
+        if let Err(failure) = queue
+            .enqueue(&self.args.request_id, myself.clone(), true)
+            .await
+        {
+            self.finish_without_work(myself, failure).await;
+        }
+    }
+
+    pub(super) async fn node_lost(&mut self, myself: &ActorRef<GenerationMsg>) {
+        match &self.phase {
+            Phase::Running { .. } if self.chunks == 0 => {
+                // Nothing streamed, but the node may have started (its `accepted` may be
+                // lost): wait out the attempt's lease before deciding anything, so that a
+                // second attempt never runs beside the first.
+                self.phase = Phase::Fencing;
+                let lease = self.args.timeouts.lease;
+                self.arm(myself, lease, Timer::Lease);
+            }
+            Phase::Running { .. } | Phase::Cancelling => {
+                if self.stop.is_none() {
+                    self.fail_client(Failure::new(
+                        ErrorCode::ModelBackendError,
+                        "The node serving this request was lost.",
+                    ));
+                }
+                // The node may reconnect and resend its `done` with exact usage.
+                self.phase = Phase::AwaitingDone;
+                let wait = self.args.timeouts.settle_wait;
+                self.arm(myself, wait, Timer::SettleWait);
+            }
+            _ => {}
+        }
+    }
+
+    /// The lost node's lease ran out (or it confirmed the stop): the attempt is fenced.
+    async fn lease_over(&mut self, myself: &ActorRef<GenerationMsg>) {
+        if !matches!(self.phase, Phase::Fencing) {
+            return;
+        }
+        let attempt = self.attempt;
+        self.record(Event::LeaseExpired { attempt }).await;
+        if self.stop == Some(Stop::Cancelled) || self.client_gone {
+            self.end_cancelled_without_work(myself).await;
+        } else if self.stop == Some(Stop::Timeout) {
+            let failure = Failure::new(
+                ErrorCode::GenerationTimeout,
+                "The generation did not finish within its deadline.",
+            );
+            self.end_fenced(myself, failure).await;
+        } else if !self.retried {
+            self.retry(myself).await;
+        } else {
+            let failure = Failure::new(
+                ErrorCode::ModelBackendError,
+                "The node serving this request was lost.",
+            );
+            self.end_fenced(myself, failure).await;
+        }
+    }
+
+    /// Ends a fenced generation that may have run but produced nothing for its client.
+    async fn end_fenced(&mut self, myself: &ActorRef<GenerationMsg>, failure: Failure) {
+        let usage = self.fallback_usage();
+        self.finish_record(false, Outcome::Failed(failure.code.as_str().into()), &usage)
+            .await;
+        self.fail_client(failure);
+        self.cancel_row().await;
+        myself.stop(None);
+    }
+
+    pub(super) async fn client_gone(&mut self, myself: &ActorRef<GenerationMsg>) {
+        self.client_gone = true;
+        match &self.phase {
+            Phase::New | Phase::Queued => {
+                self.args.queue.withdraw(&self.args.request_id);
+                metrics::counter!(REQUESTS_TOTAL, "model" => self.model(), "code" => "client_gone")
+                    .increment(1);
+                self.record(Event::RequestCancel).await;
+                self.stop = Some(Stop::Cancelled);
+                self.end_cancelled_without_work(myself).await;
+            }
+            Phase::Running { .. } => {
+                let grace = self.args.timeouts.cancel_grace;
+                self.arm(myself, grace, Timer::CancelGrace);
+            }
+            Phase::Fencing | Phase::Cancelling | Phase::AwaitingDone => {}
+        }
+    }
+
+    /// The owner cancelled (the record already says so).
+    pub(super) async fn cancel(&mut self, myself: &ActorRef<GenerationMsg>) {
+        if self.stop == Some(Stop::Cancelled) {
+            return;
+        }
+        self.stop = Some(Stop::Cancelled);
+        match &self.phase {
+            Phase::New | Phase::Queued => {
+                self.args.queue.withdraw(&self.args.request_id);
+                self.end_cancelled_without_work(myself).await;
+            }
+            Phase::Running { .. } => self.cancel_on_node(myself),
+            // The lease decides; the stop is remembered.
+            Phase::Fencing | Phase::Cancelling | Phase::AwaitingDone => {}
+        }
+    }
+
+    /// Cancelled while nothing runs (queued, refused or fenced): the row is released.
+    pub(super) async fn end_cancelled_without_work(&mut self, myself: &ActorRef<GenerationMsg>) {
+        let usage = self.fallback_usage();
+        self.finish_record(false, Outcome::Cancelled, &usage).await;
+        if !self.told_client {
+            metrics::counter!(REQUESTS_TOTAL, "model" => self.model(), "code" => "cancelled")
+                .increment(1);
+            self.tell(GenEvent::Cancelled(usage));
+        }
+        self.cancel_row().await;
+        myself.stop(None);
+    }
+
+    fn fallback_usage(&self) -> Usage {
+        Usage {
+            prompt_tokens: if self.chunks > 0 {
+                self.args.reservation.estimated_prompt_tokens
+            } else {
+                0
+            },
+            completion_tokens: self.chunks,
+            finish_reason: "abort".into(),
+        }
+    }
+
+    pub(super) async fn timer(&mut self, myself: &ActorRef<GenerationMsg>, timer: Timer) {
+        match timer {
+            Timer::CancelGrace => {
+                if matches!(self.phase, Phase::Running { .. }) {
+                    self.told_client = true;
+                    metrics::counter!(REQUESTS_TOTAL, "model" => self.model(), "code" => "client_gone").increment(1);
+                    self.record(Event::RequestCancel).await;
+                    self.stop = Some(Stop::Cancelled);
+                    self.cancel_on_node(myself);
+                }
+            }
+            Timer::FirstToken if self.first_token_at.is_none() => self.time_out(myself).await,
+            Timer::FirstToken => {}
+            Timer::Total => self.time_out(myself).await,
+            Timer::Lease => self.lease_over(myself).await,
+            Timer::SettleWait => {
+                // No `done` came: the attempt is fenced; settle from what was received.
+                let usage = self.fallback_usage();
+                tracing::warn!(request_id = %self.args.request_id, "no done from the node; settling from received chunks");
+                let attempt = self.attempt;
+                self.record(Event::LeaseExpired { attempt }).await;
+                let outcome = match self.stop {
+                    Some(Stop::Cancelled) => Outcome::Cancelled,
+                    Some(Stop::Timeout) => Outcome::Failed("generation_timeout".into()),
+                    None => Outcome::Failed("model_backend_error".into()),
+                };
+                self.finish_record(false, outcome.clone(), &usage).await;
+                if outcome == Outcome::Cancelled && !self.told_client {
+                    self.tell(GenEvent::Cancelled(usage.clone()));
+                }
+                self.settle(usage.prompt_tokens, usage.completion_tokens)
+                    .await;
+                myself.stop(None);
+            }
+        }
+    }
+
+    async fn time_out(&mut self, myself: &ActorRef<GenerationMsg>) {
+        let failure = Failure::new(
+            ErrorCode::GenerationTimeout,
+            "The generation did not finish within its deadline.",
+        );
+        match self.phase {
+            Phase::New | Phase::Queued => {
+                self.args.queue.withdraw(&self.args.request_id);
+                self.finish_without_work(myself, failure).await;
+            }
+            Phase::Running { .. } => {
+                self.fail_client(failure);
+                self.stop.get_or_insert(Stop::Timeout);
+                self.cancel_on_node(myself);
+            }
+            Phase::Fencing => {
+                self.stop.get_or_insert(Stop::Timeout);
+            }
+            Phase::Cancelling | Phase::AwaitingDone => {}
+        }
+    }
+
+    /// Tells the node to stop and waits for its `done` with the usage so far.
+    pub(super) fn cancel_on_node(&mut self, myself: &ActorRef<GenerationMsg>) {
+        if let Phase::Running { node } = std::mem::replace(&mut self.phase, Phase::AwaitingDone) {
+            node.cancel(&self.args.request_id, self.attempt);
+            self.phase = Phase::Cancelling;
+        }
+        let wait = self.args.timeouts.settle_wait;
+        self.arm(myself, wait, Timer::SettleWait);
+    }
+
+    /// Ends a generation that did no GPU work: the row is cancelled, not billed, and the
+    /// record rejected (its message released; the same key may try again).
+    pub(super) async fn finish_without_work(
+        &mut self,
+        myself: &ActorRef<GenerationMsg>,
+        failure: Failure,
+    ) {
+        self.reject_record(&failure).await;
+        self.fail_client(failure);
+        self.cancel_row().await;
+        myself.stop(None);
+    }
+
+    pub(super) async fn reject_record(&mut self, failure: &Failure) {
+        let code = failure.code.as_str().to_owned();
+        self.record(Event::Reject { code }).await;
+    }
+
+    pub(super) async fn cancel_row(&mut self) {
+        if self.ledger_final {
+            return;
+        }
+        match self.args.ledger.cancel(&self.args.request_id).await {
+            Ok(_) => self.ledger_final = true,
+            Err(e) => {
+                tracing::error!(request_id = %self.args.request_id, error = %e, "could not cancel the ledger row")
+            }
+        }
+    }
+
+    /// Settles the row with exact usage, retrying briefly; true once the row is final.
+    pub(super) async fn settle(&mut self, prompt_tokens: u64, completion_tokens: u64) -> bool {
+        if self.ledger_final {
+            return true;
+        }
+        let settlement = Settlement {
+            request_id: self.args.request_id.clone(),
+            prompt_tokens,
+            completion_tokens,
+        };
+        for backoff_ms in [0u64, 100, 500, 2000] {
+            if backoff_ms > 0 {
+                tokio::time::sleep(Duration::from_millis(backoff_ms)).await;
+            }
+            match self.args.ledger.settle(&settlement).await {
+                Ok(SettleOutcome::Applied) => {
+                    self.ledger_final = true;
+                    self.settled_tokens = Some(prompt_tokens.saturating_add(completion_tokens));
+                    return true;
+                }
+                Ok(SettleOutcome::AlreadyFinal) => {
+                    self.ledger_final = true;
+                    return true;
+                }
+                Ok(SettleOutcome::Unknown) => {
+                    tracing::error!(request_id = %self.args.request_id, "settling a row that does not exist");
+                    self.ledger_final = true;
+                    return true;
+                }
+                Err(e) => {
+                    tracing::warn!(request_id = %self.args.request_id, error = %e, "settle failed; retrying")
+                }
+            }
+        }
+        // Left reserved: the node keeps its `done` unacked and the sweeper settles it later.
+        self.ledger_final = true;
+        false
+    }
+}

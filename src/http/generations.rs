@@ -1,0 +1,485 @@
+//! The Generations API (SPEC section 5): `POST /v1/generations` (Idempotency-Key required),
+//! `GET /v1/generations/{id}`, `POST /v1/generations/{id}/cancel`. It runs the same pipeline
+//! as `/v1/chat/completions` (see `lifecycle.rs`) and renders it as named SSE events with a
+//! `sequence` from 0, or as one JSON document.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+
+use axum::extract::{Path, State};
+use axum::http::{HeaderMap, HeaderValue, StatusCode};
+use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use serde_json::{Map, Value, json};
+use switchyard_actors::error::{ErrorCode, Failure};
+use switchyard_actors::generation::{GenEvent, GenerationStream, Usage};
+use switchyard_actors::lifecycle::{Event, GenerationRecord, Refusal, Status};
+use tracing::instrument;
+
+use super::error::{ApiError, Json};
+use super::lifecycle::{self, Plan, Started};
+use super::sse::KEEP_ALIVE;
+use crate::server::AppState;
+
+/// Fields `POST /v1/generations` accepts; anything else is refused.
+const FIELDS: [&str; 8] = [
+    "model",
+    "messages",
+    "stream",
+    "max_output_tokens",
+    "temperature",
+    "top_p",
+    "seed",
+    "stop",
+];
+
+/// The pub/sub channel on which a cancel reaches the replica running the generation.
+pub const CANCEL_CHANNEL: &str = "generations:cancel";
+
+/// `POST /v1/generations`.
+#[instrument(skip_all, fields(generation_id, team_id, model))]
+pub async fn create(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    Json(body): Json<Value>,
+) -> Response {
+    let id = format!("gen_{:024x}", rand::random::<u128>() >> 32);
+    tracing::Span::current().record("generation_id", id.as_str());
+    match submit(&state, &headers, body, &id).await {
+        Ok(response) => response,
+        Err(e) => e.with_request_id(&id).into_response(),
+    }
+}
+
+async fn submit(
+    state: &AppState,
+    headers: &HeaderMap,
+    body: Value,
+    id: &str,
+) -> Result<Response, ApiError> {
+    let (plan, stream) = prepare(state, headers, body)
+        .await
+        .inspect_err(lifecycle::count_refusal)?;
+    match lifecycle::start(state, plan, id).await? {
+        Started::Running {
+            generation,
+            id,
+            rate,
+        } => {
+            let mut response = if stream {
+                stream_events(generation, id.clone())
+            } else {
+                collect(generation, &id).await?
+            };
+            if let Ok(v) = HeaderValue::from_str(&id) {
+                response.headers_mut().insert("x-request-id", v);
+            }
+            rate.apply(response.headers_mut());
+            Ok(response)
+        }
+        Started::Existing(rec) => replay(state, &rec, stream),
+    }
+}
+
+/// Credential, Idempotency-Key, SSRF guard, body and allowlist: the request as a [`Plan`].
+async fn prepare(
+    state: &AppState,
+    headers: &HeaderMap,
+    body: Value,
+) -> Result<(Plan, bool), ApiError> {
+    let principal = state.auth.authenticate(headers).await?;
+    tracing::Span::current().record("team_id", principal.team_id);
+    let bad = |m: &str| ApiError::new(ErrorCode::InvalidRequest, m);
+    let key = lifecycle::idempotency_key(headers)?
+        .ok_or_else(|| bad("The `Idempotency-Key` header is required."))?;
+    super::ssrf::guard(&body)?;
+    let Value::Object(obj) = body else {
+        return Err(bad("The body must be a JSON object."));
+    };
+    if let Some(unknown) = obj.keys().find(|k| !FIELDS.contains(&k.as_str())) {
+        return Err(bad(&format!("Unknown field `{unknown}`.")));
+    }
+    let model_name = obj
+        .get("model")
+        .and_then(Value::as_str)
+        .ok_or_else(|| bad("`model` is required."))?;
+    let model = state
+        .config
+        .resolve_model(model_name)
+        .cloned()
+        .ok_or_else(|| {
+            ApiError::new(
+                ErrorCode::ModelNotFound,
+                format!("The model `{model_name}` does not exist."),
+            )
+        })?;
+    tracing::Span::current().record("model", model.name.as_str());
+    let messages = obj
+        .get("messages")
+        .and_then(Value::as_array)
+        .filter(|m| !m.is_empty())
+        .ok_or_else(|| bad("`messages` must be a non-empty array."))?;
+    let mut estimated_prompt_tokens = 0u64;
+    for m in messages {
+        let role = m.get("role").and_then(Value::as_str);
+        let content = m.get("content").and_then(Value::as_str);
+        let (Some(_), Some(content)) = (role, content) else {
+            return Err(bad(
+                "Every message needs a string `role` and a string `content`.",
+            ));
+        };
+        estimated_prompt_tokens += 4 + (content.chars().count() as u64).div_ceil(4);
+    }
+    let stream = match obj.get("stream") {
+        None | Some(Value::Null) => false,
+        Some(Value::Bool(b)) => *b,
+        Some(_) => return Err(bad("`stream` must be a boolean.")),
+    };
+    let max_tokens = match obj.get("max_output_tokens") {
+        None | Some(Value::Null) => u64::from(model.default_max_tokens),
+        Some(v) => v
+            .as_u64()
+            .filter(|n| *n > 0)
+            .ok_or_else(|| bad("`max_output_tokens` must be a positive integer."))?,
+    };
+    if !super::openai::allowed(state, &principal, &model) {
+        return Err(ApiError::new(
+            ErrorCode::ModelNotAllowed,
+            "This key may not use that model.",
+        ));
+    }
+    // The fingerprint covers the semantic inputs as sent (the model as named), not the
+    // response mode.
+    let mut semantic = obj.clone();
+    semantic.remove("stream");
+    let fingerprint = lifecycle::fingerprint(&Value::Object(semantic));
+    let mut engine = Map::new();
+    engine.insert("model".into(), Value::String(model.name.clone()));
+    engine.insert("messages".into(), Value::Array(messages.clone()));
+    engine.insert("max_tokens".into(), Value::from(max_tokens));
+    for field in ["temperature", "top_p", "seed", "stop"] {
+        if let Some(v) = obj.get(field) {
+            engine.insert(field.into(), v.clone());
+        }
+    }
+    let plan = Plan {
+        principal,
+        model,
+        engine_body: Value::Object(engine),
+        estimated_prompt_tokens,
+        max_tokens,
+        idempotency: Some((key, fingerprint)),
+    };
+    Ok((plan, stream))
+}
+
+/// What to tell the client to do after a failure once the stream has begun.
+fn action(code: ErrorCode, partial: bool) -> &'static str {
+    if partial {
+        "manual_regenerate"
+    } else if code.retryable() {
+        "retry"
+    } else {
+        "none"
+    }
+}
+
+fn usage_json(u: &Usage) -> Value {
+    json!({"input_tokens": u.prompt_tokens, "output_tokens": u.completion_tokens})
+}
+
+/// Numbers a generation's events from 0 and names them.
+struct Sequencer {
+    id: String,
+    next: u64,
+    partial: bool,
+}
+
+impl Sequencer {
+    fn event(&mut self, name: &'static str, mut data: Map<String, Value>) -> SseEvent {
+        data.insert("generation_id".into(), Value::String(self.id.clone()));
+        data.insert("sequence".into(), Value::from(self.next));
+        self.next += 1;
+        SseEvent::default()
+            .event(name)
+            .data(Value::Object(data).to_string())
+    }
+
+    fn created(&mut self, status: &str) -> SseEvent {
+        let mut data = Map::new();
+        data.insert("status".into(), Value::String(status.into()));
+        self.event("generation.created", data)
+    }
+
+    /// The SSE event for `event`, and whether it ends the stream.
+    fn render(&mut self, event: Option<GenEvent>) -> (SseEvent, bool) {
+        let mut data = Map::new();
+        match event {
+            Some(GenEvent::Delta(text)) => {
+                self.partial = true;
+                data.insert("index".into(), Value::from(0));
+                data.insert("delta".into(), Value::String(text));
+                (self.event("generation.text.delta", data), false)
+            }
+            Some(GenEvent::Finished(usage)) => {
+                data.insert("usage".into(), usage_json(&usage));
+                (self.event("generation.completed", data), true)
+            }
+            Some(GenEvent::Cancelled(usage)) => {
+                data.insert("usage".into(), usage_json(&usage));
+                (self.event("generation.cancelled", data), true)
+            }
+            Some(GenEvent::Failed(failure)) => (self.error(&failure), true),
+            None => {
+                let failure = Failure::new(
+                    ErrorCode::ModelBackendError,
+                    "The generation ended unexpectedly.",
+                );
+                (self.error(&failure), true)
+            }
+        }
+    }
+
+    fn error(&mut self, failure: &Failure) -> SseEvent {
+        let mut data = Map::new();
+        data.insert("code".into(), Value::String(failure.code.as_str().into()));
+        data.insert("message".into(), Value::String(failure.message.clone()));
+        data.insert(
+            "action".into(),
+            Value::String(action(failure.code, self.partial).into()),
+        );
+        data.insert("partial".into(), Value::Bool(self.partial));
+        self.event("generation.error", data)
+    }
+}
+
+fn sse(events: impl futures::Stream<Item = SseEvent> + Send + 'static) -> Response {
+    use futures::StreamExt;
+    let mut response = Sse::new(events.map(Ok::<SseEvent, Infallible>))
+        .keep_alive(KeepAlive::new().interval(KEEP_ALIVE).text("keep-alive"))
+        .into_response();
+    response
+        .headers_mut()
+        .insert("cache-control", HeaderValue::from_static("no-store"));
+    response
+}
+
+/// A running generation as named SSE events.
+fn stream_events(generation: GenerationStream, id: String) -> Response {
+    let mut seq = Sequencer {
+        id,
+        next: 0,
+        partial: false,
+    };
+    let created = seq.created("queued");
+    let state = (Some(generation), seq, Some(created));
+    let events = futures::stream::unfold(state, |(generation, mut seq, first)| async move {
+        if let Some(first) = first {
+            return Some((first, (generation, seq, None)));
+        }
+        let mut generation = generation?;
+        let (event, last) = seq.render(generation.next().await);
+        Some((event, ((!last).then_some(generation), seq, None)))
+    });
+    sse(events)
+}
+
+/// A running generation collected into one document, or its error.
+async fn collect(mut generation: GenerationStream, id: &str) -> Result<Response, ApiError> {
+    let mut text = String::new();
+    loop {
+        let (status, usage) = match generation.next().await {
+            Some(GenEvent::Delta(d)) => {
+                text.push_str(&d);
+                continue;
+            }
+            Some(GenEvent::Finished(u)) => ("completed", u),
+            Some(GenEvent::Cancelled(u)) => ("cancelled", u),
+            Some(GenEvent::Failed(failure)) => {
+                let mut err = ApiError::from(failure);
+                err.details = Some(Box::new(
+                    json!({"generation_id": id, "partial": !text.is_empty()}),
+                ));
+                return Err(err);
+            }
+            None => {
+                return Err(ApiError::new(
+                    ErrorCode::ModelBackendError,
+                    "The generation ended unexpectedly.",
+                ));
+            }
+        };
+        let body = json!({
+            "id": id,
+            "status": status,
+            "output": [{"type": "text", "text": text}],
+            "usage": usage_json(&usage),
+        });
+        return Ok(axum::Json(body).into_response());
+    }
+}
+
+/// The record as the API shows it.
+fn document(rec: &GenerationRecord, with_output: bool) -> Value {
+    let mut doc = json!({
+        "id": rec.id,
+        "status": rec.api_status(),
+        "model": rec.model,
+    });
+    if let Some(obj) = doc.as_object_mut() {
+        if rec.status.is_terminal() {
+            obj.insert(
+                "usage".into(),
+                json!({"input_tokens": rec.input_tokens, "output_tokens": rec.output_tokens}),
+            );
+        }
+        if with_output && rec.status.is_terminal() {
+            let text = rec.output.clone().unwrap_or_default();
+            obj.insert("output".into(), json!([{"type": "text", "text": text}]));
+        }
+        if let Some(code) = &rec.error_code {
+            obj.insert("error".into(), json!({ "code": code }));
+        }
+    }
+    doc
+}
+
+/// A repeated key: the existing generation, never rerun.
+fn replay(state: &AppState, rec: &GenerationRecord, stream: bool) -> Result<Response, ApiError> {
+    if !rec.status.is_terminal() {
+        return Err(lifecycle::in_progress(rec));
+    }
+    if !lifecycle::retained(state, rec, state.clock.wall().timestamp_millis()) {
+        return Err(lifecycle::expired(rec));
+    }
+    if !stream {
+        return Ok(axum::Json(document(rec, true)).into_response());
+    }
+    let mut seq = Sequencer {
+        id: rec.id.clone(),
+        next: 0,
+        partial: false,
+    };
+    let usage = Usage {
+        prompt_tokens: rec.input_tokens,
+        completion_tokens: rec.output_tokens,
+        finish_reason: "stop".into(),
+    };
+    let mut events = vec![seq.created(rec.status.as_str())];
+    let text = rec.output.clone().unwrap_or_default();
+    if !text.is_empty() {
+        events.push(seq.render(Some(GenEvent::Delta(text))).0);
+    }
+    let end = match rec.status {
+        Status::Completed => GenEvent::Finished(usage),
+        Status::Cancelled => GenEvent::Cancelled(usage),
+        _ => {
+            let code = rec
+                .error_code
+                .as_deref()
+                .and_then(ErrorCode::parse)
+                .unwrap_or(ErrorCode::ModelBackendError);
+            GenEvent::Failed(Failure::new(code, "This generation failed."))
+        }
+    };
+    events.push(seq.render(Some(end)).0);
+    Ok(sse(futures::stream::iter(events)))
+}
+
+/// The caller's own generation `id`; anyone else's is `not_found`.
+async fn owned(
+    state: &AppState,
+    headers: &HeaderMap,
+    id: &str,
+) -> Result<GenerationRecord, ApiError> {
+    let principal = state.auth.authenticate(headers).await?;
+    let not_found = || ApiError::new(ErrorCode::NotFound, "No such generation.");
+    let rec = state
+        .store
+        .get_generation(id)
+        .await
+        .map_err(|_| {
+            ApiError::from(
+                Failure::new(
+                    ErrorCode::QuotaServiceUnavailable,
+                    "Generations cannot be read right now.",
+                )
+                .retry_after(1),
+            )
+        })?
+        .ok_or_else(not_found)?;
+    if rec.subject != principal.subject {
+        return Err(not_found());
+    }
+    Ok(rec)
+}
+
+/// `GET /v1/generations/{id}`.
+pub async fn get(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Response {
+    let rec = match owned(&state, &headers, &id).await {
+        Ok(rec) => rec,
+        Err(e) => return e.into_response(),
+    };
+    let now = state.clock.wall().timestamp_millis();
+    if rec.status.is_terminal() && !lifecycle::retained(&state, &rec, now) {
+        return lifecycle::expired(&rec).into_response();
+    }
+    axum::Json(document(&rec, true)).into_response()
+}
+
+/// `POST /v1/generations/{id}/cancel`: 202 `cancel_requested` while it runs; the status
+/// becomes `cancelled` once the node confirms or the attempt is fenced. A finished
+/// generation keeps its state (200).
+pub async fn cancel(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Response {
+    let rec = match owned(&state, &headers, &id).await {
+        Ok(rec) => rec,
+        Err(e) => return e.into_response(),
+    };
+    let now = state.clock.wall().timestamp_millis();
+    let applied = match state
+        .store
+        .apply_generation(&rec.id, &Event::RequestCancel, now)
+        .await
+    {
+        Ok(a) => a,
+        Err(_) => {
+            return ApiError::from(
+                Failure::new(
+                    ErrorCode::QuotaServiceUnavailable,
+                    "The cancel could not be recorded; try again.",
+                )
+                .retry_after(1),
+            )
+            .into_response();
+        }
+    };
+    match applied.result {
+        Ok(_) => {
+            // The replica running it stops it; another replica hears of it over pub/sub.
+            if !state.generations.cancel(&rec.id)
+                && let Err(e) = state
+                    .coordinator
+                    .publish(CANCEL_CHANNEL, rec.id.clone().into_bytes())
+                    .await
+            {
+                tracing::warn!(generation_id = %rec.id, error = %e, "could not publish a cancel");
+            }
+            let body = json!({"id": rec.id, "status": "cancel_requested"});
+            (StatusCode::ACCEPTED, axum::Json(body)).into_response()
+        }
+        Err(Refusal::Final) => axum::Json(document(&applied.record, false)).into_response(),
+        Err(_) => (
+            StatusCode::ACCEPTED,
+            axum::Json(document(&applied.record, false)),
+        )
+            .into_response(),
+    }
+}

@@ -1,0 +1,389 @@
+//! The one generation pipeline behind both API dialects: the idempotency check, the
+//! per-principal limits, the lifecycle admission (message window, burst bucket, concurrent
+//! generations, in one transaction with the request record), then the ledger reservation and
+//! the model's queue. `/v1/chat/completions` enters it with an optional Idempotency-Key,
+//! `/v1/generations` always with one; each renders the result in its own dialect.
+
+use axum::http::HeaderMap;
+use chrono::{TimeZone, Utc};
+use serde_json::{Value, json};
+use sha2::{Digest, Sha256};
+use switchyard_actors::error::{ErrorCode, Failure};
+use switchyard_actors::generation::{EventReceiver, GenerationArgs, GenerationStream, events};
+use switchyard_actors::lifecycle::{
+    Decision, GenerationRecord, MessagePolicy, NewGeneration, Status,
+};
+use switchyard_actors::metric_names::REQUESTS_TOTAL;
+use switchyard_actors::ports::{Reservation, cost_of};
+
+use super::error::ApiError;
+use crate::auth::Principal;
+use crate::config::ModelConfig;
+use crate::quota::RateHeaders;
+use crate::server::AppState;
+
+/// Longest Idempotency-Key accepted.
+const MAX_KEY_LEN: usize = 255;
+
+/// A validated request, whichever dialect it came in.
+#[derive(Debug)]
+pub struct Plan {
+    /// Who asks.
+    pub principal: Principal,
+    /// The model version the request resolved to.
+    pub model: ModelConfig,
+    /// The body the engine gets (model resolved, max_tokens set).
+    pub engine_body: Value,
+    /// Prompt tokens estimated for the reservation.
+    pub estimated_prompt_tokens: u64,
+    /// Output ceiling (the model's default when the client set none).
+    pub max_tokens: u64,
+    /// (Idempotency-Key, fingerprint of the normalized semantic inputs).
+    pub idempotency: Option<(String, String)>,
+}
+
+/// What the pipeline produced.
+#[derive(Debug)]
+pub enum Started {
+    /// A generation is running; read its events.
+    Running {
+        /// Its events.
+        generation: GenerationStream,
+        /// Its id (the record's and the ledger row's).
+        id: String,
+        /// The limits' headers.
+        rate: RateHeaders,
+    },
+    /// The key names an existing generation with the same fingerprint; it is not rerun.
+    Existing(GenerationRecord),
+}
+
+/// The optional `Idempotency-Key` header: 1 to 255 visible ASCII characters.
+pub fn idempotency_key(headers: &HeaderMap) -> Result<Option<String>, ApiError> {
+    let Some(value) = headers.get("idempotency-key") else {
+        return Ok(None);
+    };
+    let key = value
+        .to_str()
+        .ok()
+        .filter(|k| {
+            !k.is_empty() && k.len() <= MAX_KEY_LEN && k.bytes().all(|b| b.is_ascii_graphic())
+        })
+        .ok_or_else(|| {
+            ApiError::new(
+                ErrorCode::InvalidRequest,
+                "`Idempotency-Key` must be 1 to 255 visible ASCII characters.",
+            )
+        })?;
+    Ok(Some(key.to_owned()))
+}
+
+/// SHA-256 (hex) of `v` with object keys sorted at every level: the same request gives the
+/// same fingerprint whatever the order of its fields. Only the digest is stored.
+pub fn fingerprint(v: &Value) -> String {
+    let mut text = String::new();
+    canonical(v, &mut text);
+    hex::encode(Sha256::digest(text.as_bytes()))
+}
+
+fn canonical(v: &Value, out: &mut String) {
+    match v {
+        Value::Object(map) => {
+            let mut keys: Vec<&String> = map.keys().collect();
+            keys.sort();
+            out.push('{');
+            for (i, k) in keys.iter().enumerate() {
+                if i > 0 {
+                    out.push(',');
+                }
+                out.push_str(&Value::String((*k).clone()).to_string());
+                out.push(':');
+                if let Some(child) = map.get(*k) {
+                    canonical(child, out);
+                }
+            }
+            out.push('}');
+        }
+        Value::Array(items) => {
+            out.push('[');
+            for (i, item) in items.iter().enumerate() {
+                if i > 0 {
+                    out.push(',');
+                }
+                canonical(item, out);
+            }
+            out.push(']');
+        }
+        other => out.push_str(&other.to_string()),
+    }
+}
+
+/// The principal's message policy: its key's overrides, else the configured defaults.
+pub fn policy(state: &AppState, who: &Principal) -> MessagePolicy {
+    let g = &state.config.generations;
+    let longest = state.config.timeouts.total_secs + state.config.timeouts.settle_wait_secs;
+    MessagePolicy {
+        limit: who.message_quota.unwrap_or(g.messages_per_window),
+        window_ms: i64::from(g.window_hours) * 3_600_000,
+        burst_capacity: who.burst_capacity.unwrap_or(g.burst_capacity),
+        burst_refill_ms: i64::from(who.burst_refill_seconds.unwrap_or(g.burst_refill_secs)) * 1000,
+        max_active: who.max_streams.unwrap_or(g.max_active),
+        slot_ttl_ms: i64::try_from(longest.saturating_mul(1000)).unwrap_or(i64::MAX),
+    }
+}
+
+fn store_unavailable() -> ApiError {
+    ApiError::from(
+        Failure::new(
+            ErrorCode::QuotaServiceUnavailable,
+            "Generations cannot be admitted right now; nothing was started.",
+        )
+        .retry_after(1),
+    )
+}
+
+/// Runs the pipeline for `plan` under `id`. Refusals before a generation exists are counted
+/// here; a generation counts its own outcome.
+pub async fn start(state: &AppState, plan: Plan, id: &str) -> Result<Started, ApiError> {
+    let (args, events, rate) = match admit(state, plan, id).await.inspect_err(count_refusal)? {
+        Admission::Ready(args, events, rate) => (*args, events, rate),
+        Admission::Existing(rec) => return Ok(Started::Existing(rec)),
+    };
+    let id = args.request_id.clone();
+    let generation = state
+        .generations
+        .start_generation(args, events)
+        .await
+        .map_err(|f| ApiError::from(f).with_rate_headers(rate.clone()))?;
+    Ok(Started::Running {
+        generation,
+        id,
+        rate,
+    })
+}
+
+/// Counts a request refused before it became a generation.
+pub fn count_refusal(e: &ApiError) {
+    metrics::counter!(REQUESTS_TOTAL, "model" => "", "code" => e.failure.code.as_str())
+        .increment(1);
+}
+
+enum Admission {
+    Ready(Box<GenerationArgs>, EventReceiver, RateHeaders),
+    Existing(GenerationRecord),
+}
+
+async fn admit(state: &AppState, plan: Plan, id: &str) -> Result<Admission, ApiError> {
+    let who = &plan.principal;
+    // A retry of a known request costs nothing and is answered from its record.
+    if let Some((key, fp)) = &plan.idempotency {
+        let found = state
+            .store
+            .find_generation(&who.subject, key)
+            .await
+            .map_err(|_| store_unavailable())?;
+        if let Some(rec) = found {
+            if &rec.fingerprint != fp {
+                return Err(conflict(&rec));
+            }
+            if rec.status != Status::Rejected {
+                return Ok(Admission::Existing(rec));
+            }
+        }
+    }
+    let queue = state
+        .queues
+        .get(&plan.model.name)
+        .cloned()
+        .ok_or_else(|| ApiError::new(ErrorCode::ModelNotFound, "The model is not served."))?;
+    let (rate, on_end) = state.limits.admit(who, id).await?;
+    let give_back = |on_end: Option<switchyard_actors::generation::EndHook>| {
+        if let Some(h) = on_end {
+            (h.0)(None);
+        }
+    };
+    let mut id = id.to_owned();
+    let mut lifecycle = None;
+    if let Some((key, fp)) = &plan.idempotency {
+        let new = NewGeneration {
+            id: id.clone(),
+            subject: who.subject.clone(),
+            idempotency_key: key.clone(),
+            fingerprint: fp.clone(),
+            model: plan.model.name.clone(),
+        };
+        let now_ms = state.clock.wall().timestamp_millis();
+        let decision = match state
+            .store
+            .admit_generation(&new, &policy(state, who), now_ms)
+            .await
+        {
+            Ok(d) => d,
+            Err(_) => {
+                give_back(on_end);
+                return Err(store_unavailable());
+            }
+        };
+        match decision {
+            Decision::Admitted(rec) => id = rec.id,
+            other => {
+                give_back(on_end);
+                return match other {
+                    Decision::Existing(rec) => Ok(Admission::Existing(rec)),
+                    refusal => Err(refused(refusal, now_ms).with_rate_headers(rate)),
+                };
+            }
+        }
+        let generations: std::sync::Arc<dyn switchyard_actors::lifecycle::GenerationStore> =
+            state.store.clone();
+        lifecycle = Some(generations);
+    }
+    let (pin, pout) = (
+        plan.model.price_input_per_mtok,
+        plan.model.price_output_per_mtok,
+    );
+    let reservation = Reservation {
+        request_id: id.clone(),
+        team_id: who.team_id,
+        key_id: who.key_id,
+        model: plan.model.name.clone(),
+        estimated_prompt_tokens: plan.estimated_prompt_tokens,
+        max_tokens: plan.max_tokens,
+        estimated_cost: cost_of(plan.estimated_prompt_tokens, plan.max_tokens, pin, pout),
+        price_input_per_mtok: pin,
+        price_output_per_mtok: pout,
+    };
+    let (tx, events) = events::channel(state.config.stream_bound());
+    let args = GenerationArgs {
+        request_id: id.clone(),
+        model: plan.model.name.clone(),
+        body: plan.engine_body,
+        reservation,
+        queue,
+        ledger: state.store.clone(),
+        events: tx,
+        timeouts: state.config.generation_timeouts(),
+        clock: state.clock.clone(),
+        on_end,
+        lifecycle,
+    };
+    Ok(Admission::Ready(Box::new(args), events, rate))
+}
+
+/// 409 `idempotency_conflict`: the key was used for a different request.
+pub fn conflict(rec: &GenerationRecord) -> ApiError {
+    let mut err = ApiError::new(
+        ErrorCode::IdempotencyConflict,
+        "This Idempotency-Key was used with a different request.",
+    );
+    err.details = Some(Box::new(json!({ "generation_id": rec.id })));
+    err
+}
+
+/// 409 `generation_in_progress` with the running generation's id and status.
+pub fn in_progress(rec: &GenerationRecord) -> ApiError {
+    let mut err = ApiError::new(
+        ErrorCode::GenerationInProgress,
+        "A generation with this Idempotency-Key is still running.",
+    );
+    err.details = Some(Box::new(
+        json!({ "generation_id": rec.id, "status": rec.api_status() }),
+    ));
+    err
+}
+
+/// 410 `result_unavailable`: the generation is known, its content expired.
+pub fn expired(rec: &GenerationRecord) -> ApiError {
+    let mut err = ApiError::new(
+        ErrorCode::ResultUnavailable,
+        "The generation's result is no longer retained.",
+    );
+    err.details = Some(Box::new(
+        json!({ "generation_id": rec.id, "status": rec.api_status() }),
+    ));
+    err
+}
+
+/// Whether a terminal record's result is still retained at `now_ms`.
+pub fn retained(state: &AppState, rec: &GenerationRecord, now_ms: i64) -> bool {
+    rec.terminal_ms
+        .is_some_and(|t| t.saturating_add(state.config.retention_ms()) > now_ms)
+}
+
+fn rfc3339(ms: i64) -> Option<String> {
+    Utc.timestamp_millis_opt(ms)
+        .single()
+        .map(|t| t.to_rfc3339_opts(chrono::SecondsFormat::Secs, true))
+}
+
+/// The API answer to an admission refusal.
+fn refused(decision: Decision, now_ms: i64) -> ApiError {
+    let secs = |ms: i64| u64::try_from(ms.max(0)).unwrap_or(0).div_ceil(1000).max(1);
+    match decision {
+        Decision::RateLimited { retry_after_ms } => ApiError::from(
+            Failure::new(
+                ErrorCode::RateLimited,
+                "Too many generations in a short burst.",
+            )
+            .retry_after(secs(retry_after_ms)),
+        ),
+        Decision::ConcurrencyLimited { limit } => {
+            let mut err = ApiError::from(
+                Failure::new(
+                    ErrorCode::ConcurrencyLimited,
+                    format!("{limit} generations are already active; wait for one to finish."),
+                )
+                .retry_after(1),
+            );
+            err.details = Some(Box::new(json!({ "limit": limit })));
+            err
+        }
+        Decision::QuotaExhausted {
+            limit,
+            remaining,
+            reset_at_ms,
+        } => {
+            let mut err = ApiError::from(
+                Failure::new(
+                    ErrorCode::QuotaExhausted,
+                    "Your current message allowance has been used.",
+                )
+                .retry_after(secs(reset_at_ms - now_ms)),
+            );
+            err.details = Some(Box::new(json!({
+                "limit": limit, "remaining": remaining, "reset_at": rfc3339(reset_at_ms),
+            })));
+            err
+        }
+        Decision::Conflict(rec) => conflict(&rec),
+        Decision::Existing(rec) | Decision::Admitted(rec) => in_progress(&rec),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    #[test]
+    fn fingerprints_ignore_field_order_and_see_every_value() {
+        let a = json!({"model": "small", "messages": [{"role": "user", "content": "hi"}], "max_output_tokens": 5});
+        let b = json!({"max_output_tokens": 5, "messages": [{"content": "hi", "role": "user"}], "model": "small"});
+        let c = json!({"model": "small", "messages": [{"role": "user", "content": "hi!"}], "max_output_tokens": 5});
+        assert_eq!(fingerprint(&a), fingerprint(&b));
+        assert_ne!(fingerprint(&a), fingerprint(&c));
+        assert_eq!(fingerprint(&a).len(), 64);
+    }
+
+    #[test]
+    fn idempotency_keys_are_bounded_visible_ascii() {
+        let mut h = HeaderMap::new();
+        assert_eq!(idempotency_key(&h).unwrap(), None);
+        h.insert("idempotency-key", "abc-123".parse().unwrap());
+        assert_eq!(idempotency_key(&h).unwrap().as_deref(), Some("abc-123"));
+        h.insert("idempotency-key", "has space".parse().unwrap());
+        assert!(idempotency_key(&h).is_err());
+        h.insert("idempotency-key", "x".repeat(256).parse().unwrap());
+        assert!(idempotency_key(&h).is_err());
+    }
+}

@@ -1,0 +1,174 @@
+//! Attempt fencing: a node lost before its `accepted` arrived is fenced by its lease before a
+//! second attempt runs, and when it comes back its chunks and usage are rejected, counted,
+//! and never billed.
+
+use std::time::Duration;
+
+use futures::{SinkExt, StreamExt};
+use serde_json::{Value, json};
+use switchyard::store::{LedgerStatus, hash_secret};
+use tokio_tungstenite::tungstenite::Message;
+
+use crate::harness::{PgFleet, body, pg_fleet, until};
+
+type Ws =
+    tokio_tungstenite::WebSocketStream<tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>>;
+
+/// A scripted node: registers, then does exactly what the test says.
+async fn fake_node(f: &PgFleet, node_id: &str, token: &str) -> Ws {
+    let url = format!("ws://{}/v1/nodes/connect", f.server.addr());
+    let (mut ws, _) = tokio_tungstenite::connect_async(url).await.unwrap();
+    let register = json!({"type": "register", "node_id": node_id, "token": token, "gpus": [],
+        "models": ["llama-3.1-8b-instruct"], "version": "test", "location": "onprem"});
+    ws.send(Message::text(register.to_string())).await.unwrap();
+    assert_eq!(recv(&mut ws).await["type"], "registered");
+    ws
+}
+
+async fn recv(ws: &mut Ws) -> Value {
+    loop {
+        let msg = tokio::time::timeout(Duration::from_secs(10), ws.next())
+            .await
+            .expect("a frame within 10 s")
+            .unwrap()
+            .unwrap();
+        if let Message::Text(t) = msg {
+            return serde_json::from_str(&t).unwrap();
+        }
+    }
+}
+
+async fn send(ws: &mut Ws, frame: Value) {
+    ws.send(Message::text(frame.to_string())).await.unwrap();
+}
+
+/// Sum of a server metric's samples whose labels contain `label`.
+async fn metric(f: &PgFleet, name: &str, label: &str) -> f64 {
+    let page = crate::common::http()
+        .get(f.url("/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    page.lines()
+        .filter(|l| l.starts_with(name) && l.contains(label))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stale_attempt_that_comes_back_is_rejected_and_never_billed() {
+    let f = pg_fleet(&[], 1.0, |_| {}).await;
+    for (id, token) in [("fake-a", "nt-a"), ("fake-b", "nt-b")] {
+        f.store
+            .create_node(id, "onprem", &hash_secret(token))
+            .await
+            .unwrap();
+    }
+    let mut a = fake_node(&f, "fake-a", "nt-a").await;
+    let request = tokio::spawn({
+        let (base, key) = (f.server.base_url(), f.api_key.clone());
+        async move {
+            crate::common::http()
+                .post(format!("{base}/v1/generations"))
+                .bearer_auth(key)
+                .header("idempotency-key", "k1")
+                .json(&body("hello", 50, false))
+                .send()
+                .await
+                .unwrap()
+        }
+    });
+    let assign = recv(&mut a).await;
+    assert_eq!(
+        (assign["type"].as_str(), assign["attempt"].as_u64()),
+        (Some("assign"), Some(1))
+    );
+    assert_eq!(assign["lease_ms"], 500, "the attempt carries its lease");
+    let id = assign["request_id"].as_str().unwrap().to_owned();
+    // Node A starts but its `accepted` is lost, and then the node is lost.
+    let mut b = fake_node(&f, "fake-b", "nt-b").await;
+    let lost_at = std::time::Instant::now();
+    drop(a);
+    let assign = recv(&mut b).await;
+    assert_eq!(
+        (assign["request_id"].as_str(), assign["attempt"].as_u64()),
+        (Some(id.as_str()), Some(2))
+    );
+    assert!(
+        lost_at.elapsed() >= Duration::from_millis(450),
+        "attempt 1 was fenced by its lease first"
+    );
+    send(
+        &mut b,
+        json!({"type": "accepted", "request_id": id, "attempt": 2}),
+    )
+    .await;
+    send(
+        &mut b,
+        json!({"type": "chunk", "request_id": id, "attempt": 2, "seq": 0, "delta": "fresh"}),
+    )
+    .await;
+
+    // Node A comes back while attempt 2 runs and reports its attempt.
+    let stale_before = metric(&f, "switchyard_stale_frames_total", "").await;
+    let mut a = fake_node(&f, "fake-a", "nt-a").await;
+    send(
+        &mut a,
+        json!({"type": "chunk", "request_id": id, "attempt": 1, "seq": 0, "delta": "stale"}),
+    )
+    .await;
+    send(
+        &mut a,
+        json!({"type": "done", "request_id": id, "attempt": 1, "prompt_tokens": 9,
+        "completion_tokens": 999, "finish_reason": "abort"}),
+    )
+    .await;
+    let ack = recv(&mut a).await;
+    assert_eq!(
+        (ack["type"].as_str(), ack["attempt"].as_u64()),
+        (Some("ack"), Some(1)),
+        "forgotten, not billed"
+    );
+    until(
+        Duration::from_secs(5),
+        "the stale frames to be counted",
+        || async { metric(&f, "switchyard_stale_frames_total", "").await >= stale_before + 2.0 },
+    )
+    .await;
+
+    send(
+        &mut b,
+        json!({"type": "done", "request_id": id, "attempt": 2, "prompt_tokens": 9,
+        "completion_tokens": 1, "finish_reason": "stop"}),
+    )
+    .await;
+    assert_eq!(recv(&mut b).await["type"], "ack");
+    let resp = request.await.unwrap();
+    assert_eq!(resp.status(), 200);
+    let doc: Value = resp.json().await.unwrap();
+    assert_eq!(doc["output"][0]["text"], "fresh", "only attempt 2's output");
+    assert_eq!(doc["usage"]["output_tokens"], 1);
+
+    // After the generation ended, the old attempt's usage is still refused.
+    send(
+        &mut a,
+        json!({"type": "done", "request_id": id, "attempt": 1, "prompt_tokens": 9,
+        "completion_tokens": 999, "finish_reason": "abort"}),
+    )
+    .await;
+    assert_eq!(recv(&mut a).await["attempt"], 1);
+    let row = f.store.ledger_row(&id).await.unwrap().unwrap();
+    assert_eq!(
+        (row.status, row.completion_tokens),
+        (LedgerStatus::Settled, 1),
+        "billed once, for attempt 2"
+    );
+    let w = f.window().await;
+    assert_eq!((w.used, w.reserved), (1, 0));
+    let (_, doc) = f.get(&id).await;
+    assert_eq!(doc["status"], "completed");
+    f.stop().await;
+}

@@ -1,0 +1,154 @@
+//! The message quota (fixed UTC-aligned windows), the burst bucket and the concurrent
+//! generations of a principal, admitted in one transaction with the request record.
+
+use serde_json::Value;
+use switchyard::store::{NewApiKey, display_prefix, hash_secret, new_secret};
+
+use crate::harness::{Events, PgFleet, body, pg_fleet};
+
+async fn key(f: &PgFleet, template: NewApiKey) -> String {
+    let secret = new_secret("sk-").unwrap();
+    f.store
+        .create_api_key(NewApiKey {
+            team_id: f.team_id,
+            hash: hash_secret(&secret),
+            prefix: display_prefix(&secret),
+            ..template
+        })
+        .await
+        .unwrap();
+    secret
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sixty_concurrent_submissions_against_forty_messages_admit_exactly_forty() {
+    let f = pg_fleet(&[("small", 1)], 20.0, |_| {}).await;
+    let k = key(
+        &f,
+        NewApiKey {
+            message_quota: Some(40),
+            burst_capacity: Some(100),
+            max_streams: Some(100),
+            ..NewApiKey::default()
+        },
+    )
+    .await;
+    let answers = futures::future::join_all((0..60).map(|i| {
+        let (f, k) = (&f, &k);
+        async move {
+            let resp = f
+                .submit_as(k, &format!("m-{i}"), &body("one", 1, false))
+                .await;
+            let retry_after = resp
+                .headers()
+                .get("retry-after")
+                .map(|v| v.to_str().unwrap().to_owned());
+            (
+                resp.status().as_u16(),
+                retry_after,
+                resp.json::<Value>().await.unwrap(),
+            )
+        }
+    }))
+    .await;
+    let ok = answers.iter().filter(|(s, _, _)| *s == 200).count();
+    let exhausted: Vec<_> = answers.iter().filter(|(s, _, _)| *s == 429).collect();
+    assert_eq!((ok, exhausted.len()), (40, 20), "{answers:?}");
+    let now = chrono::Utc::now();
+    for (_, retry_after, v) in exhausted {
+        let e = &v["error"];
+        assert_eq!(e["code"], "quota_exhausted");
+        assert_eq!(e["retryable"], false);
+        assert_eq!(
+            (
+                e["details"]["limit"].as_u64(),
+                e["details"]["remaining"].as_u64()
+            ),
+            (Some(40), Some(0))
+        );
+        let reset =
+            chrono::DateTime::parse_from_rfc3339(e["details"]["reset_at"].as_str().unwrap())
+                .unwrap();
+        assert_eq!(
+            reset.timestamp() % (3 * 3600),
+            0,
+            "UTC-aligned 3-hour windows"
+        );
+        assert!(reset > now && (reset.with_timezone(&chrono::Utc) - now).num_hours() < 3);
+        let secs: i64 = retry_after.as_deref().unwrap().parse().unwrap();
+        assert!(
+            (secs - (reset.timestamp() - now.timestamp())).abs() <= 5,
+            "Retry-After is the reset"
+        );
+    }
+    f.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_burst_bucket_and_concurrent_generations_are_enforced() {
+    let f = pg_fleet(&[("small", 1)], 5.0, |_| {}).await;
+    let bursty = key(
+        &f,
+        NewApiKey {
+            burst_capacity: Some(3),
+            burst_refill_seconds: Some(30),
+            max_streams: Some(10),
+            ..NewApiKey::default()
+        },
+    )
+    .await;
+    for i in 0..3 {
+        let resp = f
+            .submit_as(&bursty, &format!("b-{i}"), &body("x", 1, false))
+            .await;
+        assert_eq!(resp.status(), 200);
+    }
+    let resp = f.submit_as(&bursty, "b-3", &body("x", 1, false)).await;
+    assert_eq!(resp.status(), 429);
+    let secs: u64 = resp.headers()["retry-after"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(
+        (1..=30).contains(&secs),
+        "a token is at most 30 s away: {secs}"
+    );
+    let v: Value = resp.json().await.unwrap();
+    assert_eq!(
+        (
+            v["error"]["code"].as_str(),
+            v["error"]["retryable"].as_bool()
+        ),
+        (Some("rate_limited"), Some(true))
+    );
+
+    // The fleet's key has the default of 2 active generations.
+    let mut first = Events::new(f.submit("c-1", &body("long", 5000, true)).await);
+    let mut second = Events::new(f.submit("c-2", &body("long", 5000, true)).await);
+    let resp = f.submit("c-3", &body("long", 5000, true)).await;
+    assert_eq!(resp.status(), 429);
+    assert!(resp.headers().contains_key("retry-after"));
+    let v: Value = resp.json().await.unwrap();
+    assert_eq!(v["error"]["code"], "concurrency_limited");
+    // A refused submission left no record: the same key is admitted once a slot frees.
+    let id = first.next().await.unwrap().1["generation_id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    assert_eq!(f.cancel(&id).await.0, 202);
+    assert_eq!(first.rest().await.last().unwrap().0, "generation.cancelled");
+    let third = f.submit("c-3", &body("short", 2, false)).await;
+    assert_eq!(
+        third.status(),
+        200,
+        "the slot came back after the confirmed stop"
+    );
+    let id2 = second.next().await.unwrap().1["generation_id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    assert_eq!(f.cancel(&id2).await.0, 202);
+    second.rest().await;
+    f.stop().await;
+}
