@@ -203,6 +203,7 @@ async fn admit(state: &AppState, plan: Plan, id: &str) -> Result<Admission, ApiE
         }
     };
     let mut id = id.to_owned();
+    let mut ledger_id = id.clone();
     let mut lifecycle = None;
     if let Some((key, fp)) = &plan.idempotency {
         let new = NewGeneration {
@@ -225,7 +226,16 @@ async fn admit(state: &AppState, plan: Plan, id: &str) -> Result<Admission, ApiE
             }
         };
         match decision {
-            Decision::Admitted(rec) => id = rec.id,
+            Decision::Admitted(rec) => {
+                if rec.id != id {
+                    // A rejected generation admitted again: its earlier attempt's ledger row is
+                    // final, so this admission's row gets a key of its own.
+                    ledger_id = format!("{}#{:08x}", rec.id, rand::random::<u32>());
+                } else {
+                    ledger_id.clone_from(&rec.id);
+                }
+                id = rec.id;
+            }
             other => {
                 give_back(on_end);
                 return match other {
@@ -243,7 +253,7 @@ async fn admit(state: &AppState, plan: Plan, id: &str) -> Result<Admission, ApiE
         plan.model.price_output_per_mtok,
     );
     let reservation = Reservation {
-        request_id: id.clone(),
+        request_id: ledger_id,
         team_id: who.team_id,
         key_id: who.key_id,
         model: plan.model.name.clone(),

@@ -216,3 +216,49 @@ async fn chat_completions_honour_an_idempotency_key() {
     assert_eq!((status, doc["status"].as_str()), (200, Some("completed")));
     f.stop().await;
 }
+
+/// Refused before anything ran (no node yet): the message goes back, the record is
+/// `rejected`, and the same key is admitted again later as the same generation.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rejected_admission_is_admitted_again_under_the_same_key() {
+    let f = pg_fleet(&[], 20.0, |_| {}).await;
+    let resp = f.submit("again", &body("hi", 3, false)).await;
+    assert_eq!(resp.status(), 503);
+    let err: Value = resp.json().await.unwrap();
+    assert_eq!(err["error"]["code"], "no_healthy_node");
+    let id = err["error"]["request_id"].as_str().unwrap().to_owned();
+    let (status, doc) = f.get(&id).await;
+    assert_eq!((status, doc["status"].as_str()), (200, Some("rejected")));
+    assert_eq!(doc["error"]["code"], "no_healthy_node");
+    let w = f.window().await;
+    assert_eq!((w.used, w.reserved), (0, 0), "the message was released");
+
+    let config = switchyard::demo::FleetConfig {
+        time_scale: 20.0,
+        agent_backoff_min: Duration::from_millis(100),
+        ..Default::default()
+    };
+    let mut node = f
+        .add_node(&config, "small-late", "llama-3.1-8b-instruct")
+        .await
+        .unwrap();
+    until(Duration::from_secs(10), "the node to register", || async {
+        f.server.state().nodes.lock().unwrap().len() == 1
+    })
+    .await;
+    let resp = f.submit("again", &body("hi", 3, false)).await;
+    assert_eq!(resp.status(), 200);
+    let doc: Value = resp.json().await.unwrap();
+    assert_eq!(
+        (doc["id"].as_str(), doc["status"].as_str()),
+        (Some(id.as_str()), Some("completed"))
+    );
+    let w = f.window().await;
+    assert_eq!((w.used, w.reserved), (1, 0));
+    // The first admission's ledger row stays cancelled; the second has a row of its own.
+    let first = f.store.ledger_row(&id).await.unwrap().unwrap();
+    assert_eq!(first.status, LedgerStatus::Cancelled);
+    node.stop_agent().await;
+    node.sim.shutdown().await;
+    f.stop().await;
+}

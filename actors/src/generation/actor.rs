@@ -212,7 +212,11 @@ impl Actor for GenerationActor {
             match state.phase {
                 // Stopped before any GPU work: release the reservation rather than leak it.
                 Phase::New | Phase::Queued => {
-                    let _ = state.args.ledger.cancel(&state.args.request_id).await;
+                    let _ = state
+                        .args
+                        .ledger
+                        .cancel(&state.args.reservation.request_id)
+                        .await;
                 }
                 // Stopped (a replica shutting down) while a node may still be working: the
                 // row stays reserved for the node's `done`, which it resends to whichever

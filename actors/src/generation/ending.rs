@@ -391,7 +391,12 @@ impl GenerationState {
         if self.ledger_final {
             return;
         }
-        match self.args.ledger.cancel(&self.args.request_id).await {
+        match self
+            .args
+            .ledger
+            .cancel(&self.args.reservation.request_id)
+            .await
+        {
             Ok(_) => self.ledger_final = true,
             Err(e) => {
                 tracing::error!(request_id = %self.args.request_id, error = %e, "could not cancel the ledger row")
@@ -405,7 +410,7 @@ impl GenerationState {
             return true;
         }
         let settlement = Settlement {
-            request_id: self.args.request_id.clone(),
+            request_id: self.args.reservation.request_id.clone(),
             prompt_tokens,
             completion_tokens,
         };

@@ -82,13 +82,16 @@ impl std::fmt::Debug for EndHook {
 /// Everything a generation needs.
 #[derive(Debug)]
 pub struct GenerationArgs {
-    /// Unique id (`chatcmpl-…` / `req_…`), also the ledger row's key.
+    /// Unique id (`chatcmpl-…` / `gen_…`): frames, the directory and the generation's
+    /// record use it. The ledger row's key is the reservation's `request_id`: the same,
+    /// except for a rejected generation admitted again under its key, whose new row needs
+    /// a new key.
     pub request_id: String,
     /// Resolved model name, as the engines serve it.
     pub model: String,
     /// The OpenAI body to forward (model already resolved).
     pub body: serde_json::Value,
-    /// The ledger row to open at admission.
+    /// The ledger row to open at admission (its `request_id` keys the row).
     pub reservation: Reservation,
     /// The model's queue.
     pub queue: ModelQueueHandle,

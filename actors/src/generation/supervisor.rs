@@ -22,6 +22,7 @@ use ractor::{
 #[derive(Debug)]
 struct Child {
     request_id: String,
+    ledger_id: String,
     events: CrashSender,
 }
 
@@ -76,6 +77,7 @@ impl Actor for GenerationSupervisor {
             SupervisorMsg::Spawn(args, reply) => {
                 let child = Child {
                     request_id: args.request_id.clone(),
+                    ledger_id: args.reservation.request_id.clone(),
                     events: args.events.crash_sender(),
                 };
                 let spawned = Actor::spawn_linked(
@@ -126,7 +128,7 @@ impl Actor for GenerationSupervisor {
 /// gets an error instead of a hang.
 async fn crashed(state: &SupervisorState, _cell: &ActorCell, child: Child) {
     state.directory.remove(&child.request_id);
-    if let Err(e) = state.ledger.cancel(&child.request_id).await {
+    if let Err(e) = state.ledger.cancel(&child.ledger_id).await {
         tracing::error!(request_id = %child.request_id, error = %e, "could not release a crashed generation's row");
     }
     child.events.send(GenEvent::Failed(Failure::new(

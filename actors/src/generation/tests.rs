@@ -510,3 +510,59 @@ async fn a_stale_done_from_an_older_attempt_is_acked_but_not_billed() {
         "attempt 2 still owns the row"
     );
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_lost_node_confirming_its_stop_ends_the_fence_early() {
+    let h = harness(8, 4).await;
+    let (n1, mut out1) = connect(&h, "n1").await;
+    let (_n2, mut out2) = connect(&h, "n2").await;
+    let _stream = start(&h, "r1").await.unwrap();
+    expect_assign(&mut out1).await;
+    let lost_at = tokio::time::Instant::now();
+    n1.connection_lost();
+    // Back within the lease, the node reports that attempt 1 stopped (its agent cancels
+    // work when its connection drops): attempt 1 can no longer run, so attempt 2 goes now.
+    let (again, mut out_again) = connect(&h, "n1").await;
+    again.deliver(done("r1", 1, 12, 0, "abort"));
+    assert!(matches!(
+        out_again.recv().await,
+        Some(ServerFrame::Ack { attempt: 1, .. })
+    ));
+    let (_, attempt) = tokio::select! {
+        a = expect_assign(&mut out2) => a,
+        a = expect_assign(&mut out_again) => a,
+    };
+    assert_eq!(attempt, 2);
+    assert!(
+        lost_at.elapsed() < Timeouts::default().lease,
+        "did not wait out the lease"
+    );
+    assert_eq!(
+        h.ledger.row("r1").unwrap().status,
+        RowStatus::Reserved,
+        "attempt 1 not billed"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_cancel_before_the_node_answers_waits_for_the_fence() {
+    let h = harness(8, 4).await;
+    let (n1, mut out1) = connect(&h, "n1").await;
+    let mut stream = start(&h, "r1").await.unwrap();
+    expect_assign(&mut out1).await;
+    stream.cancel();
+    assert!(matches!(
+        out1.recv().await,
+        Some(ServerFrame::Cancel { attempt: 1, .. })
+    ));
+    // The node is lost without confirming: cancelled only once its lease fenced it.
+    n1.connection_lost();
+    let started = tokio::time::Instant::now();
+    match stream.next().await {
+        Some(GenEvent::Cancelled(u)) => assert_eq!(u.completion_tokens, 0),
+        other => panic!("expected cancelled, got {other:?}"),
+    }
+    assert!(started.elapsed() >= Timeouts::default().settle_wait);
+    settle_a_moment().await;
+    assert_eq!(h.ledger.row("r1").unwrap().status, RowStatus::Settled);
+}
