@@ -99,20 +99,7 @@ async fn prepare(
     if let Some(unknown) = obj.keys().find(|k| !FIELDS.contains(&k.as_str())) {
         return Err(bad(&format!("Unknown field `{unknown}`.")));
     }
-    let model_name = obj
-        .get("model")
-        .and_then(Value::as_str)
-        .ok_or_else(|| bad("`model` is required."))?;
-    let model = state
-        .config
-        .resolve_model(model_name)
-        .cloned()
-        .ok_or_else(|| {
-            ApiError::new(
-                ErrorCode::ModelNotFound,
-                format!("The model `{model_name}` does not exist."),
-            )
-        })?;
+    let model = lifecycle::resolve_model(state, &obj)?;
     tracing::Span::current().record("model", model.name.as_str());
     let messages = obj
         .get("messages")

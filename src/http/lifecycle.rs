@@ -58,6 +58,23 @@ pub enum Started {
     Existing(GenerationRecord),
 }
 
+/// The model a body's `model` names (a version or an alias), for both dialects.
+pub fn resolve_model(
+    state: &AppState,
+    obj: &serde_json::Map<String, Value>,
+) -> Result<ModelConfig, ApiError> {
+    let name = obj
+        .get("model")
+        .and_then(Value::as_str)
+        .ok_or_else(|| ApiError::new(ErrorCode::InvalidRequest, "`model` is required."))?;
+    state.config.resolve_model(name).cloned().ok_or_else(|| {
+        ApiError::new(
+            ErrorCode::ModelNotFound,
+            format!("The model `{name}` does not exist."),
+        )
+    })
+}
+
 /// The optional `Idempotency-Key` header: 1 to 255 visible ASCII characters.
 pub fn idempotency_key(headers: &HeaderMap) -> Result<Option<String>, ApiError> {
     let Some(value) = headers.get("idempotency-key") else {

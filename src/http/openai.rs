@@ -160,20 +160,7 @@ fn validate(state: &AppState, body: Value) -> Result<ChatRequest, ApiError> {
     let Value::Object(mut obj) = body else {
         return Err(bad("The body must be a JSON object."));
     };
-    let model_name = obj
-        .get("model")
-        .and_then(Value::as_str)
-        .ok_or_else(|| bad("`model` is required."))?;
-    let resolved = state
-        .config
-        .resolve_model(model_name)
-        .cloned()
-        .ok_or_else(|| {
-            ApiError::new(
-                ErrorCode::ModelNotFound,
-                format!("The model `{model_name}` does not exist."),
-            )
-        })?;
+    let resolved = lifecycle::resolve_model(state, &obj)?;
     let messages = obj
         .get("messages")
         .and_then(Value::as_array)

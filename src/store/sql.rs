@@ -4,8 +4,8 @@
 
 use sqlx::{ColumnIndex, Decode, Row, Type};
 use switchyard_actors::lifecycle::{
-    AttemptState, Bucket, Effect, GenerationRecord, LifecycleError, MessageState, Status,
-    WindowCounters,
+    AttemptState, Bucket, Effect, Event, GenerationRecord, GenerationStore, LifecycleError,
+    MessageState, Status, WindowCounters,
 };
 use switchyard_actors::ports::LedgerError;
 
@@ -142,6 +142,40 @@ pub(super) const DROP_OUTPUTS: &str = "UPDATE generations SET output = NULL \
 
 /// Generations expired per sweeper page.
 pub(super) const SWEEP_PAGE: i64 = 256;
+
+/// Expires every active generation past its slot's bound, a page of ids at a time: `page`
+/// lists the ids after the given one (`SELECT_EXPIRED`), and each expiry is its own
+/// [`Event::Expire`] transition, which re-reads the record under its lock, so one that ended
+/// since its page was read is refused and left alone. Returns how many expired.
+pub(super) async fn expire_pages<S, F, Fut>(
+    store: &S,
+    now_ms: i64,
+    mut page: F,
+) -> Result<u64, LifecycleError>
+where
+    S: GenerationStore + ?Sized,
+    F: FnMut(String) -> Fut,
+    Fut: std::future::Future<Output = Result<Vec<String>, LifecycleError>>,
+{
+    let mut expired = 0;
+    let mut after = String::new();
+    loop {
+        let ids = page(after.clone()).await?;
+        for id in &ids {
+            match store.apply_generation(id, &Event::Expire, now_ms).await {
+                Ok(applied) if applied.result.is_ok() => expired += 1,
+                Ok(_) | Err(LifecycleError::Unknown) => {}
+                Err(e) => return Err(e),
+            }
+        }
+        match ids.last() {
+            Some(last) if i64::try_from(ids.len()).unwrap_or(i64::MAX) >= SWEEP_PAGE => {
+                after.clone_from(last);
+            }
+            _ => return Ok(expired),
+        }
+    }
+}
 
 pub(super) fn lifecycle_unavailable(e: sqlx::Error) -> LifecycleError {
     LifecycleError::Unavailable(e.to_string())

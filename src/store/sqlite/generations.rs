@@ -16,7 +16,8 @@ use crate::store::sql::{
     COUNT_HELD_SLOTS, DROP_OUTPUTS, INSERT_GENERATION, RESERVE_MESSAGE, RecordParams,
     SELECT_BUCKET, SELECT_EXPIRED, SELECT_GENERATION, SELECT_GENERATION_BY_KEY, SELECT_WINDOW,
     SETTLE_MESSAGE, STORE_BUCKET, SWEEP_PAGE, UPDATE_GENERATION, active_count, bind_record, bucket,
-    effect_params, generation_from_row, lifecycle_unavailable as unavailable, window_counters,
+    effect_params, expire_pages, generation_from_row, lifecycle_unavailable as unavailable,
+    window_counters,
 };
 
 #[async_trait]
@@ -166,32 +167,17 @@ impl GenerationStore for SqliteStore {
         now_ms: i64,
         retention_ms: i64,
     ) -> Result<u64, LifecycleError> {
-        let mut expired = 0;
-        let mut after = String::new();
-        loop {
-            let ids: Vec<String> = sqlx::query_scalar(SELECT_EXPIRED)
+        let pool = &self.pool;
+        let expired = expire_pages(self, now_ms, |after| async move {
+            sqlx::query_scalar(SELECT_EXPIRED)
                 .bind(now_ms)
-                .bind(&after)
+                .bind(after)
                 .bind(SWEEP_PAGE)
-                .fetch_all(&self.pool)
+                .fetch_all(pool)
                 .await
-                .map_err(unavailable)?;
-            // Each in its own transaction, which re-reads the record under the write lock:
-            // one that ended since the page was read is refused and left alone.
-            for id in &ids {
-                match self.apply_generation(id, &Event::Expire, now_ms).await {
-                    Ok(applied) if applied.result.is_ok() => expired += 1,
-                    Ok(_) | Err(LifecycleError::Unknown) => {}
-                    Err(e) => return Err(e),
-                }
-            }
-            match ids.last() {
-                Some(last) if i64::try_from(ids.len()).unwrap_or(i64::MAX) >= SWEEP_PAGE => {
-                    after.clone_from(last);
-                }
-                _ => break,
-            }
-        }
+                .map_err(unavailable)
+        })
+        .await?;
         let _turn = self.writer.lock().await;
         sqlx::query(DROP_OUTPUTS)
             .bind(now_ms.saturating_sub(retention_ms))
