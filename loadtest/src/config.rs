@@ -53,6 +53,9 @@ pub struct RunConfig {
     pub tokens_per_word: Option<f64>,
     /// Draw a progress bar on stderr (only if stderr is a terminal).
     pub progress: bool,
+    /// Send a fresh `Idempotency-Key` with every request, so each goes through Switchyard's
+    /// generation lifecycle (record, message quota, fencing) — to measure what it costs.
+    pub idempotency_keys: bool,
 }
 
 impl RunConfig {
@@ -73,6 +76,7 @@ impl RunConfig {
             timeout: Duration::from_secs(300),
             tokens_per_word: None,
             progress: false,
+            idempotency_keys: false,
         }
     }
 

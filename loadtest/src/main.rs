@@ -71,6 +71,9 @@ struct RunArgs {
     /// Do not draw the progress bar.
     #[arg(long)]
     no_progress: bool,
+    /// Send a fresh Idempotency-Key with every request (Switchyard's generation lifecycle).
+    #[arg(long)]
+    idempotency_keys: bool,
 }
 
 /// Wrapper so clap treats a parsed mix as one value, not a repeated option.
@@ -101,6 +104,7 @@ impl RunArgs {
             timeout: self.timeout,
             tokens_per_word: self.tokens_per_word,
             progress: !self.no_progress,
+            idempotency_keys: self.idempotency_keys,
         }
     }
 }

@@ -55,17 +55,36 @@ impl<'a> ChatRequest<'a> {
     }
 }
 
+/// `lt-{run}-{n}`: the run's start in nanoseconds and a counter, unique across runs.
+fn next_idempotency_key() -> String {
+    use std::sync::OnceLock;
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static RUN: OnceLock<u128> = OnceLock::new();
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let run = RUN.get_or_init(|| {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos())
+    });
+    format!("lt-{run:x}-{}", NEXT.fetch_add(1, Ordering::Relaxed))
+}
+
 /// Where one request goes; shared by all workers.
 #[derive(Debug, Clone)]
 pub(crate) struct Target {
     pub client: reqwest::Client,
     pub endpoint: String,
     pub auth: Option<String>,
+    /// A fresh `Idempotency-Key` per request.
+    pub idempotency_keys: bool,
 }
 
 impl Target {
     fn post(&self, body: &ChatRequest<'_>) -> reqwest::RequestBuilder {
-        let req = self.client.post(&self.endpoint).json(body);
+        let mut req = self.client.post(&self.endpoint).json(body);
+        if self.idempotency_keys {
+            req = req.header("idempotency-key", next_idempotency_key());
+        }
         match &self.auth {
             Some(a) => req.header(reqwest::header::AUTHORIZATION, a),
             None => req,

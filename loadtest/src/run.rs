@@ -44,6 +44,7 @@ pub async fn run(cfg: RunConfig) -> anyhow::Result<Report> {
         client,
         endpoint: cfg.endpoint(),
         auth: cfg.api_key.as_ref().map(|k| format!("Bearer {k}")),
+        idempotency_keys: cfg.idempotency_keys,
     };
     let workers = assign_workers(&cfg.models, cfg.streams);
 

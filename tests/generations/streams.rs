@@ -168,3 +168,62 @@ async fn an_expired_result_is_result_unavailable_and_never_rerun() {
     assert_eq!(f.engine_requests(), 1, "not rerun");
     f.stop().await;
 }
+
+/// The embedded default (SQLite, in-process coordination) runs the same lifecycle.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_embedded_store_runs_the_same_lifecycle() {
+    let fleet = crate::common::fleet(&[("small", 1)], 20.0, |_| {}).await;
+    let base = fleet.server.base_url();
+    let client = crate::common::http();
+    let submit = |key: &'static str, b: Value| {
+        client
+            .post(format!("{base}/v1/generations"))
+            .bearer_auth(&fleet.api_key)
+            .header("idempotency-key", key)
+            .json(&b)
+            .send()
+    };
+    let first: Value = submit("e-1", body("embedded", 6, false))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(
+        (
+            first["status"].as_str(),
+            first["usage"]["output_tokens"].as_u64()
+        ),
+        (Some("completed"), Some(6))
+    );
+    let replay: Value = submit("e-1", body("embedded", 6, false))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(replay["id"], first["id"]);
+    let conflict = submit("e-1", body("something else", 6, false))
+        .await
+        .unwrap();
+    assert_eq!(conflict.status(), 409);
+
+    let mut events = Events::new(submit("e-2", body("long", 5000, true)).await.unwrap());
+    let id = events.next().await.unwrap().1["generation_id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    events.next().await.unwrap();
+    let resp = client
+        .post(format!("{base}/v1/generations/{id}/cancel"))
+        .bearer_auth(&fleet.api_key)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 202);
+    assert_eq!(
+        events.rest().await.last().unwrap().0,
+        "generation.cancelled"
+    );
+    fleet.shutdown(Duration::from_secs(2)).await;
+}
