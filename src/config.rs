@@ -117,16 +117,16 @@ impl Default for TimeoutSettings {
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct GenerationSettings {
-    /// Messages per principal per window (a key's `message_quota` overrides it).
+    /// Messages per window of a JWT principal (a person); a key has none unless its
+    /// `message_quota` sets one.
     pub messages_per_window: u32,
     /// Window length in hours; windows are fixed and UTC-aligned (it must divide 24).
     pub window_hours: u32,
-    /// Burst bucket capacity (a key's `burst_capacity` overrides it).
+    /// Burst bucket capacity of a JWT principal; a key has no bucket unless its
+    /// `burst_capacity` sets one.
     pub burst_capacity: u32,
     /// Seconds per bucket token (a key's `burst_refill_seconds` overrides it).
     pub burst_refill_secs: u32,
-    /// Active generations per principal (a key's `max_streams` overrides it).
-    pub max_active: u32,
     /// Hours a terminal generation's result stays readable.
     pub retention_hours: u32,
     /// Unread bytes a stream may hold before its reader counts as too slow.
@@ -146,7 +146,6 @@ impl Default for GenerationSettings {
             window_hours: 3,
             burst_capacity: 20,
             burst_refill_secs: 3,
-            max_active: 2,
             retention_hours: 24,
             stream_buffer_bytes: 256 * 1024,
             stream_buffer_age_ms: 10_000,

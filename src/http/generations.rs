@@ -60,6 +60,7 @@ async fn submit(
     let (plan, stream) = prepare(state, headers, body)
         .await
         .inspect_err(lifecycle::count_refusal)?;
+    let model = plan.model.name.clone();
     match lifecycle::start(state, plan, id).await? {
         Started::Running {
             generation,
@@ -69,7 +70,7 @@ async fn submit(
             let mut response = if stream {
                 stream_events(generation, id.clone())
             } else {
-                collect(generation, &id).await?
+                collect(generation, &id, &model).await?
             };
             if let Ok(v) = HeaderValue::from_str(&id) {
                 response.headers_mut().insert("x-request-id", v);
@@ -77,7 +78,7 @@ async fn submit(
             rate.apply(response.headers_mut());
             Ok(response)
         }
-        Started::Existing(rec) => replay(state, &rec, stream),
+        Started::Existing(rec) => lifecycle::counted_replay(replay(state, &rec, stream)),
     }
 }
 
@@ -160,14 +161,18 @@ async fn prepare(
     Ok((plan, stream))
 }
 
-/// What to tell the client to do after a failure once the stream has begun.
+/// What to tell the client to do after a failure once the stream has begun: capacity
+/// refusals happened before anything ran (the record is `rejected`), so the same key may be
+/// sent again; anything after a node took the work is final, and a new answer needs a new key.
 fn action(code: ErrorCode, partial: bool) -> &'static str {
-    if partial {
-        "manual_regenerate"
-    } else if code.retryable() {
-        "retry"
-    } else {
-        "none"
+    use ErrorCode::*;
+    match code {
+        _ if partial => "manual_regenerate",
+        QueueFull | CapacityExhausted | NoHealthyNode | ModelLoading | QuotaServiceUnavailable => {
+            "retry"
+        }
+        InvalidRequest => "none",
+        _ => "manual_regenerate",
     }
 }
 
@@ -272,7 +277,11 @@ fn stream_events(generation: GenerationStream, id: String) -> Response {
 }
 
 /// A running generation collected into one document, or its error.
-async fn collect(mut generation: GenerationStream, id: &str) -> Result<Response, ApiError> {
+async fn collect(
+    mut generation: GenerationStream,
+    id: &str,
+    model: &str,
+) -> Result<Response, ApiError> {
     let mut text = String::new();
     loop {
         let (status, usage) = match generation.next().await {
@@ -299,6 +308,7 @@ async fn collect(mut generation: GenerationStream, id: &str) -> Result<Response,
         let body = json!({
             "id": id,
             "status": status,
+            "model": model,
             "output": [{"type": "text", "text": text}],
             "usage": usage_json(&usage),
         });

@@ -18,7 +18,7 @@ use switchyard_actors::ports::{Reservation, cost_of};
 
 use super::error::ApiError;
 use crate::auth::Principal;
-use crate::config::ModelConfig;
+use crate::config::{Config, ModelConfig};
 use crate::quota::RateHeaders;
 use crate::server::AppState;
 
@@ -135,16 +135,27 @@ fn canonical(v: &Value, out: &mut String) {
     }
 }
 
-/// The principal's message policy: its key's overrides, else the configured defaults.
-pub fn policy(state: &AppState, who: &Principal) -> MessagePolicy {
-    let g = &state.config.generations;
-    let longest = state.config.timeouts.total_secs + state.config.timeouts.settle_wait_secs;
+/// The principal's message policy (SPEC section 6): what its key sets; otherwise a key (a
+/// team's service) has no message quota, burst bucket or active-generation limit, and a JWT
+/// principal (a person) gets the configured defaults (40 per 3 h, a bucket of 20 refilled one
+/// per 3 s) and `jwt_max_streams` active generations.
+pub fn policy(config: &Config, who: &Principal) -> MessagePolicy {
+    let g = &config.generations;
+    let person = who.key_id.is_none();
+    let default = |value: u32| {
+        if person {
+            value
+        } else {
+            MessagePolicy::UNLIMITED
+        }
+    };
+    let longest = config.timeouts.total_secs + config.timeouts.settle_wait_secs;
     MessagePolicy {
-        limit: who.message_quota.unwrap_or(g.messages_per_window),
+        limit: who.message_quota.unwrap_or(default(g.messages_per_window)),
         window_ms: i64::from(g.window_hours) * 3_600_000,
-        burst_capacity: who.burst_capacity.unwrap_or(g.burst_capacity),
+        burst_capacity: who.burst_capacity.unwrap_or(default(g.burst_capacity)),
         burst_refill_ms: i64::from(who.burst_refill_seconds.unwrap_or(g.burst_refill_secs)) * 1000,
-        max_active: who.max_streams.unwrap_or(g.max_active),
+        max_active: who.max_streams.unwrap_or(MessagePolicy::UNLIMITED),
         slot_ttl_ms: i64::try_from(longest.saturating_mul(1000)).unwrap_or(i64::MAX),
     }
 }
@@ -179,6 +190,18 @@ pub async fn start(state: &AppState, plan: Plan, id: &str) -> Result<Started, Ap
     })
 }
 
+/// Counts the answer to a repeated key (`replayed`, or its 409/410 code).
+pub fn counted_replay(
+    answer: Result<axum::response::Response, ApiError>,
+) -> Result<axum::response::Response, ApiError> {
+    let code = match &answer {
+        Ok(_) => "replayed",
+        Err(e) => e.failure.code.as_str(),
+    };
+    metrics::counter!(REQUESTS_TOTAL, "model" => "", "code" => code).increment(1);
+    answer
+}
+
 /// Counts a request refused before it became a generation.
 pub fn count_refusal(e: &ApiError) {
     metrics::counter!(REQUESTS_TOTAL, "model" => "", "code" => e.failure.code.as_str())
@@ -190,7 +213,14 @@ enum Admission {
     Existing(GenerationRecord),
 }
 
-async fn admit(state: &AppState, plan: Plan, id: &str) -> Result<Admission, ApiError> {
+async fn admit(state: &AppState, mut plan: Plan, id: &str) -> Result<Admission, ApiError> {
+    let policy = policy(&state.config, &plan.principal);
+    // A principal whose messages are metered goes through a record even without a key: the
+    // quota and the bucket are only exact inside the record's transaction. The key is the
+    // request's own id, so it is never replayed.
+    if plan.idempotency.is_none() && policy.meters_messages() {
+        plan.idempotency = Some((format!("auto:{id}"), String::new()));
+    }
     let who = &plan.principal;
     // A retry of a known request costs nothing and is answered from its record.
     if let Some((key, fp)) = &plan.idempotency {
@@ -231,11 +261,7 @@ async fn admit(state: &AppState, plan: Plan, id: &str) -> Result<Admission, ApiE
             model: plan.model.name.clone(),
         };
         let now_ms = state.clock.wall().timestamp_millis();
-        let decision = match state
-            .store
-            .admit_generation(&new, &policy(state, who), now_ms)
-            .await
-        {
+        let decision = match state.store.admit_generation(&new, &policy, now_ms).await {
             Ok(d) => d,
             Err(_) => {
                 give_back(on_end);
@@ -400,6 +426,51 @@ mod tests {
         assert_eq!(fingerprint(&a), fingerprint(&b));
         assert_ne!(fingerprint(&a), fingerprint(&c));
         assert_eq!(fingerprint(&a).len(), 64);
+    }
+
+    fn principal(key_id: Option<i64>) -> Principal {
+        Principal {
+            team_id: 1,
+            key_id,
+            subject: "s".into(),
+            model_allowlist: None,
+            rpm: None,
+            max_streams: key_id.is_none().then_some(2),
+            tokens_per_day: None,
+            message_quota: None,
+            burst_capacity: None,
+            burst_refill_seconds: None,
+            admin: false,
+        }
+    }
+
+    #[test]
+    fn keys_meter_no_messages_unless_set_and_people_get_the_defaults() {
+        let config = Config::default();
+        let service = policy(&config, &principal(Some(7)));
+        assert!(!service.meters_messages());
+        assert_eq!(service.max_active, MessagePolicy::UNLIMITED);
+        let person = policy(&config, &principal(None));
+        assert!(person.meters_messages());
+        assert_eq!(
+            (
+                person.limit,
+                person.burst_capacity,
+                person.burst_refill_ms,
+                person.max_active
+            ),
+            (40, 20, 3000, 2)
+        );
+        assert_eq!(person.window_ms, 3 * 3600 * 1000);
+        let mut limited = principal(Some(7));
+        limited.message_quota = Some(5);
+        limited.max_streams = Some(3);
+        let limited = policy(&config, &limited);
+        assert!(limited.meters_messages());
+        assert_eq!(
+            (limited.limit, limited.burst_capacity, limited.max_active),
+            (5, MessagePolicy::UNLIMITED, 3)
+        );
     }
 
     #[test]

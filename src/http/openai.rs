@@ -62,7 +62,7 @@ async fn run(
         } => (generation, id, rate),
         Started::Existing(rec) => {
             let render = Render::new(&rec.id, &model, include_usage, created);
-            return replay(state, &rec, render, stream).await;
+            return lifecycle::counted_replay(replay(state, &rec, render, stream).await);
         }
     };
     let render = Render::new(&id, &model, include_usage, created);

@@ -107,9 +107,13 @@ impl PgFleet {
     }
 
     pub async fn cancel(&self, id: &str) -> (u16, Value) {
+        self.cancel_as(&self.api_key, id).await
+    }
+
+    pub async fn cancel_as(&self, bearer: &str, id: &str) -> (u16, Value) {
         let resp = http()
             .post(self.url(&format!("/v1/generations/{id}/cancel")))
-            .bearer_auth(&self.api_key)
+            .bearer_auth(bearer)
             .send()
             .await
             .unwrap();

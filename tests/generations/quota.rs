@@ -123,10 +123,18 @@ async fn the_burst_bucket_and_concurrent_generations_are_enforced() {
         (Some("rate_limited"), Some(true))
     );
 
-    // The fleet's key has the default of 2 active generations.
-    let mut first = Events::new(f.submit("c-1", &body("long", 5000, true)).await);
-    let mut second = Events::new(f.submit("c-2", &body("long", 5000, true)).await);
-    let resp = f.submit("c-3", &body("long", 5000, true)).await;
+    // A key whose max_streams is 2 has 2 active generations.
+    let two = key(
+        &f,
+        NewApiKey {
+            max_streams: Some(2),
+            ..NewApiKey::default()
+        },
+    )
+    .await;
+    let mut first = Events::new(f.submit_as(&two, "c-1", &body("long", 5000, true)).await);
+    let mut second = Events::new(f.submit_as(&two, "c-2", &body("long", 5000, true)).await);
+    let resp = f.submit_as(&two, "c-3", &body("long", 5000, true)).await;
     assert_eq!(resp.status(), 429);
     assert!(resp.headers().contains_key("retry-after"));
     let v: Value = resp.json().await.unwrap();
@@ -136,9 +144,9 @@ async fn the_burst_bucket_and_concurrent_generations_are_enforced() {
         .as_str()
         .unwrap()
         .to_owned();
-    assert_eq!(f.cancel(&id).await.0, 202);
+    assert_eq!(f.cancel_as(&two, &id).await.0, 202);
     assert_eq!(first.rest().await.last().unwrap().0, "generation.cancelled");
-    let third = f.submit("c-3", &body("short", 2, false)).await;
+    let third = f.submit_as(&two, "c-3", &body("short", 2, false)).await;
     assert_eq!(
         third.status(),
         200,
@@ -148,7 +156,69 @@ async fn the_burst_bucket_and_concurrent_generations_are_enforced() {
         .as_str()
         .unwrap()
         .to_owned();
-    assert_eq!(f.cancel(&id2).await.0, 202);
+    assert_eq!(f.cancel_as(&two, &id2).await.0, 202);
     second.rest().await;
+    f.stop().await;
+}
+
+/// A metered principal's chat completions spend the same messages, with or without a key;
+/// an unmetered key's chat completions create no record at all.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chat_completions_share_the_message_quota() {
+    let f = pg_fleet(&[("small", 1)], 20.0, |_| {}).await;
+    let metered = key(
+        &f,
+        NewApiKey {
+            message_quota: Some(2),
+            ..NewApiKey::default()
+        },
+    )
+    .await;
+    let chat = |bearer: String, idem: Option<&'static str>| {
+        let url = f.url("/v1/chat/completions");
+        async move {
+            let mut req = crate::common::http()
+                .post(url)
+                .bearer_auth(bearer)
+                .json(&serde_json::json!({"model": "small", "max_tokens": 2,
+                    "messages": [{"role": "user", "content": "hi"}]}));
+            if let Some(k) = idem {
+                req = req.header("idempotency-key", k);
+            }
+            let resp = req.send().await.unwrap();
+            let id = resp
+                .headers()
+                .get("x-request-id")
+                .map(|v| v.to_str().unwrap().to_owned());
+            (
+                resp.status().as_u16(),
+                id,
+                resp.json::<Value>().await.unwrap(),
+            )
+        }
+    };
+    let (s1, id1, _) = chat(metered.clone(), None).await;
+    let (s2, _, _) = chat(metered.clone(), Some("with-key")).await;
+    let (s3, _, err) = chat(metered.clone(), None).await;
+    assert_eq!((s1, s2, s3), (200, 200, 429), "{err}");
+    assert_eq!(err["error"]["code"], "quota_exhausted");
+    // The keyless request has a record of its own, readable by its id.
+    let resp = crate::common::http()
+        .get(f.url(&format!("/v1/generations/{}", id1.unwrap())))
+        .bearer_auth(&metered)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    // The fleet's key meters nothing: no record.
+    let (s, id, _) = chat(f.api_key.clone(), None).await;
+    assert_eq!(s, 200);
+    assert!(
+        f.store
+            .get_generation(&id.unwrap())
+            .await
+            .unwrap()
+            .is_none()
+    );
     f.stop().await;
 }

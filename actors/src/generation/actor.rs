@@ -70,6 +70,10 @@ pub struct GenerationState {
     pub(super) output: String,
     pub(super) stop: Option<Stop>,
     pub(super) client_gone: bool,
+    /// The reader fell behind its bound: it gets no more deltas, only the end.
+    pub(super) reader_behind: bool,
+    /// The outcome was counted in `switchyard_requests_total` (once per generation).
+    pub(super) counted: bool,
     /// The client has been sent its terminal event.
     pub(super) told_client: bool,
     /// The ledger row has reached a final state (or was never opened).
@@ -113,6 +117,8 @@ impl Actor for GenerationActor {
             output: String::new(),
             stop: None,
             client_gone: false,
+            reader_behind: false,
+            counted: false,
             told_client: false,
             ledger_final: true,
             settled_tokens: None,
@@ -265,24 +271,36 @@ impl GenerationState {
         if terminal {
             self.told_client = true;
         }
-        if self.client_gone {
+        if self.client_gone || (self.reader_behind && !terminal) {
             return None;
         }
         let now = self.args.clock.now();
         match self.args.events.send(event, now) {
             Ok(()) => None,
-            Err(e) => {
-                self.client_gone = true;
-                Some(e)
+            Err(SendError::Overflow) => {
+                self.reader_behind = true;
+                Some(SendError::Overflow)
             }
+            Err(SendError::Closed) => {
+                self.client_gone = true;
+                Some(SendError::Closed)
+            }
+        }
+    }
+
+    /// Counts the generation's outcome in `switchyard_requests_total`, once.
+    pub(super) fn count(&mut self, code: &str) {
+        if !self.counted {
+            self.counted = true;
+            metrics::counter!(REQUESTS_TOTAL, "model" => self.model(), "code" => code.to_owned())
+                .increment(1);
         }
     }
 
     /// Tells the client about a failure once and counts the outcome.
     pub(super) fn fail_client(&mut self, failure: Failure) {
         if !self.told_client {
-            metrics::counter!(REQUESTS_TOTAL, "model" => self.model(), "code" => failure.code.as_str())
-                .increment(1);
+            self.count(failure.code.as_str());
             self.tell(GenEvent::Failed(failure));
         }
     }
@@ -338,6 +356,7 @@ impl GenerationState {
         };
         if let Some(failure) = refused {
             self.reject_record(&failure).await;
+            self.count(failure.code.as_str());
             self.told_client = true;
             return Err(failure);
         }
@@ -348,8 +367,7 @@ impl GenerationState {
         {
             self.cancel_row().await;
             self.reject_record(&failure).await;
-            metrics::counter!(REQUESTS_TOTAL, "model" => self.model(), "code" => failure.code.as_str())
-                .increment(1);
+            self.count(failure.code.as_str());
             self.told_client = true;
             return Err(failure);
         }
@@ -472,9 +490,7 @@ impl GenerationState {
         tracing::info!(request_id = %self.args.request_id, "reader fell behind the stream bound; cancelling");
         self.record(Event::RequestCancel).await;
         self.stop = Some(Stop::Cancelled);
-        metrics::counter!(REQUESTS_TOTAL, "model" => self.model(), "code" => "slow_reader")
-            .increment(1);
-        self.told_client = true;
+        self.count("slow_reader");
         self.cancel_on_node(myself);
     }
 }

@@ -10,8 +10,9 @@ use ractor::ActorRef;
 use super::actor::{GenerationState, Phase, Stop};
 use super::msg::{GenEvent, GenerationMsg, Timer, Usage};
 use crate::error::{ErrorCode, Failure};
+use crate::lifecycle::Refusal;
 use crate::lifecycle::{Event, Outcome};
-use crate::metric_names::{OUTPUT_TOKENS_PER_SECOND, REQUESTS_TOTAL, STALE_FRAMES_TOTAL};
+use crate::metric_names::{OUTPUT_TOKENS_PER_SECOND, STALE_FRAMES_TOTAL};
 use crate::node::NodeHandle;
 use crate::ports::{SettleOutcome, Settlement};
 
@@ -54,8 +55,7 @@ impl GenerationState {
         self.finish_record(true, outcome.clone(), &usage).await;
         match outcome {
             Outcome::Cancelled => {
-                metrics::counter!(REQUESTS_TOTAL, "model" => self.model(), "code" => "cancelled")
-                    .increment(1);
+                self.count("cancelled");
                 self.tell(GenEvent::Cancelled(usage));
             }
             // After our own stop the client was already told; otherwise the node stopped on
@@ -67,8 +67,7 @@ impl GenerationState {
             Outcome::Completed => {
                 if !self.told_client {
                     self.record_rate(usage.completion_tokens);
-                    metrics::counter!(REQUESTS_TOTAL, "model" => self.model(), "code" => "ok")
-                        .increment(1);
+                    self.count("ok");
                     self.tell(GenEvent::Finished(usage));
                 }
             }
@@ -244,8 +243,7 @@ impl GenerationState {
         match &self.phase {
             Phase::New | Phase::Queued => {
                 self.args.queue.withdraw(&self.args.request_id);
-                metrics::counter!(REQUESTS_TOTAL, "model" => self.model(), "code" => "client_gone")
-                    .increment(1);
+                self.count("client_gone");
                 self.record(Event::RequestCancel).await;
                 self.stop = Some(Stop::Cancelled);
                 self.end_cancelled_without_work(myself).await;
@@ -280,8 +278,7 @@ impl GenerationState {
         let usage = self.fallback_usage();
         self.finish_record(false, Outcome::Cancelled, &usage).await;
         if !self.told_client {
-            metrics::counter!(REQUESTS_TOTAL, "model" => self.model(), "code" => "cancelled")
-                .increment(1);
+            self.count("cancelled");
             self.tell(GenEvent::Cancelled(usage));
         }
         self.cancel_row().await;
@@ -305,7 +302,7 @@ impl GenerationState {
             Timer::CancelGrace => {
                 if matches!(self.phase, Phase::Running { .. }) {
                     self.told_client = true;
-                    metrics::counter!(REQUESTS_TOTAL, "model" => self.model(), "code" => "client_gone").increment(1);
+                    self.count("client_gone");
                     self.record(Event::RequestCancel).await;
                     self.stop = Some(Stop::Cancelled);
                     self.cancel_on_node(myself);
@@ -382,9 +379,17 @@ impl GenerationState {
         myself.stop(None);
     }
 
+    /// Records a failure before anything ran. When an attempt may have run (it was fenced, or
+    /// accepted and then lost) the message is spent and the record fails instead: it is never
+    /// offered to the same key again.
     pub(super) async fn reject_record(&mut self, failure: &Failure) {
         let code = failure.code.as_str().to_owned();
-        self.record(Event::Reject { code }).await;
+        let reject = Event::Reject { code: code.clone() };
+        if let Some(Err(Refusal::NotAllowed(_))) = self.record(reject).await {
+            let usage = self.fallback_usage();
+            self.finish_record(false, Outcome::Failed(code), &usage)
+                .await;
+        }
     }
 
     pub(super) async fn cancel_row(&mut self) {

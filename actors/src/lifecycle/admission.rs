@@ -11,7 +11,9 @@ use serde::{Deserialize, Serialize};
 
 use super::{AttemptState, GenerationRecord, MessageState, Status};
 
-/// A principal's message policy (the key's overrides, or the configured defaults).
+/// A principal's message policy (the key's overrides, or the configured defaults). A limit
+/// of [`MessagePolicy::UNLIMITED`] never refuses: a full bucket of that size never empties,
+/// and no window or slot count reaches it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct MessagePolicy {
     /// Messages per window.
@@ -27,6 +29,17 @@ pub struct MessagePolicy {
     pub max_active: u32,
     /// How long a slot is held at most before the sweeper expires its generation.
     pub slot_ttl_ms: i64,
+}
+
+impl MessagePolicy {
+    /// No limit.
+    pub const UNLIMITED: u32 = u32::MAX;
+
+    /// Whether anything in it can refuse a request for a message reason (quota or burst),
+    /// so that every request of the principal must go through a record.
+    pub fn meters_messages(&self) -> bool {
+        self.limit != Self::UNLIMITED || self.burst_capacity != Self::UNLIMITED
+    }
 }
 
 impl Default for MessagePolicy {

@@ -178,7 +178,8 @@ impl AttemptState {
 /// the request's semantic inputs, and the output while it is retained.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct GenerationRecord {
-    /// `gen_…`; also the ledger row's request id.
+    /// `gen_…` (Generations API) or `chatcmpl-…` (chat completions); also the key of its
+    /// first ledger row.
     pub id: String,
     /// The principal (key or JWT subject) that owns it.
     pub subject: String,
@@ -359,6 +360,15 @@ pub fn apply(
         Event::RequestCancel => rec.cancel_requested = true,
         Event::LeaseExpired { attempt } => {
             current_running(rec, *attempt)?;
+            // Nothing proved it started, but nothing proved it did not: a lost `accepted`
+            // can hide a running prefill. The message is spent, and the generation can no
+            // longer be rejected as never started.
+            if rec.message == MessageState::Reserved {
+                rec.message = MessageState::Consumed;
+                effects.push(Effect::ConsumeMessage {
+                    window_start_ms: rec.window_start_ms,
+                });
+            }
             rec.attempt_state = AttemptState::Fenced;
         }
         Event::Finish {
@@ -472,7 +482,7 @@ fn end(rec: &mut GenerationRecord, now_ms: i64) {
     rec.terminal_ms = Some(now_ms);
 }
 
-/// The result of [`GenerationStore::apply`].
+/// The result of [`GenerationStore::apply_generation`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Applied {
     /// The record after the event (unchanged when refused).

@@ -500,11 +500,23 @@ fn a_cancel_is_confirmed_by_fencing_when_the_node_is_silent() {
         apply(&mut r, &server_cancel, 3),
         Err(Refusal::NotAllowed(_))
     ));
-    apply(&mut r, &Event::LeaseExpired { attempt: 1 }, 4).unwrap();
-    let effects = apply(&mut r, &server_cancel, 5).unwrap();
+    // Fencing spends the message: nothing proved the attempt never started.
+    let effects = apply(&mut r, &Event::LeaseExpired { attempt: 1 }, 4).unwrap();
+    assert_eq!(effects, vec![Effect::ConsumeMessage { window_start_ms: 0 }]);
+    assert!(matches!(
+        apply(&mut r.clone(), &Event::Reject { code: "x".into() }, 5),
+        Err(Refusal::NotAllowed(_))
+    ));
+    assert!(apply(&mut r, &server_cancel, 5).unwrap().is_empty());
     assert_eq!(r.status, Status::Cancelled);
-    // Nothing proved the attempt started: the message goes back.
+
+    // A refused attempt proved it never started: that message goes back.
+    let mut r = record();
+    apply(&mut r, &Event::Dispatch { attempt: 1 }, 1).unwrap();
+    apply(&mut r, &Event::Refuse { attempt: 1 }, 2).unwrap();
+    let effects = apply(&mut r, &Event::Reject { code: "x".into() }, 3).unwrap();
     assert_eq!(effects, vec![Effect::ReleaseMessage { window_start_ms: 0 }]);
+    assert_eq!(r.status, Status::Rejected);
 }
 
 #[test]
@@ -526,6 +538,11 @@ fn a_lost_accepted_never_allows_a_second_attempt_until_fenced() {
         apply(&mut r, &done(1, Outcome::Completed), 5),
         Err(Refusal::Stale)
     );
-    let effects = apply(&mut r, &done(2, Outcome::Completed), 6).unwrap();
-    assert_eq!(effects, vec![Effect::ConsumeMessage { window_start_ms: 0 }]);
+    // The message was spent when attempt 1 was fenced, once.
+    assert!(
+        apply(&mut r, &done(2, Outcome::Completed), 6)
+            .unwrap()
+            .is_empty()
+    );
+    assert_eq!(r.message, MessageState::Consumed);
 }

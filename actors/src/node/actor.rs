@@ -9,7 +9,7 @@ use tokio::sync::mpsc;
 
 use super::msg::{NodeHandle, NodeLoad, NodeMsg};
 use crate::generation::{Directory, GenerationMsg};
-use crate::lifecycle::{Event, GenerationStore, LifecycleError, Outcome, Refusal};
+use crate::lifecycle::{AttemptState, Event, GenerationStore, LifecycleError, Outcome, Refusal};
 use crate::metric_names::{NODE_KV_CACHE_USAGE, STALE_FRAMES_TOTAL};
 use crate::model_queue::ModelQueueHandle;
 use crate::ports::{Clock, Coordinator, Ledger, Settlement};
@@ -450,7 +450,12 @@ async fn settle_orphan(
         };
         match store.apply_generation(&request_id, &finish, now).await {
             // A fenced or older attempt: rejected, never billed; the node may forget it.
-            Ok(applied) if applied.result == Err(Refusal::Stale) => {
+            Ok(applied)
+                if applied.result == Err(Refusal::Stale)
+                    || (applied.result == Err(Refusal::Final)
+                        && (applied.record.attempt != attempt
+                            || applied.record.attempt_state == AttemptState::Fenced)) =>
+            {
                 metrics::counter!(STALE_FRAMES_TOTAL, "reason" => "old_attempt").increment(1);
                 tracing::info!(%request_id, attempt, "rejected a done from a fenced attempt");
                 send(
