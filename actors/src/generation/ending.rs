@@ -209,7 +209,12 @@ impl GenerationState {
         }
         let attempt = self.attempt;
         self.record(Event::LeaseExpired { attempt }).await;
-        if self.stop == Some(Stop::Cancelled) || self.client_gone {
+        if self.client_gone && self.stop.is_none() {
+            // It left during its grace, before the node was lost: nobody reads the answer.
+            self.record(Event::RequestCancel).await;
+            self.stop = Some(Stop::Cancelled);
+        }
+        if self.stop == Some(Stop::Cancelled) {
             self.end_cancelled_without_work(myself).await;
         } else if self.stop == Some(Stop::Timeout) {
             let failure = Failure::new(
@@ -251,6 +256,12 @@ impl GenerationState {
             Phase::Running { .. } => {
                 let grace = self.args.timeouts.cancel_grace;
                 self.arm(myself, grace, Timer::CancelGrace);
+            }
+            // Nothing reads the answer any more: the fence ends it as cancelled.
+            Phase::Fencing if self.stop.is_none() => {
+                self.count("client_gone");
+                self.record(Event::RequestCancel).await;
+                self.stop = Some(Stop::Cancelled);
             }
             Phase::Fencing | Phase::Cancelling | Phase::AwaitingDone => {}
         }

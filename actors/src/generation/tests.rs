@@ -151,6 +151,37 @@ async fn connect(h: &Harness, id: &str) -> (NodeHandle, mpsc::Receiver<ServerFra
 }
 
 async fn start(h: &Harness, request_id: &str) -> Result<GenerationStream, crate::error::Failure> {
+    start_with(h, request_id, None).await
+}
+
+/// A generation with a record in `store` (admitted there first).
+async fn start_recorded(
+    h: &Harness,
+    request_id: &str,
+    store: &Arc<crate::lifecycle::memory::MemoryGenerations>,
+) -> GenerationStream {
+    use crate::lifecycle::{GenerationStore, MessagePolicy, NewGeneration};
+    let new = NewGeneration {
+        id: request_id.into(),
+        subject: "alice".into(),
+        idempotency_key: request_id.into(),
+        fingerprint: "fp".into(),
+        model: MODEL.into(),
+    };
+    let decision = store
+        .admit_generation(&new, &MessagePolicy::default(), 0)
+        .await
+        .unwrap();
+    assert!(matches!(decision, crate::lifecycle::Decision::Admitted(_)));
+    let lifecycle: Arc<dyn crate::lifecycle::GenerationStore> = store.clone();
+    start_with(h, request_id, Some(lifecycle)).await.unwrap()
+}
+
+async fn start_with(
+    h: &Harness,
+    request_id: &str,
+    lifecycle: Option<Arc<dyn crate::lifecycle::GenerationStore>>,
+) -> Result<GenerationStream, crate::error::Failure> {
     let (tx, rx) = events::channel(StreamBound::default());
     let args = GenerationArgs {
         request_id: request_id.into(),
@@ -173,7 +204,7 @@ async fn start(h: &Harness, request_id: &str) -> Result<GenerationStream, crate:
         timeouts: Timeouts::default(),
         clock: Arc::new(SystemClock),
         on_end: None,
-        lifecycle: None,
+        lifecycle,
     };
     h.gens.start_generation(args, rx).await
 }
@@ -565,4 +596,58 @@ async fn a_cancel_before_the_node_answers_waits_for_the_fence() {
     assert!(started.elapsed() >= Timeouts::default().settle_wait);
     settle_a_moment().await;
     assert_eq!(h.ledger.row("r1").unwrap().status, RowStatus::Settled);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_client_leaving_during_the_fence_ends_it_cancelled() {
+    use crate::lifecycle::{MessageState, Status};
+    let h = harness(8, 4).await;
+    let store = Arc::new(crate::lifecycle::memory::MemoryGenerations::default());
+    let (n1, mut out1) = connect(&h, "n1").await;
+    let stream = start_recorded(&h, "r1", &store).await;
+    expect_assign(&mut out1).await;
+    n1.connection_lost();
+    settle_a_moment().await;
+    drop(stream);
+    tokio::time::sleep(Timeouts::default().lease + Duration::from_millis(100)).await;
+    settle_a_moment().await;
+    // No second attempt for a client that left; nothing streamed, nothing billed; the
+    // fenced attempt may have run, so its message is spent.
+    assert_eq!(h.ledger.row("r1").unwrap().status, RowStatus::Cancelled);
+    assert!(
+        h.gens.directory().get("r1").is_none(),
+        "the generation ended"
+    );
+    let rec = store.records().pop().unwrap();
+    assert_eq!(
+        (rec.status, rec.message, rec.slot_held),
+        (Status::Cancelled, MessageState::Consumed, false)
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_recorded_generation_moves_through_accept_and_done() {
+    use crate::lifecycle::{AttemptState, MessageState, Status};
+    let h = harness(8, 4).await;
+    let store = Arc::new(crate::lifecycle::memory::MemoryGenerations::default());
+    let (n1, mut out1) = connect(&h, "n1").await;
+    let mut stream = start_recorded(&h, "r1", &store).await;
+    let (_, attempt) = expect_assign(&mut out1).await;
+    settle_a_moment().await;
+    let rec = store.records().pop().unwrap();
+    assert_eq!(
+        (rec.attempt, rec.attempt_state, rec.message),
+        (1, AttemptState::Dispatched, MessageState::Reserved)
+    );
+    n1.deliver(chunk("r1", attempt, 0, "hi"));
+    n1.deliver(done("r1", attempt, 12, 1, "stop"));
+    assert_eq!(stream.next().await, Some(GenEvent::Delta("hi".into())));
+    assert!(matches!(stream.next().await, Some(GenEvent::Finished(_))));
+    settle_a_moment().await;
+    let rec = store.records().pop().unwrap();
+    assert_eq!(
+        (rec.status, rec.message, rec.output.as_deref()),
+        (Status::Completed, MessageState::Consumed, Some("hi"))
+    );
+    assert_eq!((rec.input_tokens, rec.output_tokens), (12, 1));
 }
