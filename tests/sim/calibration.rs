@@ -87,8 +87,10 @@ async fn occupancy(n: usize, prompt_tokens: u32, max_tokens: u32) -> (f64, f64, 
     let mut seen = (0.0, 0.0);
     let start = std::time::Instant::now();
     while seen.0 + seen.1 != n as f64 {
+        // Tokenizing 23 prompts of 8k tokens in a debug build takes seconds when the other
+        // tests share the cores; the bound only guards against a hang.
         assert!(
-            start.elapsed() < Duration::from_secs(20),
+            start.elapsed() < Duration::from_secs(90),
             "never saw all {n} admitted or queued: {seen:?}"
         );
         tokio::time::sleep(Duration::from_millis(10)).await;
