@@ -104,7 +104,7 @@ impl Limits {
         // Gives back what was taken when a later check refuses.
         let refuse = |hook: Option<EndHook>, err: ApiError| {
             if let Some(h) = hook {
-                (h.0)(None);
+                h.run(None);
             }
             Err(err)
         };
@@ -183,8 +183,12 @@ impl Limits {
     fn end_hook(&self, slots: Option<String>, day: Option<String>, request_id: &str) -> EndHook {
         let coordinator = self.coordinator.clone();
         let member = request_id.to_owned();
-        EndHook(Box::new(move |settled: Option<u64>| {
-            tokio::spawn(async move {
+        EndHook::new(move |settled: Option<u64>| {
+            // Outside a runtime (a hook dropped at process exit) the places expire on their own.
+            let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+                return;
+            };
+            runtime.spawn(async move {
                 if let Some(slots) = slots
                     && let Err(e) = coordinator.release_slot(&slots, &member).await
                 {
@@ -197,7 +201,7 @@ impl Limits {
                     }
                 }
             });
-        }))
+        })
     }
 }
 

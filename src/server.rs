@@ -115,35 +115,44 @@ fn jwt_verifier(config: &Config, clock: &Arc<dyn Clock>) -> Option<crate::jwt::J
     ))
 }
 
-/// Relays cancels published by other replicas to the generations running here.
+/// Relays cancels published by other replicas to the generations running here. A lost
+/// subscription (Redis restarted, the connection dropped) is taken again, with a growing
+/// pause up to 5 s, until the replica shuts down.
 async fn spawn_cancel_listener(state: &Arc<AppState>) {
-    let mut cancels = match state
-        .coordinator
-        .subscribe(crate::http::CANCEL_CHANNEL)
-        .await
-    {
-        Ok(rx) => rx,
-        Err(e) => {
-            tracing::warn!(error = %e, "cannot hear cancels from other replicas");
-            return;
-        }
-    };
+    let coordinator = state.coordinator.clone();
     let generations = state.generations.clone();
     let stop = state.shutdown.clone();
     tokio::spawn(async move {
         let _guard = switchyard_actors::tasks::TaskGuard::new("cancel_listener");
+        let mut pause = Duration::from_millis(100);
         loop {
-            tokio::select! {
-                () = stop.cancelled() => return,
-                msg = cancels.recv() => match msg {
-                    Some(id) => {
-                        if let Ok(id) = String::from_utf8(id) {
-                            generations.cancel(&id);
+            match coordinator.subscribe(crate::http::CANCEL_CHANNEL).await {
+                Ok(mut cancels) => {
+                    pause = Duration::from_millis(100);
+                    loop {
+                        tokio::select! {
+                            () = stop.cancelled() => return,
+                            msg = cancels.recv() => match msg {
+                                Some(id) => {
+                                    if let Ok(id) = String::from_utf8(id) {
+                                        generations.cancel(&id);
+                                    }
+                                }
+                                None => break,
+                            },
                         }
                     }
-                    None => return,
-                },
+                    tracing::warn!("the cancel subscription closed; subscribing again");
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot hear cancels from other replicas; retrying")
+                }
             }
+            tokio::select! {
+                () = stop.cancelled() => return,
+                () = tokio::time::sleep(pause) => {}
+            }
+            pause = (pause * 2).min(Duration::from_secs(5));
         }
     });
 }

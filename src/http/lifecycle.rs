@@ -11,7 +11,7 @@ use sha2::{Digest, Sha256};
 use switchyard_actors::error::{ErrorCode, Failure};
 use switchyard_actors::generation::{EventReceiver, GenerationArgs, GenerationStream, events};
 use switchyard_actors::lifecycle::{
-    Decision, GenerationRecord, MessagePolicy, NewGeneration, Status,
+    Decision, Event, GenerationRecord, MessagePolicy, NewGeneration, Status,
 };
 use switchyard_actors::metric_names::REQUESTS_TOTAL;
 use switchyard_actors::ports::{Reservation, cost_of};
@@ -178,11 +178,22 @@ pub async fn start(state: &AppState, plan: Plan, id: &str) -> Result<Started, Ap
         Admission::Existing(rec) => return Ok(Started::Existing(rec)),
     };
     let id = args.request_id.clone();
-    let generation = state
-        .generations
-        .start_generation(args, events)
-        .await
-        .map_err(|f| ApiError::from(f).with_rate_headers(rate.clone()))?;
+    let recorded = args.lifecycle.is_some();
+    let generation = match state.generations.start_generation(args, events).await {
+        Ok(g) => g,
+        Err(failure) => {
+            // The generation's own paths record their refusals; this covers one that could
+            // not be spawned or answer (refused harmlessly when already recorded).
+            if recorded {
+                let reject = Event::Reject {
+                    code: failure.code.as_str().into(),
+                };
+                let now_ms = state.clock.wall().timestamp_millis();
+                let _ = state.store.apply_generation(&id, &reject, now_ms).await;
+            }
+            return Err(ApiError::from(failure).with_rate_headers(rate));
+        }
+    };
     Ok(Started::Running {
         generation,
         id,
@@ -238,7 +249,7 @@ async fn admit(state: &AppState, mut plan: Plan, id: &str) -> Result<Admission, 
             }
         }
     }
-    let queue = state
+    let mut queue = state
         .queues
         .get(&plan.model.name)
         .cloned()
@@ -246,7 +257,7 @@ async fn admit(state: &AppState, mut plan: Plan, id: &str) -> Result<Admission, 
     let (rate, on_end) = state.limits.admit(who, id).await?;
     let give_back = |on_end: Option<switchyard_actors::generation::EndHook>| {
         if let Some(h) = on_end {
-            (h.0)(None);
+            h.run(None);
         }
     };
     let mut id = id.to_owned();
@@ -270,6 +281,28 @@ async fn admit(state: &AppState, mut plan: Plan, id: &str) -> Result<Admission, 
         };
         match decision {
             Decision::Admitted(rec) => {
+                if rec.model != plan.model.name {
+                    // Admitted again under the model version stored with the request, not the
+                    // one its alias names today.
+                    let stored = state.config.models.iter().find(|m| m.name == rec.model);
+                    let stored_queue = state.queues.get(&rec.model);
+                    let (Some(stored), Some(stored_queue)) = (stored, stored_queue) else {
+                        give_back(on_end);
+                        let gone = Event::Reject {
+                            code: ErrorCode::ModelNotFound.as_str().into(),
+                        };
+                        let _ = state.store.apply_generation(&rec.id, &gone, now_ms).await;
+                        return Err(ApiError::new(
+                            ErrorCode::ModelNotFound,
+                            "The model version this request resolved to is no longer served.",
+                        ));
+                    };
+                    if let Value::Object(body) = &mut plan.engine_body {
+                        body.insert("model".into(), Value::String(rec.model.clone()));
+                    }
+                    plan.model = stored.clone();
+                    queue = stored_queue.clone();
+                }
                 if rec.id != id {
                     // A rejected generation admitted again: its earlier attempt's ledger row is
                     // final, so this admission's row gets a key of its own.
@@ -357,10 +390,13 @@ pub fn expired(rec: &GenerationRecord) -> ApiError {
     err
 }
 
-/// Whether a terminal record's result is still retained at `now_ms`.
+/// Whether a terminal record's result is still retained at `now_ms` (a record ended from a
+/// `done` resent after a restart never had its text).
 pub fn retained(state: &AppState, rec: &GenerationRecord, now_ms: i64) -> bool {
-    rec.terminal_ms
-        .is_some_and(|t| t.saturating_add(state.config.retention_ms()) > now_ms)
+    rec.output.is_some()
+        && rec
+            .terminal_ms
+            .is_some_and(|t| t.saturating_add(state.config.retention_ms()) > now_ms)
 }
 
 fn rfc3339(ms: i64) -> Option<String> {

@@ -261,12 +261,15 @@ impl AssignCtx {
         );
         let frame = done.frame();
         self.ledger.record(done);
+        // The `done` goes first: it proves the attempt started even when its `accepted` was
+        // lost, so the server never reads the error that follows as a refusal and runs the
+        // prompt a second time.
+        let _ = self.out.send(Outgoing::Frame(frame)).await;
         if let Some(message) = error {
             let message = truncate_chars(&message, MAX_ERROR_MESSAGE);
             let frame = error_frame(id, "model_backend_error", message);
             let _ = self.out.send(Outgoing::Frame(frame)).await;
         }
-        let _ = self.out.send(Outgoing::Frame(frame)).await;
     }
 }
 

@@ -308,7 +308,7 @@ async fn cancel_mid_stream_aborts_the_engine_sequence_and_reports_usage_so_far()
 }
 
 #[tokio::test]
-async fn an_engine_crash_mid_stream_gives_an_error_then_done_error() {
+async fn an_engine_crash_mid_stream_gives_done_error_then_an_error() {
     let faults = FaultSpec {
         crash_after_tokens: Some(3),
         ..Default::default()
@@ -320,8 +320,14 @@ async fn an_engine_crash_mid_stream_gives_an_error_then_done_error() {
     conn.send(assign("r1", 50));
     let r = relayed(&mut conn, "r1", false).await;
     assert!(r.accepted);
-    let (code, _) = r.error.clone().expect("an error before the done");
-    assert_eq!(code, "model_backend_error");
+    assert!(
+        r.error.is_none(),
+        "the done comes first: it proves the attempt started"
+    );
+    match conn.recv_work().await {
+        NodeFrame::Error { code, .. } => assert_eq!(code, "model_backend_error"),
+        other => panic!("expected the error after the done, got {other:?}"),
+    }
     let (prompt, completion, reason) = r.done_usage();
     assert_eq!(reason, "error");
     assert!(prompt > 0);

@@ -67,9 +67,11 @@ async fn thirty_two_streams_decode_47_each_and_1500_in_total() {
 async fn occupancy(n: usize, prompt_tokens: u32, max_tokens: u32) -> (f64, f64, f64) {
     // A step budget that prefills every waiting prompt at once makes the KV cache the only
     // limit on admission (with vLLM's default of 2,048 a burst is admitted over many steps).
+    // Time scale 2, not 10: the whole burst must still be running or queued when this task
+    // next samples the metrics, which on two shared cores can be a second or more away.
     let sim = SimServer::start(SimConfig {
         model: "small".into(),
-        time_scale: 10.0,
+        time_scale: 2.0,
         max_num_batched_tokens: 1 << 20,
         ..SimConfig::default()
     })

@@ -68,6 +68,8 @@ pub struct GenerationState {
     pub(super) chunks: u64,
     /// The output so far, for a lifecycle generation's retained result.
     pub(super) output: String,
+    /// The retained output reached its cap; later text is not kept.
+    pub(super) output_full: bool,
     pub(super) stop: Option<Stop>,
     pub(super) client_gone: bool,
     /// The reader fell behind its bound: it gets no more deltas, only the end.
@@ -115,6 +117,7 @@ impl Actor for GenerationActor {
             next_seq: 0,
             chunks: 0,
             output: String::new(),
+            output_full: false,
             stop: None,
             client_gone: false,
             reader_behind: false,
@@ -208,7 +211,7 @@ impl Actor for GenerationActor {
 
     async fn post_stop(
         &self,
-        _myself: ActorRef<GenerationMsg>,
+        myself: ActorRef<GenerationMsg>,
         state: &mut GenerationState,
     ) -> Result<(), ActorProcessingErr> {
         for t in state.timers.drain(..) {
@@ -241,9 +244,11 @@ impl Actor for GenerationActor {
         if state.dispatched_at.is_some() || matches!(state.phase, Phase::Queued) {
             metrics::gauge!(ACTIVE_STREAMS).decrement(1.0);
         }
-        state.directory.remove(&state.args.request_id);
+        state
+            .directory
+            .remove(&state.args.request_id, myself.get_id());
         if let Some(hook) = state.args.on_end.take() {
-            (hook.0)(state.settled_tokens);
+            hook.run(state.settled_tokens);
         }
         Ok(())
     }
@@ -386,8 +391,20 @@ impl GenerationState {
             return;
         }
         let attempt = self.attempt + 1;
-        // The epoch is recorded before any node hears of it, so a stale one can be fenced.
-        if let Some(Err(refusal)) = self.record(Event::Dispatch { attempt }).await {
+        // The epoch is recorded before any node hears of it, so a stale one can be fenced;
+        // work whose epoch could not be recorded is not sent.
+        let recorded = self.record(Event::Dispatch { attempt }).await;
+        if recorded.is_none() && self.args.lifecycle.is_some() {
+            self.args.queue.released(node.node_id());
+            let failure = Failure::new(
+                ErrorCode::QuotaServiceUnavailable,
+                "The generation's record could not be updated; nothing was run.",
+            )
+            .retry_after(1);
+            self.finish_without_work(myself, failure).await;
+            return;
+        }
+        if let Some(Err(refusal)) = recorded {
             self.args.queue.released(node.node_id());
             match refusal {
                 // Cancelled meanwhile through another replica.
@@ -475,8 +492,13 @@ impl GenerationState {
             metrics::histogram!(TTFT_SECONDS, "model" => self.model()).record(ttft.as_secs_f64());
         }
         self.last_token_at = Some(now);
-        if self.args.lifecycle.is_some() && self.output.len() + delta.len() <= MAX_RETAINED_OUTPUT {
-            self.output.push_str(&delta);
+        if self.args.lifecycle.is_some() && !self.output_full {
+            if self.output.len() + delta.len() <= MAX_RETAINED_OUTPUT {
+                self.output.push_str(&delta);
+            } else {
+                // A retained result is a prefix of the answer, never one with a hole.
+                self.output_full = true;
+            }
         }
         if self.tell(GenEvent::Delta(delta)) == Some(SendError::Overflow) {
             self.slow_reader(myself).await;

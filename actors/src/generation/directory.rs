@@ -32,11 +32,13 @@ impl Directory {
             .insert(request_id.to_owned(), actor);
     }
 
-    pub(crate) fn remove(&self, request_id: &str) {
-        self.inner
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .remove(request_id);
+    /// Removes `request_id` if it still names `actor`: a generation admitted again under
+    /// the same id may already have taken the entry.
+    pub(crate) fn remove(&self, request_id: &str, actor: ractor::ActorId) {
+        let mut map = self.inner.lock().unwrap_or_else(PoisonError::into_inner);
+        if map.get(request_id).is_some_and(|a| a.get_id() == actor) {
+            map.remove(request_id);
+        }
     }
 
     /// Number of live generations.

@@ -116,6 +116,23 @@ impl GenerationState {
         code: &str,
         message: &str,
     ) {
+        if matches!(self.phase, Phase::Cancelling) && !self.evidence {
+            // The node refused the attempt while the server was stopping it: it never
+            // started, so there is nothing to wait for and no message to spend.
+            let attempt = self.attempt;
+            self.record(Event::Refuse { attempt }).await;
+            match self.stop {
+                Some(Stop::Timeout) => {
+                    let failure = Failure::new(
+                        ErrorCode::GenerationTimeout,
+                        "The generation did not finish within its deadline.",
+                    );
+                    self.finish_without_work(myself, failure).await;
+                }
+                _ => self.end_cancelled_without_work(myself).await,
+            }
+            return;
+        }
         if !matches!(self.phase, Phase::Running { .. }) {
             return;
         }
@@ -183,8 +200,11 @@ impl GenerationState {
                 // lost): wait out the attempt's lease before deciding anything, so that a
                 // second attempt never runs beside the first.
                 self.phase = Phase::Fencing;
+                // The node counts its lease from the last thing it heard, which may be a
+                // little after the loss was noticed here: wait half a lease more.
                 let lease = self.args.timeouts.lease;
-                self.arm(myself, lease, Timer::Lease);
+                let attempt = self.attempt;
+                self.arm(myself, lease + lease / 2, Timer::Lease(attempt));
             }
             Phase::Running { .. } | Phase::Cancelling => {
                 if self.stop.is_none() {
@@ -322,7 +342,8 @@ impl GenerationState {
             Timer::FirstToken if self.first_token_at.is_none() => self.time_out(myself).await,
             Timer::FirstToken => {}
             Timer::Total => self.time_out(myself).await,
-            Timer::Lease => self.lease_over(myself).await,
+            Timer::Lease(attempt) if attempt == self.attempt => self.lease_over(myself).await,
+            Timer::Lease(_) => {}
             Timer::SettleWait => {
                 // No `done` came: the attempt is fenced; settle from what was received.
                 let usage = self.fallback_usage();

@@ -70,8 +70,32 @@ pub enum GenEvent {
 }
 
 /// Runs once when the generation ends, whatever the path (releases a concurrency slot,
-/// counts tokens per day); it gets the tokens settled by this generation, if any.
-pub struct EndHook(pub Box<dyn FnOnce(Option<u64>) + Send + Sync>);
+/// counts tokens per day); it gets the tokens settled by this generation, if any. Dropped
+/// without running — a generation that could not even be spawned — it runs with `None`, so
+/// what it gives back is never leaked.
+pub struct EndHook(Option<Box<dyn FnOnce(Option<u64>) + Send + Sync>>);
+
+impl EndHook {
+    /// A hook running `f`.
+    pub fn new(f: impl FnOnce(Option<u64>) + Send + Sync + 'static) -> Self {
+        Self(Some(Box::new(f)))
+    }
+
+    /// Runs it with the tokens settled, if any.
+    pub fn run(mut self, settled: Option<u64>) {
+        if let Some(f) = self.0.take() {
+            f(settled);
+        }
+    }
+}
+
+impl Drop for EndHook {
+    fn drop(&mut self) {
+        if let Some(f) = self.0.take() {
+            f(None);
+        }
+    }
+}
 
 impl std::fmt::Debug for EndHook {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -121,8 +145,8 @@ pub enum Timer {
     CancelGrace,
     /// Waited long enough for the node's `done`.
     SettleWait,
-    /// The lost node's lease on the attempt has run out: the attempt is fenced.
-    Lease,
+    /// The lost node's lease on this attempt has run out: the attempt is fenced.
+    Lease(u64),
 }
 
 /// What a [`super::GenerationActor`] handles.

@@ -126,8 +126,8 @@ impl Actor for GenerationSupervisor {
 /// Cleans up after a crashed generation: its row is cancelled (nothing is known of its
 /// usage; a `done` the node sends later still settles it, see the node actor) and its client
 /// gets an error instead of a hang.
-async fn crashed(state: &SupervisorState, _cell: &ActorCell, child: Child) {
-    state.directory.remove(&child.request_id);
+async fn crashed(state: &SupervisorState, cell: &ActorCell, child: Child) {
+    state.directory.remove(&child.request_id, cell.get_id());
     if let Err(e) = state.ledger.cancel(&child.ledger_id).await {
         tracing::error!(request_id = %child.request_id, error = %e, "could not release a crashed generation's row");
     }

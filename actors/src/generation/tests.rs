@@ -609,7 +609,7 @@ async fn a_client_leaving_during_the_fence_ends_it_cancelled() {
     n1.connection_lost();
     settle_a_moment().await;
     drop(stream);
-    tokio::time::sleep(Timeouts::default().lease + Duration::from_millis(100)).await;
+    tokio::time::sleep(Timeouts::default().lease * 2).await;
     settle_a_moment().await;
     // No second attempt for a client that left; nothing streamed, nothing billed; the
     // fenced attempt may have run, so its message is spent.
@@ -650,4 +650,42 @@ async fn a_recorded_generation_moves_through_accept_and_done() {
         (Status::Completed, MessageState::Consumed, Some("hi"))
     );
     assert_eq!((rec.input_tokens, rec.output_tokens), (12, 1));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_refusal_crossing_a_cancel_ends_at_once_and_spends_nothing() {
+    use crate::lifecycle::{GenerationStore, MessageState, Status};
+    let h = harness(8, 4).await;
+    let store = Arc::new(crate::lifecycle::memory::MemoryGenerations::default());
+    let (n1, mut out1) = connect(&h, "n1").await;
+    let mut stream = start_recorded(&h, "r1", &store).await;
+    expect_assign(&mut out1).await;
+    store
+        .apply_generation("r1", &crate::lifecycle::Event::RequestCancel, 0)
+        .await
+        .unwrap();
+    stream.cancel();
+    assert!(matches!(
+        out1.recv().await,
+        Some(ServerFrame::Cancel { attempt: 1, .. })
+    ));
+    let started = tokio::time::Instant::now();
+    n1.deliver(NodeFrame::Error {
+        request_id: "r1".into(),
+        attempt: 1,
+        code: "model_loading".into(),
+        message: "loading".into(),
+    });
+    assert!(matches!(stream.next().await, Some(GenEvent::Cancelled(_))));
+    assert!(
+        started.elapsed() < Duration::from_secs(1),
+        "no wait for a done that never comes"
+    );
+    settle_a_moment().await;
+    let rec = store.records().pop().unwrap();
+    assert_eq!(
+        (rec.status, rec.message),
+        (Status::Cancelled, MessageState::Released)
+    );
+    assert_eq!(h.ledger.row("r1").unwrap().status, RowStatus::Cancelled);
 }
