@@ -41,6 +41,8 @@ CREATE TABLE generations (
     created_ms       BIGINT  NOT NULL,
     -- When it ended (or was rejected); NULL while active.
     terminal_ms      BIGINT,
+    -- The current admission's ledger row (the id, or id#suffix after a readmission).
+    ledger_id        TEXT    NOT NULL,
     UNIQUE (subject, idempotency_key)
 );
 

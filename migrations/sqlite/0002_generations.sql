@@ -37,6 +37,8 @@ CREATE TABLE generations (
     created_ms       INTEGER NOT NULL,
     -- When it ended (or was rejected); NULL while active.
     terminal_ms      INTEGER,
+    -- The current admission's ledger row (the id, or id#suffix after a readmission).
+    ledger_id        TEXT    NOT NULL,
     UNIQUE (subject, idempotency_key)
 ) STRICT;
 

@@ -303,13 +303,8 @@ async fn admit(state: &AppState, mut plan: Plan, id: &str) -> Result<Admission, 
                     plan.model = stored.clone();
                     queue = stored_queue.clone();
                 }
-                if rec.id != id {
-                    // A rejected generation admitted again: its earlier attempt's ledger row is
-                    // final, so this admission's row gets a key of its own.
-                    ledger_id = format!("{}#{:08x}", rec.id, rand::random::<u32>());
-                } else {
-                    ledger_id.clone_from(&rec.id);
-                }
+                // A readmission's row has a key of its own (the first one is final).
+                ledger_id.clone_from(&rec.ledger_id);
                 id = rec.id;
             }
             other => {

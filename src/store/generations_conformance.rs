@@ -208,6 +208,7 @@ pub async fn same_key_same_fingerprint_is_existing(
         idempotency_key: "key".to_owned(),
         fingerprint: "fp-a".to_owned(),
         model: first.model.clone(),
+        ledger_id: first.id.clone(),
         status: Status::Queued,
         cancel_requested: false,
         attempt: 0,
@@ -365,6 +366,8 @@ pub async fn rejected_generation_readmits(s: &dyn GenerationStore, prefix: &str)
         terminal_ms: None,
         attempt: 1,
         attempt_state: AttemptState::Refused,
+        // The first admission's row is final: the new one is keyed by the fresh id too.
+        ledger_id: format!("{}#{}", rec.id, retry.id),
         ..rec
     };
     expect_eq(CHECK, "readmitted", &again, &want)?;

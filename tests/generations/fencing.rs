@@ -172,3 +172,79 @@ async fn a_stale_attempt_that_comes_back_is_rejected_and_never_billed() {
     assert_eq!(doc["status"], "completed");
     f.stop().await;
 }
+
+/// A generation admitted again after a rejection has a ledger row of its own; when its actor
+/// is gone (a replica stopping mid-flight) the node's `done` settles that row, not the first
+/// admission's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_done_without_its_actor_settles_the_current_admissions_row() {
+    let f = pg_fleet(&[], 1.0, |_| {}).await;
+    let first = f.submit("again", &body("hello", 50, false)).await;
+    assert_eq!(first.status(), 503, "no node yet: rejected");
+    let id = first.json::<Value>().await.unwrap()["error"]["request_id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+
+    f.store
+        .create_node("fake-a", "onprem", &hash_secret("nt-a"))
+        .await
+        .unwrap();
+    let mut a = fake_node(&f, "fake-a", "nt-a").await;
+    let request = tokio::spawn({
+        let (base, key) = (f.server.base_url(), f.api_key.clone());
+        async move {
+            crate::common::http()
+                .post(format!("{base}/v1/generations"))
+                .bearer_auth(key)
+                .header("idempotency-key", "again")
+                .json(&body("hello", 50, false))
+                .send()
+                .await
+                .unwrap()
+                .status()
+        }
+    });
+    let assign = recv(&mut a).await;
+    assert_eq!(
+        (assign["request_id"].as_str(), assign["attempt"].as_u64()),
+        (Some(id.as_str()), Some(1))
+    );
+    send(
+        &mut a,
+        json!({"type": "accepted", "request_id": id, "attempt": 1}),
+    )
+    .await;
+    send(
+        &mut a,
+        json!({"type": "chunk", "request_id": id, "attempt": 1, "seq": 0, "delta": "hi"}),
+    )
+    .await;
+    until(Duration::from_secs(5), "the record to run", || async {
+        f.get(&id).await.1["status"] == "running"
+    })
+    .await;
+    // The replica's generations stop mid-flight; the node's done arrives afterwards.
+    f.server.state().generations.stop();
+    let _ = request.await;
+    send(
+        &mut a,
+        json!({"type": "done", "request_id": id, "attempt": 1, "prompt_tokens": 9,
+        "completion_tokens": 7, "finish_reason": "stop"}),
+    )
+    .await;
+    assert_eq!(recv(&mut a).await["type"], "ack");
+
+    let rec = f.store.get_generation(&id).await.unwrap().unwrap();
+    assert_ne!(rec.ledger_id, id, "the readmission has a row of its own");
+    let old = f.store.ledger_row(&id).await.unwrap().unwrap();
+    assert_eq!(old.status, LedgerStatus::Cancelled);
+    let row = f.store.ledger_row(&rec.ledger_id).await.unwrap().unwrap();
+    assert_eq!(
+        (row.status, row.completion_tokens),
+        (LedgerStatus::Settled, 7),
+        "billed"
+    );
+    assert_eq!((rec.status.as_str(), rec.output_tokens), ("completed", 7));
+    f.stop().await;
+}

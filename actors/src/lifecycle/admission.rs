@@ -201,9 +201,14 @@ pub fn decide(
             reset_at_ms: start + policy.window_ms,
         });
     }
-    let (id, created_ms) = match existing {
-        Some(rec) => (rec.id.clone(), rec.created_ms),
-        None => (new.id.clone(), now_ms),
+    // A readmission's ledger row needs a key of its own: the proposed id is fresh.
+    let (id, ledger_id, created_ms) = match existing {
+        Some(rec) => (
+            rec.id.clone(),
+            format!("{}#{}", rec.id, new.id),
+            rec.created_ms,
+        ),
+        None => (new.id.clone(), new.id.clone(), now_ms),
     };
     let record = GenerationRecord {
         id,
@@ -211,6 +216,7 @@ pub fn decide(
         idempotency_key: new.idempotency_key.clone(),
         fingerprint: new.fingerprint.clone(),
         model: existing.map_or_else(|| new.model.clone(), |r| r.model.clone()),
+        ledger_id,
         status: Status::Queued,
         cancel_requested: false,
         attempt: existing.map_or(0, |r| r.attempt),

@@ -189,6 +189,10 @@ pub struct GenerationRecord {
     pub fingerprint: String,
     /// The model version the request resolved to at admission (never an alias).
     pub model: String,
+    /// The key of the current admission's ledger row: the id itself, or `{id}#{n}` after a
+    /// readmission (the first admission's row is final by then). A `done` that arrives after
+    /// the generation's actor is gone settles this row.
+    pub ledger_id: String,
     /// Where it is.
     pub status: Status,
     /// A cancel was requested and not yet confirmed.

@@ -424,6 +424,7 @@ fn record() -> GenerationRecord {
         idempotency_key: "k".into(),
         fingerprint: "fp".into(),
         model: "m".into(),
+        ledger_id: "gen_1".into(),
         status: Status::Queued,
         cancel_requested: false,
         attempt: 0,

@@ -435,6 +435,8 @@ async fn settle_orphan(
     completion_tokens: u64,
     finish_reason: String,
 ) {
+    // The row to settle: the request id, or the generation's current admission's row.
+    let mut ledger_id = request_id.clone();
     if let Some(store) = &state.args.lifecycle {
         let now = state.args.clock.wall().timestamp_millis();
         let finish = Event::Finish {
@@ -468,7 +470,8 @@ async fn settle_orphan(
                 );
                 return;
             }
-            Ok(_) | Err(LifecycleError::Unknown) => {}
+            Ok(applied) => ledger_id = applied.record.ledger_id,
+            Err(LifecycleError::Unknown) => {}
             Err(e) => {
                 tracing::warn!(%request_id, error = %e, "could not check a done's attempt; left unacked");
                 return;
@@ -476,7 +479,7 @@ async fn settle_orphan(
         }
     }
     let settlement = Settlement {
-        request_id: request_id.clone(),
+        request_id: ledger_id,
         prompt_tokens,
         completion_tokens,
     };
