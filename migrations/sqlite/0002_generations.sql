@@ -39,6 +39,8 @@ CREATE TABLE generations (
     terminal_ms      INTEGER,
     -- The current admission's ledger row (the id, or id#suffix after a readmission).
     ledger_id        TEXT    NOT NULL,
+    -- The engine's finish reason (stop, length, abort, …) when the node reported one.
+    finish_reason    TEXT,
     UNIQUE (subject, idempotency_key)
 ) STRICT;
 

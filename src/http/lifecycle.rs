@@ -175,7 +175,7 @@ fn store_unavailable() -> ApiError {
 pub async fn start(state: &AppState, plan: Plan, id: &str) -> Result<Started, ApiError> {
     let (args, events, rate) = match admit(state, plan, id).await.inspect_err(count_refusal)? {
         Admission::Ready(args, events, rate) => (*args, events, rate),
-        Admission::Existing(rec) => return Ok(Started::Existing(rec)),
+        Admission::Existing(rec) => return Ok(Started::Existing(*rec)),
     };
     let id = args.request_id.clone();
     let recorded = args.lifecycle.is_some();
@@ -221,7 +221,7 @@ pub fn count_refusal(e: &ApiError) {
 
 enum Admission {
     Ready(Box<GenerationArgs>, EventReceiver, RateHeaders),
-    Existing(GenerationRecord),
+    Existing(Box<GenerationRecord>),
 }
 
 async fn admit(state: &AppState, mut plan: Plan, id: &str) -> Result<Admission, ApiError> {
@@ -245,7 +245,7 @@ async fn admit(state: &AppState, mut plan: Plan, id: &str) -> Result<Admission, 
                 return Err(conflict(&rec));
             }
             if rec.status != Status::Rejected {
-                return Ok(Admission::Existing(rec));
+                return Ok(Admission::Existing(Box::new(rec)));
             }
         }
     }
@@ -310,7 +310,7 @@ async fn admit(state: &AppState, mut plan: Plan, id: &str) -> Result<Admission, 
             other => {
                 give_back(on_end);
                 return match other {
-                    Decision::Existing(rec) => Ok(Admission::Existing(rec)),
+                    Decision::Existing(rec) => Ok(Admission::Existing(Box::new(rec))),
                     refusal => Err(refused(refusal, now_ms).with_rate_headers(rate)),
                 };
             }

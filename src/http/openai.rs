@@ -94,7 +94,7 @@ async fn replay(
     let usage = Usage {
         prompt_tokens: rec.input_tokens,
         completion_tokens: rec.output_tokens,
-        finish_reason: "stop".into(),
+        finish_reason: rec.finish_reason.clone().unwrap_or_else(|| "stop".into()),
     };
     let text = GenEvent::Delta(rec.output.clone().unwrap_or_default());
     let events = match rec.status {

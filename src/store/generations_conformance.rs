@@ -134,6 +134,7 @@ pub fn completed(attempt: u64, output: &str) -> Event {
         input_tokens: 3,
         output_tokens: 5,
         output: Some(output.to_owned()),
+        finish_reason: Some("length".to_owned()),
     }
 }
 
@@ -221,6 +222,7 @@ pub async fn same_key_same_fingerprint_is_existing(
         output_tokens: 0,
         output: None,
         error_code: None,
+        finish_reason: None,
         created_ms: now,
         terminal_ms: None,
     };
@@ -412,7 +414,13 @@ pub async fn terminal_records_never_change(s: &dyn GenerationStore, prefix: &str
     )
     .await?;
     running(s, CHECK, &done.id, now).await?;
-    applied(s, CHECK, &done.id, &completed(1, "the end"), now + 1).await?;
+    let (ended, _) = applied(s, CHECK, &done.id, &completed(1, "the end"), now + 1).await?;
+    expect_eq(
+        CHECK,
+        "the finish reason is kept",
+        ended.finish_reason.as_deref(),
+        Some("length"),
+    )?;
     let rejected = admitted(
         s,
         CHECK,
@@ -456,6 +464,7 @@ pub async fn terminal_records_never_change(s: &dyn GenerationStore, prefix: &str
             input_tokens: 9,
             output_tokens: 9,
             output: None,
+            finish_reason: None,
         },
         reject,
         Event::Expire,

@@ -45,7 +45,7 @@ macro_rules! generation_columns {
     () => {
         "id, subject, idempotency_key, fingerprint, model, status, cancel_requested, attempt, \
          attempt_state, message, window_start_ms, slot_held, slot_expires_ms, input_tokens, \
-         output_tokens, output, error_code, created_ms, terminal_ms, ledger_id"
+         output_tokens, output, error_code, created_ms, terminal_ms, ledger_id, finish_reason"
     };
 }
 
@@ -82,7 +82,7 @@ pub(super) const INSERT_GENERATION: &str = concat!(
     "INSERT INTO generations (",
     generation_columns!(),
     ") VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, \
-     $18, $19, $20)"
+     $18, $19, $20, $21)"
 );
 
 /// Overwrites record `$1` with everything [`apply`](switchyard_actors::lifecycle::apply)
@@ -92,7 +92,8 @@ pub(super) const UPDATE_GENERATION: &str = "UPDATE generations SET fingerprint =
      model = $5, status = $6, cancel_requested = $7, attempt = $8, attempt_state = $9, \
      message = $10, window_start_ms = $11, slot_held = $12, slot_expires_ms = $13, \
      input_tokens = $14, output_tokens = $15, output = $16, error_code = $17, \
-     created_ms = $18, terminal_ms = $19, ledger_id = $20 WHERE id = $1 AND subject = $2 \
+     created_ms = $18, terminal_ms = $19, ledger_id = $20, finish_reason = $21 \
+     WHERE id = $1 AND subject = $2 \
      AND idempotency_key = $3";
 
 /// Slots a principal holds at `$2`: held and not past their bound (an expired slot no
@@ -234,6 +235,7 @@ macro_rules! bind_record {
             .bind(p.rec.created_ms)
             .bind(p.rec.terminal_ms)
             .bind(p.rec.ledger_id.as_str())
+            .bind(p.rec.finish_reason.as_deref())
     }};
 }
 pub(super) use bind_record;
@@ -310,6 +312,7 @@ where
         created_ms: gen_col(row, "created_ms")?,
         terminal_ms: gen_col(row, "terminal_ms")?,
         ledger_id: gen_col(row, "ledger_id")?,
+        finish_reason: gen_col(row, "finish_reason")?,
     })
 }
 

@@ -202,6 +202,11 @@ async fn chat_completions_honour_an_idempotency_key() {
         second["choices"][0]["message"]["content"]
     );
     assert_eq!(second["usage"]["completion_tokens"], 7);
+    assert_eq!(first["choices"][0]["finish_reason"], "length");
+    assert_eq!(
+        second["choices"][0]["finish_reason"], "length",
+        "the replay keeps it"
+    );
     assert_eq!(f.engine_requests(), 1, "the replay did not run the engine");
     let other = crate::common::http()
         .post(f.url("/v1/chat/completions"))

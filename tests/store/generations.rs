@@ -209,7 +209,8 @@ async fn the_generation_schema_holds_its_rules(db: &Db) {
     const DUPLICATE: &str = "INSERT INTO generations SELECT 'gen-t', subject, idempotency_key, \
          fingerprint, model, status, cancel_requested, attempt, attempt_state, message, \
          window_start_ms, slot_held, slot_expires_ms, input_tokens, output_tokens, output, \
-         error_code, created_ms, terminal_ms, ledger_id FROM generations WHERE id = 'gen-s'";
+         error_code, created_ms, terminal_ms, ledger_id, finish_reason FROM generations \
+         WHERE id = 'gen-s'";
     let err = execute(&raw, DUPLICATE).await.unwrap_err();
     assert!(
         matches!(&err, sqlx::Error::Database(d) if d.is_unique_violation()),

@@ -96,6 +96,7 @@ impl GenerationState {
             input_tokens: usage.prompt_tokens,
             output_tokens: usage.completion_tokens,
             output,
+            finish_reason: from_node.then(|| usage.finish_reason.clone()),
         })
         .await;
     }

@@ -229,6 +229,7 @@ pub fn decide(
         output_tokens: 0,
         output: None,
         error_code: None,
+        finish_reason: None,
         created_ms,
         terminal_ms: None,
     };

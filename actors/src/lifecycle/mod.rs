@@ -217,6 +217,8 @@ pub struct GenerationRecord {
     pub output: Option<String>,
     /// Why it failed or was rejected.
     pub error_code: Option<String>,
+    /// The engine's finish reason (`stop`, `length`, `abort`, …) when the node reported one.
+    pub finish_reason: Option<String>,
     /// Admission time.
     pub created_ms: i64,
     /// When it reached a terminal state (or was rejected).
@@ -286,6 +288,8 @@ pub enum Event {
         output_tokens: u64,
         /// The output, when retained.
         output: Option<String>,
+        /// The engine's finish reason, when the node reported one.
+        finish_reason: Option<String>,
     },
     /// Admission failed before anything started (queue full, no node, balance, queue
     /// deadline, every attempt refused): the message is released and the key may retry.
@@ -382,6 +386,7 @@ pub fn apply(
             input_tokens,
             output_tokens,
             output,
+            finish_reason,
         } => {
             if *from_node {
                 current_running(rec, *attempt)?;
@@ -412,6 +417,7 @@ pub fn apply(
             rec.input_tokens = *input_tokens;
             rec.output_tokens = *output_tokens;
             rec.output = output.clone();
+            rec.finish_reason = finish_reason.clone();
             end(rec, now_ms);
         }
         Event::Reject { code } => {

@@ -363,6 +363,7 @@ impl World {
                     input_tokens: 10,
                     output_tokens: tokens,
                     output: Some("x".repeat(tokens as usize)),
+                    finish_reason: Some("stop".into()),
                 })
                 .await
             }
@@ -374,6 +375,7 @@ impl World {
                     input_tokens: 0,
                     output_tokens: 0,
                     output: None,
+                    finish_reason: None,
                 })
                 .await
             }
@@ -437,6 +439,7 @@ fn record() -> GenerationRecord {
         output_tokens: 0,
         output: None,
         error_code: None,
+        finish_reason: None,
         created_ms: 0,
         terminal_ms: None,
     }
@@ -450,6 +453,7 @@ fn done(attempt: u64, outcome: Outcome) -> Event {
         input_tokens: 3,
         output_tokens: 4,
         output: Some("text".into()),
+        finish_reason: Some("stop".into()),
     }
 }
 
@@ -496,6 +500,7 @@ fn a_cancel_is_confirmed_by_fencing_when_the_node_is_silent() {
         input_tokens: 0,
         output_tokens: 0,
         output: None,
+        finish_reason: None,
     };
     assert!(matches!(
         apply(&mut r, &server_cancel, 3),

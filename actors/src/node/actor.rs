@@ -449,6 +449,7 @@ async fn settle_orphan(
             input_tokens: prompt_tokens,
             output_tokens: completion_tokens,
             output: None,
+            finish_reason: Some(finish_reason.clone()),
         };
         match store.apply_generation(&request_id, &finish, now).await {
             // A fenced or older attempt: rejected, never billed; the node may forget it.

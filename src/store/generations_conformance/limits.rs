@@ -66,6 +66,7 @@ pub async fn concurrency_limit(s: &dyn GenerationStore, prefix: &str) -> Outcome
         input_tokens: 0,
         output_tokens: 0,
         output: None,
+        finish_reason: None,
     };
     applied(s, CHECK, &a.id, &cancel, now + 4).await?;
     admitted(s, CHECK, &c, &policy, now + 5).await?;
