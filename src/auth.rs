@@ -220,12 +220,7 @@ impl Authenticator {
 fn jwt_error(e: JwtError) -> ApiError {
     match e {
         JwtError::JwksUnavailable(_) => {
-            let mut err = ApiError::new(
-                ErrorCode::QuotaServiceUnavailable,
-                "Tokens cannot be verified right now.",
-            );
-            err.failure.retry_after_secs = Some(1);
-            err
+            ApiError::unavailable("Tokens cannot be verified right now.")
         }
         other => ApiError::new(ErrorCode::Unauthorized, other.to_string()),
     }

@@ -60,13 +60,7 @@ pub struct Limits {
 }
 
 fn unavailable() -> ApiError {
-    ApiError::from(
-        Failure::new(
-            ErrorCode::QuotaServiceUnavailable,
-            "Limits cannot be checked right now; nothing was admitted.",
-        )
-        .retry_after(1),
-    )
+    ApiError::unavailable("Limits cannot be checked right now; nothing was admitted.")
 }
 
 impl Limits {

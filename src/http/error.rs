@@ -35,6 +35,12 @@ impl ApiError {
     }
 
     /// Attaches the request id.
+    /// 503 `quota_service_unavailable` with `Retry-After: 1`: a backend admission or
+    /// bookkeeping needs cannot be reached, so nothing was done (fail closed).
+    pub fn unavailable(message: impl Into<String>) -> Self {
+        Self::from(Failure::new(ErrorCode::QuotaServiceUnavailable, message).retry_after(1))
+    }
+
     pub fn with_request_id(mut self, id: &str) -> Self {
         self.request_id = Some(id.to_owned());
         self

@@ -13,7 +13,7 @@ use axum::response::{IntoResponse, Response};
 use serde_json::{Map, Value, json};
 use switchyard_actors::error::{ErrorCode, Failure};
 use switchyard_actors::generation::{GenEvent, GenerationStream, Usage};
-use switchyard_actors::lifecycle::{Event, GenerationRecord, Refusal, Status};
+use switchyard_actors::lifecycle::{Event, GenerationRecord, Refusal};
 use tracing::instrument;
 
 use super::error::{ApiError, Json};
@@ -343,12 +343,7 @@ fn document(rec: &GenerationRecord, with_output: bool) -> Value {
 
 /// A repeated key: the existing generation, never rerun.
 fn replay(state: &AppState, rec: &GenerationRecord, stream: bool) -> Result<Response, ApiError> {
-    if !rec.status.is_terminal() {
-        return Err(lifecycle::in_progress(rec));
-    }
-    if !lifecycle::retained(state, rec, state.clock.wall().timestamp_millis()) {
-        return Err(lifecycle::expired(rec));
-    }
+    let (text, end) = lifecycle::replayable(state, rec)?;
     if !stream {
         return Ok(axum::Json(document(rec, true)).into_response());
     }
@@ -357,28 +352,10 @@ fn replay(state: &AppState, rec: &GenerationRecord, stream: bool) -> Result<Resp
         next: 0,
         partial: false,
     };
-    let usage = Usage {
-        prompt_tokens: rec.input_tokens,
-        completion_tokens: rec.output_tokens,
-        finish_reason: "stop".into(),
-    };
     let mut events = vec![seq.created(rec.status.as_str())];
-    let text = rec.output.clone().unwrap_or_default();
     if !text.is_empty() {
         events.push(seq.render(Some(GenEvent::Delta(text))).0);
     }
-    let end = match rec.status {
-        Status::Completed => GenEvent::Finished(usage),
-        Status::Cancelled => GenEvent::Cancelled(usage),
-        _ => {
-            let code = rec
-                .error_code
-                .as_deref()
-                .and_then(ErrorCode::parse)
-                .unwrap_or(ErrorCode::ModelBackendError);
-            GenEvent::Failed(Failure::new(code, "This generation failed."))
-        }
-    };
     events.push(seq.render(Some(end)).0);
     Ok(sse(futures::stream::iter(events)))
 }
@@ -395,15 +372,7 @@ async fn owned(
         .store
         .get_generation(id)
         .await
-        .map_err(|_| {
-            ApiError::from(
-                Failure::new(
-                    ErrorCode::QuotaServiceUnavailable,
-                    "Generations cannot be read right now.",
-                )
-                .retry_after(1),
-            )
-        })?
+        .map_err(|_| ApiError::unavailable("Generations cannot be read right now."))?
         .ok_or_else(not_found)?;
     if rec.subject != principal.subject {
         return Err(not_found());
@@ -448,14 +417,8 @@ pub async fn cancel(
     {
         Ok(a) => a,
         Err(_) => {
-            return ApiError::from(
-                Failure::new(
-                    ErrorCode::QuotaServiceUnavailable,
-                    "The cancel could not be recorded; try again.",
-                )
-                .retry_after(1),
-            )
-            .into_response();
+            return ApiError::unavailable("The cancel could not be recorded; try again.")
+                .into_response();
         }
     };
     match applied.result {

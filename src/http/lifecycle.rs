@@ -9,7 +9,9 @@ use chrono::{TimeZone, Utc};
 use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
 use switchyard_actors::error::{ErrorCode, Failure};
-use switchyard_actors::generation::{EventReceiver, GenerationArgs, GenerationStream, events};
+use switchyard_actors::generation::{
+    EventReceiver, GenEvent, GenerationArgs, GenerationStream, Usage, events,
+};
 use switchyard_actors::lifecycle::{
     Decision, Event, GenerationRecord, MessagePolicy, NewGeneration, Status,
 };
@@ -161,13 +163,7 @@ pub fn policy(config: &Config, who: &Principal) -> MessagePolicy {
 }
 
 fn store_unavailable() -> ApiError {
-    ApiError::from(
-        Failure::new(
-            ErrorCode::QuotaServiceUnavailable,
-            "Generations cannot be admitted right now; nothing was started.",
-        )
-        .retry_after(1),
-    )
+    ApiError::unavailable("Generations cannot be admitted right now; nothing was started.")
 }
 
 /// Runs the pipeline for `plan` under `id`. Refusals before a generation exists are counted
@@ -383,6 +379,39 @@ pub fn expired(rec: &GenerationRecord) -> ApiError {
         json!({ "generation_id": rec.id, "status": rec.api_status() }),
     ));
     err
+}
+
+/// A repeated key's answer, in either dialect: the retained text and the generation's end
+/// (a failure as [`GenEvent::Failed`] with its recorded code); 409 while it still runs, 410
+/// once its result is gone.
+pub fn replayable(
+    state: &AppState,
+    rec: &GenerationRecord,
+) -> Result<(String, GenEvent), ApiError> {
+    if !rec.status.is_terminal() {
+        return Err(in_progress(rec));
+    }
+    if !retained(state, rec, state.clock.wall().timestamp_millis()) {
+        return Err(expired(rec));
+    }
+    let usage = Usage {
+        prompt_tokens: rec.input_tokens,
+        completion_tokens: rec.output_tokens,
+        finish_reason: rec.finish_reason.clone().unwrap_or_else(|| "stop".into()),
+    };
+    let end = match rec.status {
+        Status::Completed => GenEvent::Finished(usage),
+        Status::Cancelled => GenEvent::Cancelled(usage),
+        _ => {
+            let code = rec
+                .error_code
+                .as_deref()
+                .and_then(ErrorCode::parse)
+                .unwrap_or(ErrorCode::ModelBackendError);
+            GenEvent::Failed(Failure::new(code, "This generation failed."))
+        }
+    };
+    Ok((rec.output.clone().unwrap_or_default(), end))
 }
 
 /// Whether a terminal record's result is still retained at `now_ms` (a record ended from a

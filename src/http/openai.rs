@@ -8,8 +8,8 @@ use axum::http::{HeaderMap, HeaderValue};
 use axum::response::{IntoResponse, Response};
 use serde_json::{Map, Value};
 use switchyard_actors::error::ErrorCode;
-use switchyard_actors::generation::{GenEvent, Usage};
-use switchyard_actors::lifecycle::{GenerationRecord, Status as LifecycleStatus};
+use switchyard_actors::generation::GenEvent;
+use switchyard_actors::lifecycle::GenerationRecord;
 use tracing::instrument;
 
 use super::error::{ApiError, Json};
@@ -85,31 +85,10 @@ async fn replay(
     render: Render,
     stream: bool,
 ) -> Result<Response, ApiError> {
-    if !rec.status.is_terminal() {
-        return Err(lifecycle::in_progress(rec));
+    match lifecycle::replayable(state, rec)? {
+        (_, GenEvent::Failed(failure)) => Err(ApiError::from(failure)),
+        (text, end) => sse::replay(vec![GenEvent::Delta(text), end], render, stream).await,
     }
-    if !lifecycle::retained(state, rec, state.clock.wall().timestamp_millis()) {
-        return Err(lifecycle::expired(rec));
-    }
-    let usage = Usage {
-        prompt_tokens: rec.input_tokens,
-        completion_tokens: rec.output_tokens,
-        finish_reason: rec.finish_reason.clone().unwrap_or_else(|| "stop".into()),
-    };
-    let text = GenEvent::Delta(rec.output.clone().unwrap_or_default());
-    let events = match rec.status {
-        LifecycleStatus::Completed => vec![text, GenEvent::Finished(usage)],
-        LifecycleStatus::Cancelled => vec![text, GenEvent::Cancelled(usage)],
-        _ => {
-            let code = rec
-                .error_code
-                .as_deref()
-                .and_then(ErrorCode::parse)
-                .unwrap_or(ErrorCode::ModelBackendError);
-            return Err(ApiError::new(code, "This generation failed."));
-        }
-    };
-    sse::replay(events, render, stream).await
 }
 
 /// Credential, SSRF guard, body, allowlist, Idempotency-Key: the request as a [`Plan`], and
