@@ -55,10 +55,25 @@ pub struct ModelConfig {
     /// Output ceiling reserved for a request that sets no `max_tokens`.
     #[serde(default = "default_max_tokens")]
     pub default_max_tokens: u32,
+    /// The engine's context length (vLLM's `--max-model-len`): a prompt this long is refused
+    /// before it reaches a node, and no report may bill more completion tokens than this.
+    #[serde(default = "default_max_context_tokens")]
+    pub max_context_tokens: u32,
+    /// The model's `tokenizer.json`, to count prompts as its engine does; absent: the
+    /// built-in tokenizer (the simulator's).
+    #[serde(default)]
+    pub tokenizer: Option<std::path::PathBuf>,
+    /// A Jinja chat template for `tokenizer`; absent: the built-in template.
+    #[serde(default)]
+    pub chat_template: Option<std::path::PathBuf>,
 }
 
 fn default_max_tokens() -> u32 {
     1024
+}
+
+fn default_max_context_tokens() -> u32 {
+    8192
 }
 
 /// Queue limits, per model.
@@ -173,6 +188,67 @@ impl Default for NodeSettings {
     }
 }
 
+/// The public listener's limits: what a slow, silent or greedy client may hold.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ListenerSettings {
+    /// A request's head (request line and headers) must arrive within this many seconds of
+    /// the connection opening or of the previous response; otherwise the connection closes.
+    pub header_timeout_secs: u64,
+    /// A request's body must arrive within this many seconds of its head; otherwise 408.
+    pub body_timeout_secs: u64,
+    /// A kept-alive connection with no request for this many seconds is closed.
+    pub idle_timeout_secs: u64,
+    /// Connections one client address may hold open at once; further ones are refused at
+    /// accept. `0`: no cap (behind a proxy that hides client addresses).
+    pub max_connections_per_client: u32,
+    /// Largest request head in bytes (request line plus headers); above it 431.
+    pub max_header_bytes: usize,
+    /// Longest request target (path and query) in bytes; above it 414.
+    pub max_uri_bytes: usize,
+}
+
+impl Default for ListenerSettings {
+    fn default() -> Self {
+        Self {
+            header_timeout_secs: 10,
+            body_timeout_secs: 30,
+            idle_timeout_secs: 75,
+            max_connections_per_client: 1024,
+            max_header_bytes: 32 * 1024,
+            max_uri_bytes: 8 * 1024,
+        }
+    }
+}
+
+/// What the server believes of a node (SPEC section 7, trust): the bounds on reported usage
+/// and how many protocol violations a node may commit.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TrustSettings {
+    /// A node may report this percentage more prompt tokens than the gateway counted (the
+    /// engine's template or tokenizer may differ a little) before its report is clamped.
+    pub prompt_margin_percent: u32,
+    /// ... and at least this many tokens more.
+    pub prompt_margin_tokens: u32,
+    /// Protocol violations a node may commit within `violation_window_secs` before it is
+    /// disconnected.
+    pub max_violations: u32,
+    /// The window over which violations are counted.
+    pub violation_window_secs: u64,
+}
+
+impl Default for TrustSettings {
+    fn default() -> Self {
+        Self {
+            prompt_margin_percent: 10,
+            prompt_margin_tokens: 64,
+            max_violations: 10,
+            violation_window_secs: 60,
+        }
+    }
+}
+
 /// Everything the server is told.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -212,6 +288,10 @@ pub struct Config {
     pub nodes: NodeSettings,
     /// Generations API policy and stream bounds.
     pub generations: GenerationSettings,
+    /// The public listener's timeouts and limits.
+    pub listener: ListenerSettings,
+    /// Bounds on what nodes may claim.
+    pub trust: TrustSettings,
     /// The models.
     pub models: Vec<ModelConfig>,
 }
@@ -236,6 +316,8 @@ impl Default for Config {
             timeouts: TimeoutSettings::default(),
             nodes: NodeSettings::default(),
             generations: GenerationSettings::default(),
+            listener: ListenerSettings::default(),
+            trust: TrustSettings::default(),
             models: default_models(),
         }
     }
@@ -250,6 +332,9 @@ pub fn default_models() -> Vec<ModelConfig> {
         price_output_per_mtok: output,
         node_concurrency: concurrency,
         default_max_tokens: default_max_tokens(),
+        max_context_tokens: default_max_context_tokens(),
+        tokenizer: None,
+        chat_template: None,
     };
     vec![
         model("llama-3.1-8b-instruct", "small", 100_000, 200_000, 32),
@@ -341,6 +426,12 @@ impl Config {
             if m.price_input_per_mtok < 0 || m.price_output_per_mtok < 0 {
                 return invalid(format!("model {}: prices cannot be negative", m.name));
             }
+            if m.max_context_tokens < 2 || m.default_max_tokens == 0 {
+                return invalid(format!(
+                    "model {}: max_context_tokens must be >= 2 and default_max_tokens > 0",
+                    m.name
+                ));
+            }
             for n in std::iter::once(&m.name).chain(&m.aliases) {
                 if names.insert(n.clone(), ()).is_some() {
                     return invalid(format!("model name or alias {n} is used twice"));
@@ -359,6 +450,21 @@ impl Config {
                 "generations.burst_refill_secs, stream_buffer_bytes and timeouts.lease_ms must be > 0"
                     .into(),
             );
+        }
+        let l = &self.listener;
+        if l.header_timeout_secs == 0
+            || l.body_timeout_secs == 0
+            || l.idle_timeout_secs == 0
+            || l.max_header_bytes < 1024
+            || l.max_uri_bytes < 256
+        {
+            return invalid(
+                "listener timeouts must be > 0, max_header_bytes >= 1024 and max_uri_bytes >= 256"
+                    .into(),
+            );
+        }
+        if self.trust.max_violations == 0 || self.trust.violation_window_secs == 0 {
+            return invalid("trust.max_violations and violation_window_secs must be > 0".into());
         }
         if self.nodes.registrations_per_second == 0 {
             return invalid("nodes.registrations_per_second must be > 0".into());

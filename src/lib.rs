@@ -3,7 +3,8 @@
 //! The binary (`src/main.rs`) is a thin CLI over these modules: the server replica
 //! ([`server`], [`http`], [`auth`], [`config`]), storage and coordination ([`store`],
 //! [`coord`]), the node agent ([`node_agent`]), the vLLM simulator ([`sim`]) and the embedded
-//! demo fleet ([`demo`]). The actors live in the `switchyard-actors` crate.
+//! demo fleet ([`demo`]), and prompt token counting shared by the gateway and the simulator
+//! ([`tokens`]). The actors live in the `switchyard-actors` crate.
 
 pub mod auth;
 pub mod config;
@@ -19,3 +20,4 @@ pub mod sim;
 pub mod store;
 pub mod sweeper;
 pub mod telemetry;
+pub mod tokens;

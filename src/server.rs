@@ -21,6 +21,7 @@ use crate::auth::Authenticator;
 use crate::config::Config;
 use crate::quota::Limits;
 use crate::store::Store;
+use crate::tokens::PromptCounter;
 
 /// Registration limiter: a GCRA bucket shared by every node connection of this replica.
 pub type RegistrationLimiter = governor::DefaultDirectRateLimiter;
@@ -46,6 +47,8 @@ pub struct AppState {
     pub auth: Authenticator,
     /// Per-key concurrency and rate limits.
     pub limits: Limits,
+    /// Each model's tokenizer, to count prompts before admission.
+    pub prompts: PromptCounter,
     /// Registrations per second.
     pub registrations: RegistrationLimiter,
     /// Renders `/metrics`.
@@ -65,6 +68,9 @@ pub enum StartError {
     /// Binding or serving failed.
     #[error("io: {0}")]
     Io(#[from] std::io::Error),
+    /// A model's tokenizer could not be loaded.
+    #[error("{0}")]
+    Tokenizer(#[from] crate::tokens::TokenizerError),
 }
 
 /// The process-wide Prometheus recorder (one per process, however many replicas a test runs).
@@ -178,6 +184,13 @@ impl Server {
             .replica_id
             .clone()
             .unwrap_or_else(|| format!("replica-{:08x}", rand::random::<u32>()));
+        let prompts = PromptCounter::load(config.models.iter().map(|m| {
+            (
+                m.name.as_str(),
+                m.tokenizer.as_deref(),
+                m.chat_template.as_deref(),
+            )
+        }))?;
         let ledger: Arc<dyn switchyard_actors::ports::Ledger> = store.clone();
         let generations = Generations::start(ledger, Directory::default())
             .await
@@ -211,6 +224,7 @@ impl Server {
                 },
             ),
             limits: Limits::new(coordinator.clone(), clock.clone(), slot_ttl),
+            prompts,
             registrations: governor::RateLimiter::direct(governor::Quota::per_second(per_second)),
             replica_id,
             store,

@@ -17,13 +17,19 @@ mod jwt_callers;
 mod leaks;
 #[path = "server/limits.rs"]
 mod limits;
+#[path = "server/listener.rs"]
+mod listener;
 #[path = "server/logs.rs"]
 mod logs;
 #[path = "server/path.rs"]
 mod path;
 #[path = "server/production.rs"]
 mod production;
+#[path = "server/refusals.rs"]
+mod refusals;
 #[path = "server/sdk.rs"]
 mod sdk;
+#[path = "server/trust.rs"]
+mod trust;
 #[path = "server/usage.rs"]
 mod usage;

@@ -10,8 +10,10 @@ use serde::{Deserialize, Serialize};
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum ErrorCode {
-    /// Malformed JSON, bad fields, `n > 1`, context too long.
+    /// Malformed JSON, bad fields, `n > 1`.
     InvalidRequest,
+    /// The prompt alone fills the model's context (a 400, as `invalid_request`).
+    ContextLengthExceeded,
     /// Missing, unknown, revoked or expired credential.
     Unauthorized,
     /// Balance minus open reservations cannot cover the estimate.
@@ -61,6 +63,7 @@ impl ErrorCode {
     pub fn as_str(self) -> &'static str {
         match self {
             Self::InvalidRequest => "invalid_request",
+            Self::ContextLengthExceeded => "context_length_exceeded",
             Self::Unauthorized => "unauthorized",
             Self::InsufficientBalance => "insufficient_balance",
             Self::ModelNotAllowed => "model_not_allowed",
@@ -90,6 +93,7 @@ impl ErrorCode {
         use ErrorCode::*;
         [
             InvalidRequest,
+            ContextLengthExceeded,
             Unauthorized,
             InsufficientBalance,
             ModelNotAllowed,

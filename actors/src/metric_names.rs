@@ -22,5 +22,18 @@ pub const NODES: &str = "switchyard_nodes";
 pub const TASKS_ALIVE: &str = "switchyard_tasks_alive";
 /// Counter: frames dropped because they came from an older attempt, or duplicated a seq.
 pub const STALE_FRAMES_TOTAL: &str = "switchyard_stale_frames_total";
-/// Streams cancelled because their reader fell behind the buffer bound.
+/// Counter: streams cancelled because their reader fell behind the buffer bound.
 pub const SLOW_READERS_TOTAL: &str = "switchyard_slow_readers_total";
+/// Counter: frames a node sent that it had no right to send, by `node` and `kind`
+/// (`foreign_request`, `seq_regression`, `usage_out_of_range`, `malformed_frame`, …).
+pub const NODE_PROTOCOL_VIOLATIONS_TOTAL: &str = "switchyard_node_protocol_violations_total";
+/// Counter: usage reports clamped to the request's bounds (their rows are marked for review),
+/// by `model`.
+pub const USAGE_CLAMPED_TOTAL: &str = "switchyard_usage_clamped_total";
+/// Counter: connections closed at accept, by `reason` (`per_client_cap`).
+pub const CONNECTIONS_REFUSED_TOTAL: &str = "switchyard_connections_refused_total";
+/// Gauge: client connections open on the public listener.
+pub const CONNECTIONS_OPEN: &str = "switchyard_connections_open";
+/// Counter: requests the listener refused before they reached a handler, by `reason`
+/// (`header_timeout`, `body_timeout`, `head_too_large`, `uri_too_long`, `malformed`).
+pub const LISTENER_REFUSALS_TOTAL: &str = "switchyard_listener_refusals_total";

@@ -21,6 +21,12 @@ pub struct ApiError {
     pub details: Option<Box<serde_json::Value>>,
     /// `x-ratelimit-*` headers to send with the error.
     pub rate: Option<Box<crate::quota::RateHeaders>>,
+    /// The field the error is about (`error.param`), when there is one.
+    pub param: Option<String>,
+    /// A status other than the code's own, for refusals HTTP names more precisely (408 for a
+    /// body that never arrived, 414 and 431 for oversized heads, 405): the code stays one of
+    /// SPEC section 4's.
+    pub status: Option<StatusCode>,
 }
 
 impl ApiError {
@@ -31,16 +37,30 @@ impl ApiError {
             request_id: None,
             details: None,
             rate: None,
+            param: None,
+            status: None,
         }
     }
 
-    /// Attaches the request id.
+    /// Names the offending field in `error.param`.
+    pub fn with_param(mut self, param: impl Into<String>) -> Self {
+        self.param = Some(param.into());
+        self
+    }
+
+    /// Answers with `status` instead of the code's own status.
+    pub fn with_status(mut self, status: StatusCode) -> Self {
+        self.status = Some(status);
+        self
+    }
+
     /// 503 `quota_service_unavailable` with `Retry-After: 1`: a backend admission or
     /// bookkeeping needs cannot be reached, so nothing was done (fail closed).
     pub fn unavailable(message: impl Into<String>) -> Self {
         Self::from(Failure::new(ErrorCode::QuotaServiceUnavailable, message).retry_after(1))
     }
 
+    /// Attaches the request id.
     pub fn with_request_id(mut self, id: &str) -> Self {
         self.request_id = Some(id.to_owned());
         self
@@ -56,7 +76,9 @@ impl ApiError {
     pub fn status_and_type(code: ErrorCode) -> (StatusCode, &'static str) {
         use ErrorCode::*;
         match code {
-            InvalidRequest => (StatusCode::BAD_REQUEST, "invalid_request_error"),
+            InvalidRequest | ContextLengthExceeded => {
+                (StatusCode::BAD_REQUEST, "invalid_request_error")
+            }
             Unauthorized => (StatusCode::UNAUTHORIZED, "authentication_error"),
             InsufficientBalance => (StatusCode::PAYMENT_REQUIRED, "insufficient_quota"),
             ModelNotAllowed | Forbidden => (StatusCode::FORBIDDEN, "permission_error"),
@@ -83,7 +105,7 @@ impl ApiError {
         let mut error = json!({
             "message": self.failure.message,
             "type": kind,
-            "param": null,
+            "param": self.param,
             "code": code.as_str(),
             "retryable": code.retryable(),
             "request_id": self.request_id,
@@ -102,13 +124,17 @@ impl From<Failure> for ApiError {
             request_id: None,
             details: None,
             rate: None,
+            param: None,
+            status: None,
         }
     }
 }
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        let (status, _) = Self::status_and_type(self.failure.code);
+        let status = self
+            .status
+            .unwrap_or_else(|| Self::status_and_type(self.failure.code).0);
         let mut response = (status, axum::Json(self.body())).into_response();
         let headers = response.headers_mut();
         if let Some(secs) = self.failure.retry_after_secs

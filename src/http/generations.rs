@@ -171,7 +171,7 @@ fn action(code: ErrorCode, partial: bool) -> &'static str {
         QueueFull | CapacityExhausted | NoHealthyNode | ModelLoading | QuotaServiceUnavailable => {
             "retry"
         }
-        InvalidRequest => "none",
+        InvalidRequest | ContextLengthExceeded => "none",
         _ => "manual_regenerate",
     }
 }

@@ -329,6 +329,7 @@ async fn admit(state: &AppState, mut plan: Plan, id: &str) -> Result<Admission, 
         estimated_cost: cost_of(plan.estimated_prompt_tokens, plan.max_tokens, pin, pout),
         price_input_per_mtok: pin,
         price_output_per_mtok: pout,
+        bounds: switchyard_actors::ports::UsageBounds::UNBOUNDED,
     };
     let (tx, events) = events::channel(state.config.stream_bound());
     let args = GenerationArgs {

@@ -7,48 +7,20 @@
 
 use std::sync::Arc;
 
+use super::SimError;
+pub use crate::tokens::ChatMessage;
+use crate::tokens::{ChatTokenizer, TokenizerError};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use serde::Deserialize;
-use tokenizers::Tokenizer;
 
-use super::SimError;
-
-const TOKENIZER_JSON: &[u8] = include_bytes!("assets/tokenizer.json");
-const CHAT_TEMPLATE: &str = include_str!("assets/chat_template.jinja");
-const BOS_TOKEN: &str = "<s>";
 /// Ids below this are the special tokens (`<unk>`, `<s>`, `</s>`, role markers): never sampled.
 const FIRST_TEXT_TOKEN: u32 = 7;
 
-/// One chat message as OpenAI clients send it; `content` is a string or a list of parts.
-#[derive(Debug, Clone, Deserialize)]
-pub struct ChatMessage {
-    /// `system`, `user`, `assistant`, `tool`.
-    pub role: String,
-    /// Text, an array of `{type, text}` parts, or null.
-    #[serde(default)]
-    pub content: serde_json::Value,
-}
-
-impl ChatMessage {
-    /// The message's text: a string as is, text parts concatenated, anything else empty.
-    fn text(&self) -> String {
-        match &self.content {
-            serde_json::Value::String(s) => s.clone(),
-            serde_json::Value::Array(parts) => parts
-                .iter()
-                .filter_map(|p| p.get("text").and_then(|t| t.as_str()))
-                .collect(),
-            _ => String::new(),
-        }
-    }
-}
-
-/// Tokenizer, chat template and the per-token byte table used to detokenize output.
+/// The built-in tokenizer and chat template (shared with the gateway's prompt counter), and
+/// the per-token byte table used to detokenize output.
 #[derive(Debug)]
 pub struct SimTokenizer {
-    tokenizer: Tokenizer,
-    env: minijinja::Environment<'static>,
+    chat: ChatTokenizer,
     /// The raw bytes each token id stands for (byte-level BPE), indexed by id.
     token_bytes: Vec<Vec<u8>>,
 }
@@ -56,12 +28,9 @@ pub struct SimTokenizer {
 impl SimTokenizer {
     /// Loads the embedded tokenizer and chat template.
     pub fn load() -> Result<Arc<Self>, SimError> {
-        let tokenizer = Tokenizer::from_bytes(TOKENIZER_JSON)
-            .map_err(|e| SimError::Tokenizer(e.to_string()))?;
-        let mut env = minijinja::Environment::new();
-        env.add_template("chat", CHAT_TEMPLATE)
-            .map_err(|e| SimError::Tokenizer(e.to_string()))?;
+        let chat = ChatTokenizer::builtin().map_err(|e| SimError::Tokenizer(e.to_string()))?;
         let decoder = byte_decoder();
+        let tokenizer = chat.tokenizer();
         let vocab = tokenizer.get_vocab_size(true);
         let mut token_bytes = Vec::with_capacity(vocab);
         for id in 0..vocab as u32 {
@@ -73,38 +42,22 @@ impl SimTokenizer {
             };
             token_bytes.push(bytes);
         }
-        Ok(Arc::new(Self {
-            tokenizer,
-            env,
-            token_bytes,
-        }))
+        Ok(Arc::new(Self { chat, token_bytes }))
     }
 
     /// Renders the chat template with the generation prompt, as vLLM does for a chat request.
     pub fn render_chat(&self, messages: &[ChatMessage]) -> Result<String, SimError> {
-        let msgs: Vec<_> = messages
-            .iter()
-            .map(|m| minijinja::context! { role => m.role.as_str(), content => m.text() })
-            .collect();
-        let tmpl = self
-            .env
-            .get_template("chat")
-            .map_err(|e| SimError::Tokenizer(e.to_string()))?;
-        tmpl.render(minijinja::context! {
-            messages => msgs,
-            bos_token => BOS_TOKEN,
-            add_generation_prompt => true,
+        self.chat.render_chat(messages).map_err(|e| match e {
+            TokenizerError::Template(m) => SimError::BadRequest(format!("chat template: {m}")),
+            other => SimError::Tokenizer(other.to_string()),
         })
-        .map_err(|e| SimError::BadRequest(format!("chat template: {e}")))
     }
 
     /// Token ids of a rendered prompt (special tokens in the text are recognised).
     pub fn encode(&self, text: &str) -> Result<Vec<u32>, SimError> {
-        let enc = self
-            .tokenizer
-            .encode(text, false)
-            .map_err(|e| SimError::Tokenizer(e.to_string()))?;
-        Ok(enc.get_ids().to_vec())
+        self.chat
+            .encode(text)
+            .map_err(|e| SimError::Tokenizer(e.to_string()))
     }
 
     /// Exact prompt token count of a chat request.
@@ -115,7 +68,7 @@ impl SimTokenizer {
 
     /// The token's string form as the tokenizer stores it (for `/tokenize`).
     pub fn token_str(&self, id: u32) -> Option<String> {
-        self.tokenizer.id_to_token(id)
+        self.chat.tokenizer().id_to_token(id)
     }
 
     fn vocab_size(&self) -> u32 {

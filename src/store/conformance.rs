@@ -13,7 +13,7 @@ use std::fmt::Debug;
 use futures::future::join_all;
 
 use switchyard_actors::ports::{
-    Ledger, LedgerError, Microcredits, Reservation, SettleOutcome, Settlement,
+    Ledger, LedgerError, Microcredits, Reservation, SettleOutcome, Settlement, UsageBounds,
 };
 
 use super::{LedgerStatus, Store, StoreError};
@@ -94,6 +94,7 @@ pub fn reservation(request_id: &str, team_id: i64) -> Reservation {
         estimated_cost: 1,
         price_input_per_mtok: 1_000_000,
         price_output_per_mtok: 2_000_000,
+        bounds: UsageBounds::UNBOUNDED,
     }
 }
 
@@ -103,6 +104,7 @@ pub fn settlement(request_id: &str, prompt_tokens: u64, completion_tokens: u64) 
         request_id: request_id.to_owned(),
         prompt_tokens,
         completion_tokens,
+        review: None,
     }
 }
 

@@ -25,7 +25,8 @@ pub use postgres::PostgresStore;
 pub use sqlite::SqliteStore;
 pub use switchyard_actors::lifecycle::GenerationStore;
 pub use switchyard_actors::ports::{
-    Ledger, LedgerError, Microcredits, Reservation, SettleOutcome, Settlement, cost_of,
+    Billed, Ledger, LedgerError, MAX_TOKEN_COUNT, Microcredits, Reservation, ReviewReason,
+    SettleOutcome, Settlement, UsageBounds, cost_of,
 };
 
 /// Prefix of API keys handed to callers.

@@ -200,6 +200,7 @@ async fn the_sweeper_cancels_reservations_that_outlived_every_deadline_and_nothi
         estimated_cost: 3,
         price_input_per_mtok: 100_000,
         price_output_per_mtok: 200_000,
+        bounds: switchyard::store::UsageBounds::UNBOUNDED,
     };
     // A replica died under this one: nobody will ever settle it.
     fleet.store.reserve(&reservation("orphaned")).await.unwrap();
@@ -208,6 +209,7 @@ async fn the_sweeper_cancels_reservations_that_outlived_every_deadline_and_nothi
         request_id: "finished".into(),
         prompt_tokens: 10,
         completion_tokens: 10,
+        review: None,
     };
     fleet.store.settle(&done).await.unwrap();
     let before_cutoff = chrono::Utc::now() - chrono::Duration::seconds(60);

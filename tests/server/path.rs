@@ -92,6 +92,7 @@ async fn streaming_has_openai_shapes_exact_usage_and_one_settled_row() {
         request_id: request_id.clone(),
         prompt_tokens: 1,
         completion_tokens: 1,
+        review: None,
     };
     let outcome = fleet.store.settle(&again).await.unwrap();
     assert_eq!(outcome, switchyard::store::SettleOutcome::AlreadyFinal);

@@ -254,6 +254,7 @@ async fn settles_saturate_and_refuse_like_cost_of(store: Arc<dyn Store>) {
         let r = Reservation {
             price_input_per_mtok: pin,
             price_output_per_mtok: pout,
+            bounds: switchyard::store::UsageBounds::UNBOUNDED,
             ..reservation(id, team)
         };
         store.reserve(&r).await.unwrap();

@@ -451,6 +451,7 @@ impl GenerationState {
             request_id: self.args.reservation.request_id.clone(),
             prompt_tokens,
             completion_tokens,
+            review: None,
         };
         for backoff_ms in [0u64, 100, 500, 2000] {
             if backoff_ms > 0 {

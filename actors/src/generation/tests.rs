@@ -197,6 +197,7 @@ async fn start_with(
             estimated_cost: 110,
             price_input_per_mtok: 1_000_000,
             price_output_per_mtok: 2_000_000,
+            bounds: crate::ports::UsageBounds::UNBOUNDED,
         },
         queue: h.queue.clone(),
         ledger: h.ledger.clone(),

@@ -483,6 +483,7 @@ async fn settle_orphan(
         request_id: ledger_id,
         prompt_tokens,
         completion_tokens,
+        review: None,
     };
     match state.args.ledger.settle(&settlement).await {
         Ok(outcome) => {

@@ -7,7 +7,10 @@ use std::sync::{Mutex, PoisonError};
 
 use async_trait::async_trait;
 
-use super::{Ledger, LedgerError, Microcredits, Reservation, SettleOutcome, Settlement, cost_of};
+use super::{
+    Ledger, LedgerError, Microcredits, Reservation, ReviewReason, SettleOutcome, Settlement,
+    cost_of,
+};
 
 /// The state of a row.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -33,6 +36,10 @@ pub struct MemoryRow {
     pub completion_tokens: u64,
     /// Settled cost.
     pub cost: Microcredits,
+    /// Why the row needs review, if it does.
+    pub review: Option<ReviewReason>,
+    /// The reported (prompt, completion) when it was clamped.
+    pub claimed: Option<(u64, u64)>,
     /// How many settle or cancel calls changed it (1 once final).
     pub transitions: u32,
 }
@@ -90,7 +97,7 @@ impl MemoryLedger {
         &self,
         request_id: &str,
         to: RowStatus,
-        usage: Option<(u64, u64)>,
+        usage: Option<(u64, u64, Option<ReviewReason>)>,
     ) -> Result<SettleOutcome, LedgerError> {
         self.check()?;
         let mut rows = self.rows.lock().unwrap_or_else(PoisonError::into_inner);
@@ -102,12 +109,17 @@ impl MemoryLedger {
         }
         row.status = to;
         row.transitions += 1;
-        if let Some((p, c)) = usage {
-            row.prompt_tokens = p;
-            row.completion_tokens = c;
+        if let Some((claimed_p, claimed_c, review)) = usage {
+            let billed = row.reservation.bounds.bill(claimed_p, claimed_c);
+            row.prompt_tokens = billed.prompt_tokens;
+            row.completion_tokens = billed.completion_tokens;
+            if billed.clamped {
+                row.claimed = Some((claimed_p, claimed_c));
+            }
+            row.review = review.or(billed.clamped.then_some(ReviewReason::UsageOverBound));
             row.cost = cost_of(
-                p,
-                c,
+                billed.prompt_tokens,
+                billed.completion_tokens,
                 row.reservation.price_input_per_mtok,
                 row.reservation.price_output_per_mtok,
             );
@@ -132,6 +144,8 @@ impl Ledger for MemoryLedger {
                 prompt_tokens: 0,
                 completion_tokens: 0,
                 cost: 0,
+                review: None,
+                claimed: None,
                 transitions: 0,
             },
         );
@@ -142,7 +156,7 @@ impl Ledger for MemoryLedger {
         self.finish(
             &s.request_id,
             RowStatus::Settled,
-            Some((s.prompt_tokens, s.completion_tokens)),
+            Some((s.prompt_tokens, s.completion_tokens, s.review)),
         )
     }
 

@@ -39,6 +39,90 @@ pub struct Reservation {
     pub price_input_per_mtok: Microcredits,
     /// The model's output price at admission, microcredits per million tokens.
     pub price_output_per_mtok: Microcredits,
+    /// The most a node may bill for this request (stored with the row, so a settle from any
+    /// replica, a resent `done` included, is bounded the same way).
+    pub bounds: UsageBounds,
+}
+
+/// The largest token count the ledger stores (its integers are signed 64-bit); a report
+/// beyond it cannot be true and is a protocol violation.
+pub const MAX_TOKEN_COUNT: u64 = i64::MAX as u64;
+
+/// The most a request can honestly use, from what the gateway itself knows: its own count
+/// of the prompt plus a margin, and the request's output ceiling within the model's context.
+/// A node's report beyond these is clamped to them and its row marked for review.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct UsageBounds {
+    /// Prompt tokens at most.
+    pub prompt_tokens: u64,
+    /// Completion tokens at most.
+    pub completion_tokens: u64,
+}
+
+/// Usage as billed: the report within the request's [`UsageBounds`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Billed {
+    /// Prompt tokens billed.
+    pub prompt_tokens: u64,
+    /// Completion tokens billed.
+    pub completion_tokens: u64,
+    /// The report exceeded a bound and was clamped.
+    pub clamped: bool,
+}
+
+impl UsageBounds {
+    /// No bound but the ledger's integer range (rows admitted before bounds existed).
+    pub const UNBOUNDED: Self = Self {
+        prompt_tokens: MAX_TOKEN_COUNT,
+        completion_tokens: MAX_TOKEN_COUNT,
+    };
+
+    /// What the ledger bills for a report of `prompt` and `completion` tokens: each clamped to
+    /// its bound. The ledger's SQL does the same in its settle statement and is checked
+    /// against this function.
+    pub fn bill(&self, prompt: u64, completion: u64) -> Billed {
+        Billed {
+            prompt_tokens: prompt.min(self.prompt_tokens),
+            completion_tokens: completion.min(self.completion_tokens),
+            clamped: prompt > self.prompt_tokens || completion > self.completion_tokens,
+        }
+    }
+}
+
+/// Why a settled row needs an operator's look (the drift report lists them).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ReviewReason {
+    /// The node reported more than the request's bounds; the row holds the bounds and the
+    /// claim beside them.
+    UsageOverBound,
+    /// The node reported counts no ledger can hold; the row is settled at the bounds.
+    UsageUnrepresentable,
+    /// The `done` came after the generation was gone and no record said which node held the
+    /// attempt (the coordinator lost it): settled within the bounds, unverified.
+    UnverifiedNode,
+}
+
+impl ReviewReason {
+    /// As stored in the row's `review` column.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::UsageOverBound => "usage_over_bound",
+            Self::UsageUnrepresentable => "usage_unrepresentable",
+            Self::UnverifiedNode => "unverified_node",
+        }
+    }
+
+    /// Parses [`Self::as_str`].
+    pub fn parse(s: &str) -> Option<Self> {
+        [
+            Self::UsageOverBound,
+            Self::UsageUnrepresentable,
+            Self::UnverifiedNode,
+        ]
+        .into_iter()
+        .find(|r| r.as_str() == s)
+    }
 }
 
 /// Cost of `prompt` and `completion` tokens at per-million prices, rounded up to the next
@@ -56,16 +140,18 @@ pub fn cost_of(
     Microcredits::try_from(cost).unwrap_or(Microcredits::MAX)
 }
 
-/// The exact outcome of a request, from the engine's own usage. The ledger prices it with
-/// the prices stored in the row ([`cost_of`]).
+/// The outcome of a request as its node reported it. The ledger bills it within the row's
+/// [`UsageBounds`] and prices it with the prices stored in the row ([`cost_of`]).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Settlement {
     /// The request whose row settles.
     pub request_id: String,
-    /// Prompt tokens as the engine counted them.
+    /// Prompt tokens as the engine counted them (a claim, bounded by the row).
     pub prompt_tokens: u64,
-    /// Completion tokens as the engine counted them.
+    /// Completion tokens as the engine counted them (a claim, bounded by the row).
     pub completion_tokens: u64,
+    /// Marks the row for review whatever the counts (a clamped report is marked anyway).
+    pub review: Option<ReviewReason>,
 }
 
 /// What a settle or cancel did.
@@ -99,8 +185,10 @@ pub enum LedgerError {
 pub trait Ledger: Send + Sync + Debug + 'static {
     /// Inserts the `reserved` row.
     async fn reserve(&self, reservation: &Reservation) -> Result<(), LedgerError>;
-    /// Moves a `reserved` row to `settled` with exact usage, its cost from the row's prices
-    /// ([`cost_of`]), and debits the team, in one transaction; a final row is left alone.
+    /// Moves a `reserved` row to `settled` with the reported usage clamped to the row's bounds
+    /// ([`UsageBounds::bill`]; a clamped row keeps the claim and is marked for review), its
+    /// cost from the row's prices ([`cost_of`]), and debits the team, in one transaction; a
+    /// final row is left alone.
     async fn settle(&self, settlement: &Settlement) -> Result<SettleOutcome, LedgerError>;
     /// Moves a `reserved` row to `cancelled` (no GPU work was done); final rows are left alone.
     async fn cancel(&self, request_id: &str) -> Result<SettleOutcome, LedgerError>;
@@ -210,6 +298,32 @@ impl Clock for SystemClock {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn bills_within_the_bounds() {
+        let b = UsageBounds {
+            prompt_tokens: 100,
+            completion_tokens: 5,
+        };
+        assert_eq!(
+            b.bill(30, 5),
+            Billed {
+                prompt_tokens: 30,
+                completion_tokens: 5,
+                clamped: false
+            }
+        );
+        assert_eq!(
+            b.bill(30, 100_000),
+            Billed {
+                prompt_tokens: 30,
+                completion_tokens: 5,
+                clamped: true
+            }
+        );
+        assert_eq!(b.bill(u64::MAX, u64::MAX).prompt_tokens, 100);
+        assert!(!UsageBounds::UNBOUNDED.bill(1 << 62, 0).clamped);
+    }
 
     #[test]
     fn cost_rounds_up_to_the_microcredit() {

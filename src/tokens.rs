@@ -1,0 +1,296 @@
+//! Prompt tokens counted with a model's own tokenizer and chat template. The gateway counts
+//! every prompt before admission (an over-long prompt is refused before it costs a GPU
+//! anything, and a node's usage report is bounded by this count); the simulator counts with
+//! the same code, so its figures are vLLM's.
+//!
+//! The built-in tokenizer is the byte-level BPE behind the captured vLLM model
+//! (`sim/assets/tokenizer.json`, made by `scripts/gen-tokenizer.py`); a model may name its own
+//! `tokenizer.json` and chat template in the configuration.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::sync::Arc;
+
+use serde::Deserialize;
+use serde_json::Value;
+use tokenizers::Tokenizer;
+
+const BUILTIN_TOKENIZER: &[u8] = include_bytes!("sim/assets/tokenizer.json");
+const BUILTIN_TEMPLATE: &str = include_str!("sim/assets/chat_template.jinja");
+const BOS_TOKEN: &str = "<s>";
+
+/// Failures of loading or running a tokenizer.
+#[derive(Debug, thiserror::Error)]
+pub enum TokenizerError {
+    /// A configured file could not be read.
+    #[error("reading {path}: {message}")]
+    Read {
+        /// The file.
+        path: String,
+        /// Why.
+        message: String,
+    },
+    /// The tokenizer or template is not valid.
+    #[error("loading the tokenizer: {0}")]
+    Load(String),
+    /// The chat template refused the messages (a client error).
+    #[error("chat template: {0}")]
+    Template(String),
+    /// Encoding failed.
+    #[error("encoding: {0}")]
+    Encode(String),
+}
+
+/// One chat message as OpenAI clients send it; `content` is a string or a list of parts.
+#[derive(Debug, Clone, Deserialize)]
+pub struct ChatMessage {
+    /// `system`, `user`, `assistant`, `tool`.
+    pub role: String,
+    /// Text, an array of `{type, text}` parts, or null.
+    #[serde(default)]
+    pub content: Value,
+}
+
+impl ChatMessage {
+    /// The message's text: a string as is, text parts concatenated, anything else empty.
+    pub fn text(&self) -> String {
+        match &self.content {
+            Value::String(s) => s.clone(),
+            Value::Array(parts) => parts
+                .iter()
+                .filter_map(|p| p.get("text").and_then(Value::as_str))
+                .collect(),
+            _ => String::new(),
+        }
+    }
+}
+
+/// A tokenizer with its chat template.
+#[derive(Debug)]
+pub struct ChatTokenizer {
+    tokenizer: Tokenizer,
+    env: minijinja::Environment<'static>,
+}
+
+impl ChatTokenizer {
+    /// The built-in tokenizer and template.
+    pub fn builtin() -> Result<Self, TokenizerError> {
+        let tokenizer = Tokenizer::from_bytes(BUILTIN_TOKENIZER)
+            .map_err(|e| TokenizerError::Load(e.to_string()))?;
+        Self::with_template(tokenizer, BUILTIN_TEMPLATE.to_owned())
+    }
+
+    /// A `tokenizer.json` and, optionally, a Jinja chat template (the built-in one otherwise).
+    pub fn from_files(tokenizer: &Path, template: Option<&Path>) -> Result<Self, TokenizerError> {
+        let read = |p: &Path| {
+            std::fs::read(p).map_err(|e| TokenizerError::Read {
+                path: p.display().to_string(),
+                message: e.to_string(),
+            })
+        };
+        let tokenizer = Tokenizer::from_bytes(read(tokenizer)?)
+            .map_err(|e| TokenizerError::Load(e.to_string()))?;
+        let template = match template {
+            Some(p) => String::from_utf8(read(p)?)
+                .map_err(|_| TokenizerError::Load("the chat template is not UTF-8".into()))?,
+            None => BUILTIN_TEMPLATE.to_owned(),
+        };
+        Self::with_template(tokenizer, template)
+    }
+
+    fn with_template(tokenizer: Tokenizer, template: String) -> Result<Self, TokenizerError> {
+        let mut env = minijinja::Environment::new();
+        env.add_template_owned("chat", template)
+            .map_err(|e| TokenizerError::Load(e.to_string()))?;
+        Ok(Self { tokenizer, env })
+    }
+
+    /// The underlying tokenizer.
+    pub fn tokenizer(&self) -> &Tokenizer {
+        &self.tokenizer
+    }
+
+    /// Renders the chat template with the generation prompt, as vLLM does for a chat request.
+    pub fn render_chat(&self, messages: &[ChatMessage]) -> Result<String, TokenizerError> {
+        let msgs: Vec<_> = messages
+            .iter()
+            .map(|m| minijinja::context! { role => m.role.as_str(), content => m.text() })
+            .collect();
+        let tmpl = self
+            .env
+            .get_template("chat")
+            .map_err(|e| TokenizerError::Load(e.to_string()))?;
+        tmpl.render(minijinja::context! {
+            messages => msgs,
+            bos_token => BOS_TOKEN,
+            add_generation_prompt => true,
+        })
+        .map_err(|e| TokenizerError::Template(e.to_string()))
+    }
+
+    /// Token ids of a text (special tokens in it are recognised).
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>, TokenizerError> {
+        let enc = self
+            .tokenizer
+            .encode(text, false)
+            .map_err(|e| TokenizerError::Encode(e.to_string()))?;
+        Ok(enc.get_ids().to_vec())
+    }
+
+    /// Exact prompt tokens of a chat request's messages through the template.
+    pub fn count_chat(&self, messages: &[ChatMessage]) -> Result<u64, TokenizerError> {
+        let ids = self.encode(&self.render_chat(messages)?)?;
+        Ok(ids.len() as u64)
+    }
+
+    /// Tokens of a plain text.
+    pub fn count_text(&self, text: &str) -> Result<u64, TokenizerError> {
+        Ok(self.encode(text)?.len() as u64)
+    }
+}
+
+/// What the gateway counted of one chat request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PromptCount {
+    /// The messages through the model's chat template: what the engine counts for a plain
+    /// chat request.
+    pub messages: u64,
+    /// Tokens of what a template may also render into the prompt (tool definitions, tool
+    /// calls and ids in messages, other non-text content): part of the bound on what an
+    /// engine may report, not of the admission check.
+    pub extra: u64,
+}
+
+/// The tokenizer of every configured model.
+#[derive(Debug, Clone)]
+pub struct PromptCounter {
+    by_model: BTreeMap<String, Arc<ChatTokenizer>>,
+}
+
+impl PromptCounter {
+    /// Loads each model's tokenizer (`None` as the path: the built-in one, loaded once).
+    pub fn load<'a>(
+        models: impl IntoIterator<Item = (&'a str, Option<&'a Path>, Option<&'a Path>)>,
+    ) -> Result<Self, TokenizerError> {
+        let mut builtin: Option<Arc<ChatTokenizer>> = None;
+        let mut by_model = BTreeMap::new();
+        for (name, tokenizer, template) in models {
+            let tok = match tokenizer {
+                Some(path) => Arc::new(ChatTokenizer::from_files(path, template)?),
+                None => match &builtin {
+                    Some(b) => b.clone(),
+                    None => {
+                        let b = Arc::new(ChatTokenizer::builtin()?);
+                        builtin = Some(b.clone());
+                        b
+                    }
+                },
+            };
+            by_model.insert(name.to_owned(), tok);
+        }
+        Ok(Self { by_model })
+    }
+
+    /// Counts a chat body's prompt for `model` on the blocking pool (tokenizing is CPU work).
+    /// `None` when the model has no tokenizer loaded.
+    pub async fn count_chat(
+        &self,
+        model: &str,
+        body: &serde_json::Map<String, Value>,
+    ) -> Option<Result<PromptCount, TokenizerError>> {
+        let tok = self.by_model.get(model)?.clone();
+        let messages: Vec<ChatMessage> = body
+            .get("messages")
+            .and_then(Value::as_array)
+            .map(|ms| {
+                ms.iter()
+                    .filter_map(|m| serde_json::from_value(m.clone()).ok())
+                    .collect()
+            })
+            .unwrap_or_default();
+        let extra_text = extra_prompt_text(body);
+        let counted = tokio::task::spawn_blocking(move || {
+            Ok(PromptCount {
+                messages: tok.count_chat(&messages)?,
+                extra: if extra_text.is_empty() {
+                    0
+                } else {
+                    tok.count_text(&extra_text)?
+                },
+            })
+        })
+        .await;
+        Some(counted.unwrap_or_else(|e| Err(TokenizerError::Encode(e.to_string()))))
+    }
+}
+
+/// The JSON of everything besides message text that a chat template may render into the
+/// prompt: `tools`, `functions`, and each message's fields other than `role` and text content.
+fn extra_prompt_text(body: &serde_json::Map<String, Value>) -> String {
+    let mut out = String::new();
+    for field in ["tools", "functions", "tool_choice", "response_format"] {
+        if let Some(v) = body.get(field).filter(|v| !v.is_null()) {
+            out.push_str(&v.to_string());
+        }
+    }
+    if let Some(messages) = body.get("messages").and_then(Value::as_array) {
+        for m in messages.iter().filter_map(Value::as_object) {
+            for (k, v) in m {
+                let text_content = k == "content" && matches!(v, Value::String(_) | Value::Null);
+                if k != "role" && !text_content && !v.is_null() {
+                    out.push_str(&v.to_string());
+                }
+            }
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    #[test]
+    fn counts_the_captured_request_as_vllm_did() {
+        // tests/fixtures/vllm/chat_nonstream.request.json: vLLM counted 30 prompt tokens.
+        let body: Value = serde_json::from_str(include_str!(
+            "../tests/fixtures/vllm/chat_nonstream.request.json"
+        ))
+        .unwrap();
+        let tok = ChatTokenizer::builtin().unwrap();
+        let messages: Vec<ChatMessage> = serde_json::from_value(body["messages"].clone()).unwrap();
+        assert_eq!(tok.count_chat(&messages).unwrap(), 30);
+    }
+
+    #[tokio::test]
+    async fn tools_and_tool_calls_count_as_extra() {
+        let counter = PromptCounter::load([("m", None, None)]).unwrap();
+        let plain = serde_json::json!({"messages": [{"role": "user", "content": "hi"}]});
+        let with_tools = serde_json::json!({
+            "messages": [{"role": "user", "content": "hi"},
+                         {"role": "assistant", "content": null,
+                          "tool_calls": [{"id": "c1", "type": "function",
+                                          "function": {"name": "f", "arguments": "{}"}}]}],
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+        });
+        let a = counter
+            .count_chat("m", plain.as_object().unwrap())
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(a.extra, 0);
+        let b = counter
+            .count_chat("m", with_tools.as_object().unwrap())
+            .await
+            .unwrap()
+            .unwrap();
+        assert!(b.extra > 10, "{b:?}");
+        assert!(
+            counter
+                .count_chat("other", plain.as_object().unwrap())
+                .await
+                .is_none()
+        );
+    }
+}
