@@ -19,6 +19,7 @@
 //! [`ports`], so its tests run in-process on a paused clock. [`protocol`] holds the node ⇄
 //! server frames shared by the server and `switchyard node`.
 
+pub mod attempts;
 pub mod error;
 pub mod generation;
 pub mod lifecycle;

@@ -155,9 +155,61 @@ pub enum ServerFrame {
     },
 }
 
+/// Why a node's text frame could not be taken as a [`NodeFrame`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Malformed {
+    /// The frame's `type`, when it had a readable one (at most 32 characters).
+    pub kind: Option<String>,
+}
+
+/// Reads a node's frame. A `done` whose counts are not integers a `u64` holds (negative,
+/// fractional, beyond 2^64−1) still names its request and attempt: it is read with those
+/// counts as `u64::MAX`, so the generation ends with a typed error and a settled row instead
+/// of waiting for a report that will never parse (the counts are a protocol violation either
+/// way, see `MAX_TOKEN_COUNT` in `ports`). Anything else unreadable is [`Malformed`].
+pub fn decode_node_frame(text: &str) -> Result<NodeFrame, Malformed> {
+    if let Ok(frame) = serde_json::from_str::<NodeFrame>(text) {
+        return Ok(frame);
+    }
+    let value: serde_json::Value =
+        serde_json::from_str(text).map_err(|_| Malformed { kind: None })?;
+    let kind = value
+        .get("type")
+        .and_then(serde_json::Value::as_str)
+        .map(|t| t.chars().take(32).collect::<String>());
+    let malformed = || Malformed { kind: kind.clone() };
+    if kind.as_deref() != Some("done") {
+        return Err(malformed());
+    }
+    let field = |name: &str| value.get(name);
+    let request_id = field("request_id")
+        .and_then(serde_json::Value::as_str)
+        .ok_or_else(malformed)?
+        .to_owned();
+    let attempt = field("attempt")
+        .and_then(serde_json::Value::as_u64)
+        .ok_or_else(malformed)?;
+    let finish_reason = field("finish_reason")
+        .and_then(serde_json::Value::as_str)
+        .ok_or_else(malformed)?
+        .to_owned();
+    // Present but unreadable as a u64: out of range.
+    let count = |name: &str| match field(name) {
+        Some(serde_json::Value::Number(n)) => Ok(n.as_u64().unwrap_or(u64::MAX)),
+        _ => Err(malformed()),
+    };
+    Ok(NodeFrame::Done {
+        request_id,
+        attempt,
+        prompt_tokens: count("prompt_tokens")?,
+        completion_tokens: count("completion_tokens")?,
+        finish_reason,
+    })
+}
+
 #[cfg(test)]
 mod tests {
-    #![allow(clippy::unwrap_used)]
+    #![allow(clippy::unwrap_used, clippy::panic)]
     use super::*;
 
     #[test]
@@ -181,6 +233,32 @@ mod tests {
                 retry_after_ms: None
             }
         );
+    }
+
+    #[test]
+    fn a_done_with_counts_out_of_range_still_names_its_attempt() {
+        for count in ["18446744073709551616", "-1", "1.5", "1e30"] {
+            let text = format!(
+                r#"{{"type":"done","request_id":"r","attempt":1,"prompt_tokens":3,"completion_tokens":{count},"finish_reason":"stop"}}"#
+            );
+            let Ok(NodeFrame::Done {
+                completion_tokens,
+                prompt_tokens,
+                ..
+            }) = decode_node_frame(&text)
+            else {
+                panic!("{count}: not read as a done");
+            };
+            assert_eq!((prompt_tokens, completion_tokens), (3, u64::MAX), "{count}");
+        }
+        let missing = r#"{"type":"done","request_id":"r","attempt":1,"finish_reason":"stop"}"#;
+        assert_eq!(
+            decode_node_frame(missing),
+            Err(Malformed {
+                kind: Some("done".into())
+            })
+        );
+        assert_eq!(decode_node_frame("{"), Err(Malformed { kind: None }));
     }
 
     #[test]

@@ -107,16 +107,15 @@ async fn prepare(
         .and_then(Value::as_array)
         .filter(|m| !m.is_empty())
         .ok_or_else(|| bad("`messages` must be a non-empty array."))?;
-    let mut estimated_prompt_tokens = 0u64;
     for m in messages {
         let role = m.get("role").and_then(Value::as_str);
         let content = m.get("content").and_then(Value::as_str);
-        let (Some(_), Some(content)) = (role, content) else {
-            return Err(bad(
-                "Every message needs a string `role` and a string `content`.",
-            ));
-        };
-        estimated_prompt_tokens += 4 + (content.chars().count() as u64).div_ceil(4);
+        if role.is_none() || content.is_none() {
+            return Err(
+                bad("Every message needs a string `role` and a string `content`.")
+                    .with_param("messages"),
+            );
+        }
     }
     let stream = match obj.get("stream") {
         None | Some(Value::Null) => false,
@@ -125,10 +124,10 @@ async fn prepare(
     };
     let max_tokens = match obj.get("max_output_tokens") {
         None | Some(Value::Null) => u64::from(model.default_max_tokens),
-        Some(v) => v
-            .as_u64()
-            .filter(|n| *n > 0)
-            .ok_or_else(|| bad("`max_output_tokens` must be a positive integer."))?,
+        Some(v) => {
+            let n = v.as_u64().unwrap_or(0);
+            lifecycle::check_max_tokens(&model, "max_output_tokens", n)?
+        }
     };
     if !super::openai::allowed(state, &principal, &model) {
         return Err(ApiError::new(
@@ -150,12 +149,14 @@ async fn prepare(
             engine.insert(field.into(), v.clone());
         }
     }
+    let measured = lifecycle::measure(state, &model, &engine, max_tokens).await?;
     let plan = Plan {
         principal,
         model,
         engine_body: Value::Object(engine),
-        estimated_prompt_tokens,
+        estimated_prompt_tokens: measured.prompt_tokens,
         max_tokens,
+        bounds: measured.bounds,
         idempotency: Some((key, fingerprint)),
     };
     Ok((plan, stream))

@@ -16,7 +16,7 @@ use switchyard_actors::lifecycle::{
     Decision, Event, GenerationRecord, MessagePolicy, NewGeneration, Status,
 };
 use switchyard_actors::metric_names::REQUESTS_TOTAL;
-use switchyard_actors::ports::{Reservation, cost_of};
+use switchyard_actors::ports::{Reservation, UsageBounds, cost_of};
 
 use super::error::ApiError;
 use crate::auth::Principal;
@@ -36,10 +36,12 @@ pub struct Plan {
     pub model: ModelConfig,
     /// The body the engine gets (model resolved, max_tokens set).
     pub engine_body: Value,
-    /// Prompt tokens estimated for the reservation.
+    /// Prompt tokens as the gateway counted them (the reservation's estimate).
     pub estimated_prompt_tokens: u64,
     /// Output ceiling (the model's default when the client set none).
     pub max_tokens: u64,
+    /// The most a node may bill for this request.
+    pub bounds: UsageBounds,
     /// (Idempotency-Key, fingerprint of the normalized semantic inputs).
     pub idempotency: Option<(String, String)>,
 }
@@ -77,11 +79,100 @@ pub fn resolve_model(
     })
 }
 
-/// The optional `Idempotency-Key` header: 1 to 255 visible ASCII characters.
+/// What the gateway counted of a request's prompt, and what that allows a node to bill.
+#[derive(Debug, Clone, Copy)]
+pub struct Measured {
+    /// The messages' tokens through the model's template: the reservation's estimate.
+    pub prompt_tokens: u64,
+    /// The most a node may report (SPEC section 7, trust).
+    pub bounds: UsageBounds,
+}
+
+/// Counts the prompt of `body` with the model's tokenizer and chat template: a prompt that
+/// fills the model's context is refused here, before it costs a GPU anything; the count
+/// plus the configured margin (and the tokens of tool definitions and other non-text fields
+/// an engine's template may render) bounds the prompt tokens a node may bill, and
+/// min(`max_tokens`, context) the completion tokens.
+pub async fn measure(
+    state: &AppState,
+    model: &ModelConfig,
+    body: &serde_json::Map<String, Value>,
+    max_tokens: u64,
+) -> Result<Measured, ApiError> {
+    let context = u64::from(model.max_context_tokens);
+    let count = match state.prompts.count_chat(&model.name, body).await {
+        Some(Ok(count)) => count,
+        Some(Err(crate::tokens::TokenizerError::Template(_))) => {
+            return Err(ApiError::new(
+                ErrorCode::InvalidRequest,
+                "The messages cannot be rendered with the model's chat template.",
+            )
+            .with_param("messages"));
+        }
+        Some(Err(e)) => {
+            tracing::error!(model = %model.name, error = %e, "counting a prompt failed");
+            return Err(ApiError::unavailable(
+                "The prompt could not be counted; nothing was started.",
+            ));
+        }
+        None => {
+            tracing::error!(model = %model.name, "no tokenizer loaded for a configured model");
+            return Err(ApiError::unavailable(
+                "The prompt could not be counted; nothing was started.",
+            ));
+        }
+    };
+    if count.messages >= context {
+        return Err(ApiError::new(
+            ErrorCode::ContextLengthExceeded,
+            format!(
+                "This model's maximum context length is {context} tokens; the messages count {} tokens, which leaves no room for output.",
+                count.messages
+            ),
+        )
+        .with_param("messages"));
+    }
+    let trust = &state.config.trust;
+    let counted = count.messages.saturating_add(count.extra);
+    let margin = (counted.saturating_mul(u64::from(trust.prompt_margin_percent)) / 100)
+        .max(u64::from(trust.prompt_margin_tokens));
+    Ok(Measured {
+        prompt_tokens: count.messages,
+        bounds: UsageBounds {
+            prompt_tokens: counted.saturating_add(margin),
+            completion_tokens: max_tokens.min(context),
+        },
+    })
+}
+
+/// The most output tokens a request may ask for: the model's context.
+pub fn check_max_tokens(model: &ModelConfig, field: &str, n: u64) -> Result<u64, ApiError> {
+    let context = u64::from(model.max_context_tokens);
+    if n == 0 || n > context {
+        return Err(ApiError::new(
+            ErrorCode::InvalidRequest,
+            format!(
+                "`{field}` must be an integer from 1 to the model's context length ({context})."
+            ),
+        )
+        .with_param(field));
+    }
+    Ok(n)
+}
+
+/// The optional `Idempotency-Key` header: 1 to 255 visible ASCII characters, sent once.
 pub fn idempotency_key(headers: &HeaderMap) -> Result<Option<String>, ApiError> {
-    let Some(value) = headers.get("idempotency-key") else {
+    let mut values = headers.get_all("idempotency-key").iter();
+    let Some(value) = values.next() else {
         return Ok(None);
     };
+    if values.next().is_some() {
+        return Err(ApiError::new(
+            ErrorCode::InvalidRequest,
+            "`Idempotency-Key` was sent more than once; send it once.",
+        )
+        .with_param("Idempotency-Key"));
+    }
     let key = value
         .to_str()
         .ok()
@@ -329,7 +420,7 @@ async fn admit(state: &AppState, mut plan: Plan, id: &str) -> Result<Admission, 
         estimated_cost: cost_of(plan.estimated_prompt_tokens, plan.max_tokens, pin, pout),
         price_input_per_mtok: pin,
         price_output_per_mtok: pout,
-        bounds: switchyard_actors::ports::UsageBounds::UNBOUNDED,
+        bounds: plan.bounds,
     };
     let (tx, events) = events::channel(state.config.stream_bound());
     let args = GenerationArgs {
@@ -344,6 +435,7 @@ async fn admit(state: &AppState, mut plan: Plan, id: &str) -> Result<Admission, 
         clock: state.clock.clone(),
         on_end,
         lifecycle,
+        coordinator: Some(state.coordinator.clone()),
     };
     Ok(Admission::Ready(Box::new(args), events, rate))
 }
@@ -544,5 +636,12 @@ mod tests {
         assert!(idempotency_key(&h).is_err());
         h.insert("idempotency-key", "x".repeat(256).parse().unwrap());
         assert!(idempotency_key(&h).is_err());
+        let mut twice = HeaderMap::new();
+        twice.append("idempotency-key", "a".parse().unwrap());
+        twice.append("idempotency-key", "a".parse().unwrap());
+        assert_eq!(
+            idempotency_key(&twice).unwrap_err().param.as_deref(),
+            Some("Idempotency-Key")
+        );
     }
 }

@@ -11,8 +11,8 @@ use axum::extract::ws::{Message, WebSocket, WebSocketUpgrade};
 use axum::response::Response;
 use futures::{SinkExt, StreamExt};
 use subtle::ConstantTimeEq;
-use switchyard_actors::node::{NodeActor, NodeArgs, NodeHandle};
-use switchyard_actors::protocol::{NodeFrame, ServerFrame};
+use switchyard_actors::node::{NodeActor, NodeArgs, NodeHandle, NodeTrust, Violation};
+use switchyard_actors::protocol::{Malformed, NodeFrame, ServerFrame, decode_node_frame};
 use switchyard_actors::tasks::TaskGuard;
 use tokio::sync::mpsc;
 
@@ -70,6 +70,10 @@ async fn serve_node(state: Arc<AppState>, mut socket: WebSocket) {
         replica_id: state.replica_id.clone(),
         heartbeat_timeout: Duration::from_secs(state.config.nodes.heartbeat_timeout_secs),
         clock: state.clock.clone(),
+        trust: NodeTrust {
+            max_violations: state.config.trust.max_violations,
+            window: Duration::from_secs(state.config.trust.violation_window_secs),
+        },
     };
     if send(&mut socket, &ServerFrame::Registered {})
         .await
@@ -121,14 +125,20 @@ async fn relay(socket: WebSocket, node: &NodeHandle, frames: &mut mpsc::Receiver
                 None => return, // the actor stopped
             },
             incoming = stream.next() => match incoming {
-                Some(Ok(Message::Text(text))) => match serde_json::from_str::<NodeFrame>(&text) {
+                Some(Ok(Message::Text(text))) => match decode_node_frame(&text) {
                     Ok(frame) => {
                         if !node.deliver(frame) {
                             return;
                         }
                     }
-                    Err(e) => tracing::warn!(node_id = node.node_id(), error = %e, "unreadable frame from node"),
+                    // Never serde's message: it can quote the frame, which may hold output.
+                    Err(Malformed { kind }) => {
+                        tracing::debug!(node_id = node.node_id(), kind = kind.as_deref().unwrap_or(""), bytes = text.len(), "unreadable frame from node");
+                        node.violation(Violation::MalformedFrame, None);
+                    }
                 },
+                // The protocol is JSON text frames only.
+                Some(Ok(Message::Binary(_))) => node.violation(Violation::MalformedFrame, None),
                 Some(Ok(Message::Close(_))) | None | Some(Err(_)) => return,
                 Some(Ok(_)) => {}
             },

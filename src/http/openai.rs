@@ -26,7 +26,6 @@ struct ChatRequest {
     max_tokens: Option<u64>,
     /// The body as the engine gets it: every field passed through, the model resolved.
     engine_body: Value,
-    estimated_prompt_tokens: u64,
 }
 
 #[instrument(skip_all, fields(request_id, team_id, model))]
@@ -122,12 +121,20 @@ async fn prepare(
     let max_tokens = req
         .max_tokens
         .unwrap_or(u64::from(req.resolved.default_max_tokens));
+    let Value::Object(engine_obj) = &req.engine_body else {
+        return Err(ApiError::new(
+            ErrorCode::InvalidRequest,
+            "The body must be a JSON object.",
+        ));
+    };
+    let measured = lifecycle::measure(state, &req.resolved, engine_obj, max_tokens).await?;
     let plan = Plan {
         principal,
         model: req.resolved,
         engine_body: req.engine_body,
-        estimated_prompt_tokens: req.estimated_prompt_tokens,
+        estimated_prompt_tokens: measured.prompt_tokens,
         max_tokens,
+        bounds: measured.bounds,
         idempotency: idempotency.zip(fingerprint),
     };
     Ok((plan, req.stream, req.include_usage))
@@ -144,16 +151,16 @@ fn validate(state: &AppState, body: Value) -> Result<ChatRequest, ApiError> {
         .get("messages")
         .and_then(Value::as_array)
         .filter(|m| !m.is_empty())
-        .ok_or_else(|| bad("`messages` must be a non-empty array."))?;
-    let mut estimated_prompt_tokens = 0u64;
+        .ok_or_else(|| bad("`messages` must be a non-empty array.").with_param("messages"))?;
     for m in messages {
         if m.get("role").and_then(Value::as_str).is_none() {
-            return Err(bad("Every message needs a string `role`."));
+            return Err(bad("Every message needs a string `role`.").with_param("messages"));
         }
-        estimated_prompt_tokens += 4 + content_chars(m.get("content")).div_ceil(4);
     }
-    if obj.get("n").and_then(Value::as_u64).is_some_and(|n| n > 1) {
-        return Err(bad("`n` greater than 1 is not supported."));
+    match obj.get("n") {
+        None | Some(Value::Null) => {}
+        Some(n) if n.as_u64() == Some(1) => {}
+        Some(_) => return Err(bad("`n` must be 1: one choice per request.").with_param("n")),
     }
     let stream = match obj.get("stream") {
         None | Some(Value::Null) => false,
@@ -169,10 +176,10 @@ fn validate(state: &AppState, body: Value) -> Result<ChatRequest, ApiError> {
     for field in ["max_completion_tokens", "max_tokens"] {
         match obj.get(field) {
             None | Some(Value::Null) => {}
-            Some(v) => match v.as_u64().filter(|n| *n > 0) {
-                Some(n) => max_tokens = max_tokens.or(Some(n)),
-                None => return Err(bad(&format!("`{field}` must be a positive integer."))),
-            },
+            Some(v) => {
+                let n = lifecycle::check_max_tokens(&resolved, field, v.as_u64().unwrap_or(0))?;
+                max_tokens = max_tokens.or(Some(n));
+            }
         }
     }
     // The model's output cap applies when the client sets none, so the reservation covers
@@ -191,21 +198,7 @@ fn validate(state: &AppState, body: Value) -> Result<ChatRequest, ApiError> {
         include_usage,
         max_tokens,
         engine_body: Value::Object(obj),
-        estimated_prompt_tokens,
     })
-}
-
-/// Characters of a message's content (a string or text parts), for the admission estimate.
-fn content_chars(content: Option<&Value>) -> u64 {
-    match content {
-        Some(Value::String(s)) => s.chars().count() as u64,
-        Some(Value::Array(parts)) => parts
-            .iter()
-            .filter_map(|p| p.get("text").and_then(Value::as_str))
-            .map(|t| t.chars().count() as u64)
-            .sum(),
-        _ => 0,
-    }
 }
 
 /// `chatcmpl-` and 24 random hex digits.

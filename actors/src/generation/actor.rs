@@ -2,21 +2,23 @@
 //! This file holds the actor, its state and the forward path (admit, dispatch, stream);
 //! `ending.rs` holds every way a generation ends.
 
+use std::collections::BTreeMap;
 use std::time::Duration;
 
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 use tokio::time::Instant;
 
 use super::directory::Directory;
+use super::ending::Claim;
 use super::events::SendError;
-use super::msg::{GenEvent, GenerationArgs, GenerationMsg, Timer, Usage};
+use super::msg::{GenEvent, GenerationArgs, GenerationMsg, Timer};
 use crate::error::{ErrorCode, Failure};
 use crate::lifecycle::{Event, Refusal};
 use crate::metric_names::{
     ACTIVE_STREAMS, QUEUE_WAIT_SECONDS, REQUESTS_TOTAL, SLOW_READERS_TOTAL, STALE_FRAMES_TOTAL,
     TTFT_SECONDS,
 };
-use crate::node::NodeHandle;
+use crate::node::{NodeHandle, Violation};
 use crate::ports::LedgerError;
 use crate::tasks::TaskGuard;
 
@@ -58,6 +60,9 @@ pub struct GenerationState {
     pub(super) phase: Phase,
     /// Current attempt epoch; frames of other epochs are fenced.
     pub(super) attempt: u64,
+    /// The node each attempt was dispatched to: a frame is believed only from its attempt's
+    /// node (SPEC section 7, trust).
+    pub(super) holders: BTreeMap<u64, String>,
     /// A lost or failed first attempt is retried once.
     pub(super) retried: bool,
     /// The current attempt is proven to have started (`accepted`, a chunk or `done`).
@@ -112,6 +117,7 @@ impl Actor for GenerationActor {
             directory,
             phase: Phase::New,
             attempt: 0,
+            holders: BTreeMap::new(),
             retried: false,
             evidence: false,
             next_seq: 0,
@@ -160,7 +166,10 @@ impl Actor for GenerationActor {
                     state.finish_without_work(&myself, failure).await;
                 }
             }
-            GenerationMsg::Accepted { attempt } => {
+            GenerationMsg::Accepted { attempt, from } => {
+                if !state.vouch(&from, attempt) {
+                    return Ok(());
+                }
                 if state.frame_is_current(attempt) {
                     state.prove_started().await;
                 } else {
@@ -171,26 +180,37 @@ impl Actor for GenerationActor {
                 attempt,
                 seq,
                 delta,
-            } => state.chunk(&myself, attempt, seq, delta).await,
+                from,
+            } => {
+                if state.vouch(&from, attempt) {
+                    state.chunk(&myself, attempt, seq, delta, &from).await;
+                }
+            }
             GenerationMsg::Done {
                 attempt,
                 prompt_tokens,
                 completion_tokens,
                 finish_reason,
-                node,
+                from,
             } => {
-                let usage = Usage {
-                    prompt_tokens,
-                    completion_tokens,
-                    finish_reason,
-                };
-                state.done(&myself, attempt, usage, &node).await;
+                if state.vouch(&from, attempt) {
+                    let claim = Claim {
+                        prompt_tokens,
+                        completion_tokens,
+                        finish_reason,
+                    };
+                    state.done(&myself, attempt, claim, &from).await;
+                }
             }
             GenerationMsg::EngineError {
                 attempt,
                 code,
                 message,
+                from,
             } => {
+                if from.as_ref().is_some_and(|n| !state.vouch(n, attempt)) {
+                    return Ok(());
+                }
                 if state.frame_is_current(attempt) {
                     state.engine_error(&myself, &code, &message).await;
                 } else {
@@ -257,6 +277,22 @@ impl Actor for GenerationActor {
 impl GenerationState {
     pub(super) fn model(&self) -> String {
         self.args.model.clone()
+    }
+
+    /// Whether `from` holds `attempt` of this generation. A frame from any other node (a
+    /// request it was never assigned, an epoch never dispatched to it) is refused and
+    /// reported to its node, which counts the violation; it changes nothing here and is never
+    /// acked.
+    pub(super) fn vouch(&self, from: &NodeHandle, attempt: u64) -> bool {
+        if self
+            .holders
+            .get(&attempt)
+            .is_some_and(|node| node == from.node_id())
+        {
+            return true;
+        }
+        from.violation(Violation::ForeignRequest, Some(&self.args.request_id));
+        false
     }
 
     /// A frame of the current attempt, while that attempt may be running.
@@ -367,7 +403,7 @@ impl GenerationState {
         }
         let queue = self.args.queue.clone();
         if let Err(failure) = queue
-            .enqueue(&self.args.request_id, myself.clone(), false)
+            .enqueue(&self.args.request_id, myself.clone(), false, None)
             .await
         {
             self.cancel_row().await;
@@ -425,6 +461,8 @@ impl GenerationState {
         self.evidence = false;
         self.next_seq = 0;
         self.chunks = 0;
+        self.holders.insert(attempt, node.node_id().to_owned());
+        self.record_holders().await;
         let now = self.args.clock.now();
         if self.dispatched_at.is_none() {
             let waited = now.saturating_duration_since(self.admitted_at);
@@ -455,6 +493,30 @@ impl GenerationState {
         self.arm(myself, first, Timer::FirstToken);
     }
 
+    /// Writes which node holds each attempt to the coordinator, before the node hears of the
+    /// newest one, so that a `done` outliving this actor is accepted only from its node. A
+    /// coordinator that cannot be reached does not stop the work: such a `done` is then
+    /// settled within its bounds and marked for review.
+    async fn record_holders(&self) {
+        let Some(coordinator) = &self.args.coordinator else {
+            return;
+        };
+        let t = &self.args.timeouts;
+        // The longest a `done` may arrive: the whole request, the wait for its usage, and the
+        // sweeper's margin (the row is swept after that anyway).
+        let ttl = t.total + t.settle_wait + Duration::from_secs(60);
+        if let Err(e) = crate::attempts::record(
+            coordinator.as_ref(),
+            &self.args.request_id,
+            &self.holders,
+            ttl,
+        )
+        .await
+        {
+            tracing::warn!(request_id = %self.args.request_id, error = %e, "could not record the attempt's node");
+        }
+    }
+
     /// The current attempt proved it started: the message is consumed (once).
     pub(super) async fn prove_started(&mut self) {
         if !self.evidence {
@@ -470,13 +532,15 @@ impl GenerationState {
         attempt: u64,
         seq: u64,
         delta: String,
+        from: &NodeHandle,
     ) {
         if !self.frame_is_current(attempt) {
             metrics::counter!(STALE_FRAMES_TOTAL, "reason" => "old_attempt").increment(1);
             return;
         }
         if seq < self.next_seq {
-            metrics::counter!(STALE_FRAMES_TOTAL, "reason" => "duplicate").increment(1);
+            // The agent sends each chunk once, in order: a `seq` going backwards is a lie.
+            from.violation(Violation::SeqRegression, Some(&self.args.request_id));
             return;
         }
         if seq > self.next_seq {

@@ -12,9 +12,17 @@ use super::msg::{GenEvent, GenerationMsg, Timer, Usage};
 use crate::error::{ErrorCode, Failure};
 use crate::lifecycle::Refusal;
 use crate::lifecycle::{Event, Outcome};
-use crate::metric_names::{OUTPUT_TOKENS_PER_SECOND, STALE_FRAMES_TOTAL};
-use crate::node::NodeHandle;
-use crate::ports::{SettleOutcome, Settlement};
+use crate::metric_names::{OUTPUT_TOKENS_PER_SECOND, STALE_FRAMES_TOTAL, USAGE_CLAMPED_TOTAL};
+use crate::node::{NodeHandle, Violation};
+use crate::ports::{MAX_TOKEN_COUNT, ReviewReason, SettleOutcome, Settlement};
+
+/// A node's `done` as it reported it: a claim, billed only within the request's bounds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) struct Claim {
+    pub prompt_tokens: u64,
+    pub completion_tokens: u64,
+    pub finish_reason: String,
+}
 
 impl GenerationState {
     /// The node's final report for `attempt`.
@@ -22,7 +30,7 @@ impl GenerationState {
         &mut self,
         myself: &ActorRef<GenerationMsg>,
         attempt: u64,
-        usage: Usage,
+        claim: Claim,
         node: &NodeHandle,
     ) {
         if attempt == self.attempt && matches!(self.phase, Phase::Fencing) {
@@ -40,13 +48,49 @@ impl GenerationState {
             node.ack(&self.args.request_id, attempt);
             return;
         }
+        // Billed within the request's bounds; the ledger applies the same rule to the same
+        // claim, so the client is told exactly what the ledger records.
+        let billed = self
+            .args
+            .reservation
+            .bounds
+            .bill(claim.prompt_tokens, claim.completion_tokens);
+        let unrepresentable =
+            claim.prompt_tokens > MAX_TOKEN_COUNT || claim.completion_tokens > MAX_TOKEN_COUNT;
+        let mut review = None;
+        if unrepresentable {
+            node.violation(Violation::UsageOutOfRange, Some(&self.args.request_id));
+            review = Some(ReviewReason::UsageUnrepresentable);
+        } else if claim.completion_tokens > billed.completion_tokens {
+            // Engines stop at max_tokens: more is never true (the prompt bound, by contrast,
+            // also catches a tokenizer that differs from the engine's, so it is no violation).
+            node.violation(Violation::CompletionOverBound, Some(&self.args.request_id));
+        }
+        if billed.clamped {
+            metrics::counter!(USAGE_CLAMPED_TOTAL, "model" => self.model()).increment(1);
+            tracing::warn!(
+                request_id = %self.args.request_id,
+                node_id = node.node_id(),
+                claimed_prompt = claim.prompt_tokens,
+                claimed_completion = claim.completion_tokens,
+                billed_prompt = billed.prompt_tokens,
+                billed_completion = billed.completion_tokens,
+                "usage report beyond the request's bounds; clamped and marked for review"
+            );
+        }
+        let usage = Usage {
+            prompt_tokens: billed.prompt_tokens,
+            completion_tokens: billed.completion_tokens,
+            finish_reason: claim.finish_reason,
+        };
         let settled = self
-            .settle(usage.prompt_tokens, usage.completion_tokens)
+            .settle(claim.prompt_tokens, claim.completion_tokens, review)
             .await;
         if settled {
             node.ack(&self.args.request_id, self.attempt);
         }
         let outcome = match (usage.finish_reason.as_str(), self.stop) {
+            _ if unrepresentable => Outcome::Failed("model_backend_error".into()),
             ("abort", Some(Stop::Cancelled)) => Outcome::Cancelled,
             ("abort", Some(Stop::Timeout)) => Outcome::Failed("generation_timeout".into()),
             ("abort" | "error", _) => Outcome::Failed("model_backend_error".into()),
@@ -60,6 +104,10 @@ impl GenerationState {
             }
             // After our own stop the client was already told; otherwise the node stopped on
             // its own (its agent shut down) or the engine failed: a backend failure.
+            Outcome::Failed(_) if unrepresentable => self.fail_client(Failure::new(
+                ErrorCode::ModelBackendError,
+                "The node's usage report could not be true; the generation ended and was billed at most what the request allowed.",
+            )),
             Outcome::Failed(_) => self.fail_client(Failure::new(
                 ErrorCode::ModelBackendError,
                 "The engine stopped the generation.",
@@ -81,13 +129,8 @@ impl GenerationState {
         if self.args.lifecycle.is_none() {
             return;
         }
-        // PostgreSQL text cannot hold NUL; the retained copy shows it as U+FFFD (the stream
-        // delivered the original).
-        let mut output = std::mem::take(&mut self.output);
-        if output.contains('\0') {
-            output = output.replace('\0', "\u{fffd}");
-        }
-        let output = Some(output);
+        // Kept as streamed, NUL included: every store holds any text.
+        let output = Some(std::mem::take(&mut self.output));
         let attempt = self.attempt;
         self.record(Event::Finish {
             attempt,
@@ -154,7 +197,7 @@ impl GenerationState {
         self.record(Event::Refuse { attempt }).await;
         let retryable = matches!(
             code,
-            "model_loading" | "draining" | "model_backend_error" | "not_sent"
+            "model_loading" | "draining" | "model_backend_error" | "model_not_found" | "not_sent"
         );
         if retryable && !self.retried && self.stop.is_none() && !self.client_gone {
             self.retry(myself).await;
@@ -186,8 +229,10 @@ impl GenerationState {
         self.phase = Phase::Queued;
         tracing::info!(request_id = %self.args.request_id, attempt = self.attempt + 1, "retrying on another node");
         let queue = self.args.queue.clone();
+        // Not back to the node that just failed it, while another one serves the model.
+        let failed = self.holders.get(&self.attempt).cloned();
         if let Err(failure) = queue
-            .enqueue(&self.args.request_id, myself.clone(), true)
+            .enqueue(&self.args.request_id, myself.clone(), true, failed)
             .await
         {
             self.finish_without_work(myself, failure).await;
@@ -317,14 +362,18 @@ impl GenerationState {
         myself.stop(None);
     }
 
+    /// Usage when no `done` came: the gateway's prompt count once anything streamed, and a
+    /// token per chunk received, within the request's bounds.
     fn fallback_usage(&self) -> Usage {
+        let prompt = if self.chunks > 0 {
+            self.args.reservation.estimated_prompt_tokens
+        } else {
+            0
+        };
+        let billed = self.args.reservation.bounds.bill(prompt, self.chunks);
         Usage {
-            prompt_tokens: if self.chunks > 0 {
-                self.args.reservation.estimated_prompt_tokens
-            } else {
-                0
-            },
-            completion_tokens: self.chunks,
+            prompt_tokens: billed.prompt_tokens,
+            completion_tokens: billed.completion_tokens,
             finish_reason: "abort".into(),
         }
     }
@@ -360,7 +409,7 @@ impl GenerationState {
                 if outcome == Outcome::Cancelled && !self.told_client {
                     self.tell(GenEvent::Cancelled(usage.clone()));
                 }
-                self.settle(usage.prompt_tokens, usage.completion_tokens)
+                self.settle(usage.prompt_tokens, usage.completion_tokens, None)
                     .await;
                 myself.stop(None);
             }
@@ -442,8 +491,14 @@ impl GenerationState {
         }
     }
 
-    /// Settles the row with exact usage, retrying briefly; true once the row is final.
-    pub(super) async fn settle(&mut self, prompt_tokens: u64, completion_tokens: u64) -> bool {
+    /// Settles the row with the node's claim (the ledger bills it within the row's bounds),
+    /// retrying briefly; true once the row is final.
+    pub(super) async fn settle(
+        &mut self,
+        prompt_tokens: u64,
+        completion_tokens: u64,
+        review: Option<ReviewReason>,
+    ) -> bool {
         if self.ledger_final {
             return true;
         }
@@ -451,7 +506,7 @@ impl GenerationState {
             request_id: self.args.reservation.request_id.clone(),
             prompt_tokens,
             completion_tokens,
-            review: None,
+            review,
         };
         for backoff_ms in [0u64, 100, 500, 2000] {
             if backoff_ms > 0 {
@@ -460,7 +515,16 @@ impl GenerationState {
             match self.args.ledger.settle(&settlement).await {
                 Ok(SettleOutcome::Applied) => {
                     self.ledger_final = true;
-                    self.settled_tokens = Some(prompt_tokens.saturating_add(completion_tokens));
+                    let billed = self
+                        .args
+                        .reservation
+                        .bounds
+                        .bill(prompt_tokens, completion_tokens);
+                    self.settled_tokens = Some(
+                        billed
+                            .prompt_tokens
+                            .saturating_add(billed.completion_tokens),
+                    );
                     return true;
                 }
                 Ok(SettleOutcome::AlreadyFinal) => {

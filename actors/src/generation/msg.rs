@@ -10,7 +10,7 @@ use crate::error::Failure;
 use crate::lifecycle::GenerationStore;
 use crate::model_queue::ModelQueueHandle;
 use crate::node::NodeHandle;
-use crate::ports::{Clock, Ledger, Reservation};
+use crate::ports::{Clock, Coordinator, Ledger, Reservation};
 
 /// Deadlines of one generation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -44,12 +44,13 @@ impl Default for Timeouts {
     }
 }
 
-/// Exact usage of a finished generation.
+/// Usage of a finished generation, as billed: the engine's counts within the request's
+/// bounds (what the ledger recorded, never more).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Usage {
-    /// Prompt tokens as the engine counted them.
+    /// Prompt tokens billed.
     pub prompt_tokens: u64,
-    /// Completion tokens as the engine counted them.
+    /// Completion tokens billed.
     pub completion_tokens: u64,
     /// `stop` or `length`.
     pub finish_reason: String,
@@ -132,6 +133,10 @@ pub struct GenerationArgs {
     /// The generation's record (`request_id` is its id) when it was admitted through the
     /// lifecycle (the Generations API, or an Idempotency-Key).
     pub lifecycle: Option<Arc<dyn GenerationStore>>,
+    /// Where the record of which node holds each attempt goes (see `crate::attempts`), so a
+    /// `done` that outlives the generation is accepted only from its node. `None` in tests
+    /// that do not need it.
+    pub coordinator: Option<Arc<dyn Coordinator>>,
 }
 
 /// Deadlines a generation arms.
@@ -166,6 +171,8 @@ pub enum GenerationMsg {
     Accepted {
         /// Epoch of the frame.
         attempt: u64,
+        /// The connection it came on: only the node holding the attempt is believed.
+        from: NodeHandle,
     },
     /// Generated text.
     Chunk {
@@ -175,6 +182,8 @@ pub enum GenerationMsg {
         seq: u64,
         /// Text.
         delta: String,
+        /// The connection it came on.
+        from: NodeHandle,
     },
     /// The node's final report, with exact usage.
     Done {
@@ -187,7 +196,7 @@ pub enum GenerationMsg {
         /// `stop`, `length`, `abort` or `error`.
         finish_reason: String,
         /// The connection it came on, to ack it.
-        node: NodeHandle,
+        from: NodeHandle,
     },
     /// The engine failed the assignment.
     EngineError {
@@ -197,6 +206,8 @@ pub enum GenerationMsg {
         code: String,
         /// The engine's message.
         message: String,
+        /// The connection it came on; `None` when the server itself never sent the work.
+        from: Option<NodeHandle>,
     },
     /// The node carrying `attempt` is gone.
     NodeLost {

@@ -20,6 +20,8 @@ use crate::ports::memory::{MemoryLedger, RowStatus};
 use crate::ports::{CoordError, Coordinator, LimitVerdict, Reservation, SystemClock};
 use crate::protocol::{NodeFrame, ServerFrame};
 
+mod trust;
+
 const MODEL: &str = "llama-3.1-8b-instruct";
 
 /// Just enough coordination for node actors: heartbeats land in a map.
@@ -144,6 +146,7 @@ async fn connect(h: &Harness, id: &str) -> (NodeHandle, mpsc::Receiver<ServerFra
         replica_id: "r1".into(),
         heartbeat_timeout: Duration::from_secs(15),
         clock: Arc::new(SystemClock),
+        trust: crate::node::NodeTrust::default(),
     };
     let node = NodeActor::start(args).await.unwrap();
     tokio::time::sleep(Duration::from_millis(1)).await; // let the queue see it
@@ -182,6 +185,21 @@ async fn start_with(
     request_id: &str,
     lifecycle: Option<Arc<dyn crate::lifecycle::GenerationStore>>,
 ) -> Result<GenerationStream, crate::error::Failure> {
+    start_bounded(
+        h,
+        request_id,
+        lifecycle,
+        crate::ports::UsageBounds::UNBOUNDED,
+    )
+    .await
+}
+
+async fn start_bounded(
+    h: &Harness,
+    request_id: &str,
+    lifecycle: Option<Arc<dyn crate::lifecycle::GenerationStore>>,
+    bounds: crate::ports::UsageBounds,
+) -> Result<GenerationStream, crate::error::Failure> {
     let (tx, rx) = events::channel(StreamBound::default());
     let args = GenerationArgs {
         request_id: request_id.into(),
@@ -197,7 +215,7 @@ async fn start_with(
             estimated_cost: 110,
             price_input_per_mtok: 1_000_000,
             price_output_per_mtok: 2_000_000,
-            bounds: crate::ports::UsageBounds::UNBOUNDED,
+            bounds,
         },
         queue: h.queue.clone(),
         ledger: h.ledger.clone(),
@@ -206,6 +224,7 @@ async fn start_with(
         clock: Arc::new(SystemClock),
         on_end: None,
         lifecycle,
+        coordinator: Some(h.coord.clone()),
     };
     h.gens.start_generation(args, rx).await
 }

@@ -50,6 +50,8 @@ struct Waiting {
     request_id: String,
     generation: ActorRef<GenerationMsg>,
     deadline: Instant,
+    /// A retry's failed node: another one is preferred.
+    avoid: Option<String>,
 }
 
 #[derive(Debug)]
@@ -58,6 +60,15 @@ struct NodeEntry {
     in_flight: u32,
     load: NodeLoad,
     draining: bool,
+    /// Its engine refused work twice in a row; back with its next heartbeat.
+    suspended: bool,
+}
+
+impl NodeEntry {
+    /// Takes new work at all (room aside).
+    fn routable(&self) -> bool {
+        !self.draining && !self.suspended
+    }
 }
 
 /// The actor's state.
@@ -120,9 +131,10 @@ impl Actor for ModelQueueActor {
                 request_id,
                 generation,
                 front,
+                avoid,
                 reply,
             } => {
-                let verdict = state.admit(request_id, generation, front);
+                let verdict = state.admit(request_id, generation, front, avoid);
                 let _ = reply.send(verdict);
                 state.dispatch();
             }
@@ -138,6 +150,7 @@ impl Actor for ModelQueueActor {
                         in_flight: 0,
                         load,
                         draining: false,
+                        suspended: false,
                     },
                 );
                 state.dispatch();
@@ -160,6 +173,12 @@ impl Actor for ModelQueueActor {
                 if let Some(n) = state.nodes.get_mut(&id) {
                     n.draining = true;
                 }
+            }
+            QueueMsg::NodeSuspended(id, suspended) => {
+                if let Some(n) = state.nodes.get_mut(&id) {
+                    n.suspended = suspended;
+                }
+                state.dispatch();
             }
             QueueMsg::Tick => {
                 state.expire();
@@ -198,7 +217,7 @@ impl Actor for ModelQueueActor {
 
 impl QueueState {
     fn live_nodes(&self) -> usize {
-        self.nodes.values().filter(|n| !n.draining).count()
+        self.nodes.values().filter(|n| n.routable()).count()
     }
 
     fn admit(
@@ -206,6 +225,7 @@ impl QueueState {
         request_id: String,
         generation: ActorRef<GenerationMsg>,
         front: bool,
+        avoid: Option<String>,
     ) -> Result<(), Failure> {
         let model = &self.args.model;
         if self.live_nodes() == 0 {
@@ -228,6 +248,7 @@ impl QueueState {
             request_id,
             generation,
             deadline,
+            avoid,
         };
         if front {
             self.waiting.push_front(entry);
@@ -266,13 +287,25 @@ impl QueueState {
         self.publish_depth();
     }
 
+    /// In order; a retry that may not go back to its failed node is passed over while only
+    /// that node has room, and the generations behind it may go first.
     fn dispatch_waiting(&mut self) {
-        while !self.waiting.is_empty() {
+        let mut i = 0;
+        while i < self.waiting.len() {
             let capacity = self.args.config.node_capacity;
+            let avoid = self.waiting[i].avoid.as_deref();
+            // The failed node is avoided only while another routable node serves the model.
+            let avoid = avoid.filter(|a| {
+                self.nodes
+                    .iter()
+                    .any(|(id, n)| id.as_str() != *a && n.routable())
+            });
             let candidates: Vec<NodeView<'_>> = self
                 .nodes
                 .iter()
-                .filter(|(_, n)| !n.draining && n.in_flight < capacity)
+                .filter(|(id, n)| {
+                    n.routable() && n.in_flight < capacity && Some(id.as_str()) != avoid
+                })
                 .map(|(id, n)| NodeView {
                     node_id: id,
                     in_flight: n.in_flight,
@@ -281,16 +314,20 @@ impl QueueState {
                     engine_waiting: n.load.queue_depth,
                 })
                 .collect();
-            let Some(i) = self
+            let Some(chosen) = self
                 .args
                 .config
                 .routing
                 .choose(&candidates, &mut self.cursor)
             else {
+                if avoid.is_some() {
+                    i += 1;
+                    continue;
+                }
                 return;
             };
-            let node_id = candidates[i].node_id.to_owned();
-            let Some(w) = self.waiting.pop_front() else {
+            let node_id = candidates[chosen].node_id.to_owned();
+            let Some(w) = self.waiting.remove(i) else {
                 return;
             };
             let Some(entry) = self.nodes.get_mut(&node_id) else {
@@ -332,6 +369,12 @@ impl QueueState {
                 .nodes
                 .iter()
                 .map(|(id, n)| (id.clone(), n.in_flight, n.draining))
+                .collect(),
+            suspended: self
+                .nodes
+                .iter()
+                .filter(|(_, n)| n.suspended)
+                .map(|(id, _)| id.clone())
                 .collect(),
             drain_rate: self.drain_rate(),
         }

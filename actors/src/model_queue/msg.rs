@@ -13,6 +13,8 @@ pub struct QueueStats {
     pub waiting: usize,
     /// (node id, in flight, draining) of every node serving the model.
     pub nodes: Vec<(String, u32, bool)>,
+    /// Nodes out of routing because their engine kept refusing work.
+    pub suspended: Vec<String>,
     /// Dispatches per second over the measuring window.
     pub drain_rate: f64,
 }
@@ -28,6 +30,8 @@ pub enum QueueMsg {
         generation: ActorRef<GenerationMsg>,
         /// A retry of a generation whose node was lost goes to the front.
         front: bool,
+        /// A retry avoids the node that failed it, unless no other node serves the model.
+        avoid: Option<String>,
         /// Admitted or refused.
         reply: RpcReplyPort<Result<(), Failure>>,
     },
@@ -46,6 +50,9 @@ pub enum QueueMsg {
     Released(String),
     /// A node takes no new work.
     NodeDraining(String),
+    /// A node's engine refused work twice in a row (true) or reported healthy again (false):
+    /// a suspended node gets no new work but stays connected.
+    NodeSuspended(String, bool),
     /// Periodic: expire deadlines, publish the depth gauge.
     Tick,
     /// Current statistics.
@@ -70,6 +77,7 @@ impl ModelQueueHandle {
         request_id: &str,
         generation: ActorRef<GenerationMsg>,
         front: bool,
+        avoid: Option<String>,
     ) -> Result<(), Failure> {
         let result = self
             .actor
@@ -78,6 +86,7 @@ impl ModelQueueHandle {
                     request_id: request_id.to_owned(),
                     generation,
                     front,
+                    avoid,
                     reply,
                 },
                 Some(std::time::Duration::from_secs(5)),
@@ -119,6 +128,12 @@ impl ModelQueueHandle {
 
     pub(crate) fn node_draining(&self, node_id: &str) {
         let _ = self.actor.cast(QueueMsg::NodeDraining(node_id.to_owned()));
+    }
+
+    pub(crate) fn node_suspended(&self, node_id: &str, suspended: bool) {
+        let _ = self
+            .actor
+            .cast(QueueMsg::NodeSuspended(node_id.to_owned(), suspended));
     }
 
     /// Current statistics, or `None` if the queue does not answer.

@@ -1,23 +1,46 @@
 //! The [`NodeActor`]: relays frames between one node's socket and its generations.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
 
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 use tokio::sync::mpsc;
 
-use super::msg::{NodeHandle, NodeLoad, NodeMsg};
+use super::msg::{NodeHandle, NodeLoad, NodeMsg, Violation};
+use crate::attempts::{self, Holder};
 use crate::generation::{Directory, GenerationMsg};
 use crate::lifecycle::{AttemptState, Event, GenerationStore, LifecycleError, Outcome, Refusal};
-use crate::metric_names::{NODE_KV_CACHE_USAGE, STALE_FRAMES_TOTAL};
+use crate::metric_names::{
+    NODE_KV_CACHE_USAGE, NODE_PROTOCOL_VIOLATIONS_TOTAL, STALE_FRAMES_TOTAL,
+};
 use crate::model_queue::ModelQueueHandle;
-use crate::ports::{Clock, Coordinator, Ledger, Settlement};
+use crate::ports::{Clock, Coordinator, Ledger, MAX_TOKEN_COUNT, ReviewReason, Settlement};
 use crate::protocol::{NodeFrame, ServerFrame};
 use crate::tasks::TaskGuard;
 
 /// How often the actor checks that heartbeats still arrive.
 const HEARTBEAT_CHECK: Duration = Duration::from_secs(1);
+/// Engine refusals in a row after which a node leaves routing until its next heartbeat.
+const REFUSALS_BEFORE_SUSPENSION: u32 = 2;
+
+/// How many protocol violations a node may commit, and over what window.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NodeTrust {
+    /// Violations tolerated within `window`; one more disconnects the node.
+    pub max_violations: u32,
+    /// The window.
+    pub window: Duration,
+}
+
+impl Default for NodeTrust {
+    fn default() -> Self {
+        Self {
+            max_violations: 10,
+            window: Duration::from_secs(60),
+        }
+    }
+}
 
 /// What a node connection starts with.
 #[derive(Debug)]
@@ -44,6 +67,8 @@ pub struct NodeArgs {
     pub heartbeat_timeout: Duration,
     /// Time source.
     pub clock: Arc<dyn Clock>,
+    /// Violations tolerated before the node is disconnected.
+    pub trust: NodeTrust,
 }
 
 /// One assignment the node is carrying.
@@ -68,6 +93,14 @@ pub struct NodeState {
     load: NodeLoad,
     /// Set by an operator drain: no new work.
     draining: bool,
+    /// Times of this node's protocol violations within the trust window.
+    violations: VecDeque<tokio::time::Instant>,
+    /// Every violation since it connected (published with its heartbeat).
+    violations_total: u64,
+    /// Assignments its engine refused in a row (reset by an acceptance or a heartbeat).
+    refusals_in_a_row: u32,
+    /// Out of routing after repeated refusals, until its next heartbeat.
+    suspended: bool,
     checker: Option<ractor::concurrency::JoinHandle<()>>,
     _guard: TaskGuard,
 }
@@ -110,6 +143,10 @@ impl Actor for NodeActor {
             in_flight: BTreeMap::new(),
             load: NodeLoad::default(),
             draining: false,
+            violations: VecDeque::new(),
+            violations_total: 0,
+            refusals_in_a_row: 0,
+            suspended: false,
             checker: Some(checker),
             _guard: TaskGuard::new("node"),
         })
@@ -136,6 +173,7 @@ impl Actor for NodeActor {
                         attempt,
                         code: "not_sent".into(),
                         message: why.into(),
+                        from: None,
                     });
                 };
                 if state.draining {
@@ -211,6 +249,9 @@ impl Actor for NodeActor {
                     myself.stop(Some("heartbeat timeout".into()));
                 }
             }
+            NodeMsg::Violation { kind, request_id } => {
+                violation(state, &myself, kind, request_id.as_deref());
+            }
         }
         Ok(())
     }
@@ -260,6 +301,15 @@ async fn on_frame(state: &mut NodeState, myself: &ActorRef<NodeMsg>, frame: Node
             models,
         } => {
             state.last_heartbeat = state.args.clock.now();
+            // A heartbeat means the engine's metrics answered: a node suspended for refusing
+            // work gets another chance.
+            state.refusals_in_a_row = 0;
+            if std::mem::take(&mut state.suspended) {
+                tracing::info!(node_id = %state.args.node_id, "node healthy again; back in routing");
+                for queue in state.args.queues.values() {
+                    queue.node_suspended(&state.args.node_id, false);
+                }
+            }
             let kv = if kv_cache_usage.is_finite() {
                 kv_cache_usage.clamp(0.0, 1.0)
             } else {
@@ -283,6 +333,7 @@ async fn on_frame(state: &mut NodeState, myself: &ActorRef<NodeMsg>, frame: Node
                 ("gpu_util", gpu_util.to_string()),
                 ("models", models.join(",")),
                 ("in_flight", state.in_flight.len().to_string()),
+                ("violations", state.violations_total.to_string()),
                 ("last_heartbeat", state.args.clock.wall().to_rfc3339()),
             ]
             .into_iter()
@@ -308,8 +359,15 @@ async fn on_frame(state: &mut NodeState, myself: &ActorRef<NodeMsg>, frame: Node
                 .filter(|f| f.attempt == attempt)
             {
                 f.accepted = true;
+                state.refusals_in_a_row = 0;
             }
-            route(state, &request_id, GenerationMsg::Accepted { attempt });
+            let from = state.handle.clone();
+            route(
+                state,
+                &request_id,
+                attempt,
+                GenerationMsg::Accepted { attempt, from },
+            );
         }
         NodeFrame::Chunk {
             request_id,
@@ -317,13 +375,16 @@ async fn on_frame(state: &mut NodeState, myself: &ActorRef<NodeMsg>, frame: Node
             seq,
             delta,
         } => {
+            let from = state.handle.clone();
             route(
                 state,
                 &request_id,
+                attempt,
                 GenerationMsg::Chunk {
                     attempt,
                     seq,
                     delta,
+                    from,
                 },
             );
         }
@@ -340,14 +401,20 @@ async fn on_frame(state: &mut NodeState, myself: &ActorRef<NodeMsg>, frame: Node
             // An error before acceptance is final for the assignment (no `done` follows).
             if unaccepted {
                 release(state, &request_id);
+                if engine_refused(&code) {
+                    refused(state);
+                }
             }
+            let from = state.handle.clone();
             route(
                 state,
                 &request_id,
+                attempt,
                 GenerationMsg::EngineError {
                     attempt,
                     code,
                     message,
+                    from: Some(from),
                 },
             );
         }
@@ -370,9 +437,9 @@ async fn on_frame(state: &mut NodeState, myself: &ActorRef<NodeMsg>, frame: Node
                 prompt_tokens,
                 completion_tokens,
                 finish_reason: finish_reason.clone(),
-                node: state.handle.clone(),
+                from: state.handle.clone(),
             };
-            if !route(state, &request_id, msg) {
+            if !route(state, &request_id, attempt, msg) {
                 settle_orphan(
                     state,
                     myself,
@@ -388,6 +455,57 @@ async fn on_frame(state: &mut NodeState, myself: &ActorRef<NodeMsg>, frame: Node
     }
 }
 
+/// Codes of an engine that failed the work itself (not the client's request, not a drain).
+fn engine_refused(code: &str) -> bool {
+    matches!(
+        code,
+        "model_backend_error" | "model_loading" | "model_not_found"
+    )
+}
+
+/// One more refusal in a row; at the threshold the node leaves routing until its next
+/// heartbeat, so retries go elsewhere instead of back to a dead engine.
+fn refused(state: &mut NodeState) {
+    state.refusals_in_a_row += 1;
+    if state.refusals_in_a_row >= REFUSALS_BEFORE_SUSPENSION && !state.suspended {
+        state.suspended = true;
+        tracing::warn!(node_id = %state.args.node_id, refusals = state.refusals_in_a_row, "the node's engine keeps refusing work; out of routing until its next heartbeat");
+        for queue in state.args.queues.values() {
+            queue.node_suspended(&state.args.node_id, true);
+        }
+    }
+}
+
+/// Counts and logs a violation; past the tolerated number within the window the node is
+/// disconnected (it may register again; an operator revokes its token to keep it out).
+fn violation(
+    state: &mut NodeState,
+    myself: &ActorRef<NodeMsg>,
+    kind: Violation,
+    request_id: Option<&str>,
+) {
+    let node = state.args.node_id.clone();
+    metrics::counter!(NODE_PROTOCOL_VIOLATIONS_TOTAL, "node" => node.clone(), "kind" => kind.as_str())
+        .increment(1);
+    tracing::warn!(node_id = %node, kind = kind.as_str(), request_id, "node protocol violation; frame refused");
+    state.violations_total += 1;
+    let now = state.args.clock.now();
+    let window = state.args.trust.window;
+    state.violations.push_back(now);
+    while state
+        .violations
+        .front()
+        .is_some_and(|t| now.saturating_duration_since(*t) > window)
+    {
+        state.violations.pop_front();
+    }
+    let tolerated = usize::try_from(state.args.trust.max_violations).unwrap_or(usize::MAX);
+    if state.violations.len() > tolerated {
+        tracing::error!(node_id = %node, violations = state.violations.len(), ?window, "too many protocol violations; disconnecting the node (revoke its token to keep it out)");
+        myself.stop(Some("too many protocol violations".into()));
+    }
+}
+
 /// Forgets an assignment and gives its slot back to the model's queue.
 fn release(state: &mut NodeState, request_id: &str) {
     if let Some(f) = state.in_flight.remove(request_id)
@@ -398,10 +516,16 @@ fn release(state: &mut NodeState, request_id: &str) {
 }
 
 /// Sends a message to the generation a frame belongs to: the assignment's own actor, or a
-/// live generation in the directory (a `done` resent after a reconnect). False when no
-/// generation is alive to take it.
-fn route(state: &NodeState, request_id: &str, msg: GenerationMsg) -> bool {
-    if let Some(f) = state.in_flight.get(request_id) {
+/// live generation in the directory (a `done` resent after a reconnect, or a frame naming
+/// another node's request: every message carries this node's handle, and the generation
+/// accepts it only from the node that holds that attempt). False when no generation is alive
+/// to take it.
+fn route(state: &NodeState, request_id: &str, attempt: u64, msg: GenerationMsg) -> bool {
+    if let Some(f) = state
+        .in_flight
+        .get(request_id)
+        .filter(|f| f.attempt == attempt)
+    {
         match f.generation.cast(msg) {
             Ok(()) => return true,
             Err(ractor::MessagingErr::SendErr(msg)) => {
@@ -424,10 +548,13 @@ fn route_directory(state: &NodeState, request_id: &str, msg: GenerationMsg) -> b
 }
 
 /// A `done` whose generation is gone (a replica restart, a crashed actor): settle the row
-/// from the frame alone — a row already final is left as is — then ack it. If the ledger is
-/// down the `done` stays unacked and the node sends it again after its next reconnect.
+/// from the frame alone — a row already final is left as is — then ack it. Only the node the
+/// attempt was assigned to may do this (the coordinator's attempt record says which); when
+/// the record is gone, the row is settled within its bounds and marked for review. If the
+/// ledger is down the `done` stays unacked and the node sends it again after its next
+/// reconnect.
 async fn settle_orphan(
-    state: &NodeState,
+    state: &mut NodeState,
     myself: &ActorRef<NodeMsg>,
     request_id: String,
     attempt: u64,
@@ -435,6 +562,27 @@ async fn settle_orphan(
     completion_tokens: u64,
     finish_reason: String,
 ) {
+    let mut review = match attempts::holder(state.args.coordinator.as_ref(), &request_id, attempt)
+        .await
+    {
+        Ok(Holder::Node(node)) if node == state.args.node_id => None,
+        Ok(Holder::Node(_) | Holder::NotAssigned) => {
+            violation(state, myself, Violation::ForeignRequest, Some(&request_id));
+            return;
+        }
+        Ok(Holder::Unrecorded) => {
+            tracing::warn!(node_id = %state.args.node_id, %request_id, attempt, "no record of who held this attempt; settling within its bounds for review");
+            Some(ReviewReason::UnverifiedNode)
+        }
+        Err(e) => {
+            tracing::warn!(%request_id, error = %e, "could not check who held a done's attempt; left unacked");
+            return;
+        }
+    };
+    if prompt_tokens > MAX_TOKEN_COUNT || completion_tokens > MAX_TOKEN_COUNT {
+        violation(state, myself, Violation::UsageOutOfRange, Some(&request_id));
+        review = Some(ReviewReason::UsageUnrepresentable);
+    }
     // The row to settle: the request id, or the generation's current admission's row.
     let mut ledger_id = request_id.clone();
     if let Some(store) = &state.args.lifecycle {
@@ -442,12 +590,15 @@ async fn settle_orphan(
         let finish = Event::Finish {
             attempt,
             from_node: true,
-            outcome: match finish_reason.as_str() {
-                "stop" | "length" => Outcome::Completed,
+            outcome: match (finish_reason.as_str(), review) {
+                (_, Some(ReviewReason::UsageUnrepresentable)) => {
+                    Outcome::Failed("model_backend_error".into())
+                }
+                ("stop" | "length" | "tool_calls", _) => Outcome::Completed,
                 _ => Outcome::Failed("model_backend_error".into()),
             },
-            input_tokens: prompt_tokens,
-            output_tokens: completion_tokens,
+            input_tokens: prompt_tokens.min(MAX_TOKEN_COUNT),
+            output_tokens: completion_tokens.min(MAX_TOKEN_COUNT),
             output: None,
             finish_reason: Some(finish_reason.clone()),
         };
@@ -483,7 +634,7 @@ async fn settle_orphan(
         request_id: ledger_id,
         prompt_tokens,
         completion_tokens,
-        review: None,
+        review,
     };
     match state.args.ledger.settle(&settlement).await {
         Ok(outcome) => {

@@ -7,5 +7,5 @@
 mod actor;
 mod msg;
 
-pub use actor::{NodeActor, NodeArgs};
-pub use msg::{NodeHandle, NodeLoad, NodeMsg};
+pub use actor::{NodeActor, NodeArgs, NodeTrust};
+pub use msg::{NodeHandle, NodeLoad, NodeMsg, Violation};

@@ -16,6 +16,37 @@ pub struct NodeLoad {
     pub kv_cache_usage: f64,
 }
 
+/// A frame a node had no right to send (SPEC section 7, trust). Each is refused, counted in
+/// `switchyard_node_protocol_violations_total{node,kind}`, logged and never acked; a node
+/// that commits too many in a window is disconnected.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Violation {
+    /// A frame about an attempt this node was never assigned (another node's request, or an
+    /// epoch that was never dispatched).
+    ForeignRequest,
+    /// A chunk whose `seq` went backwards within its attempt.
+    SeqRegression,
+    /// A `done` whose counts no ledger can hold (beyond 2^63−1, negative, fractional).
+    UsageOutOfRange,
+    /// A `done` claiming more completion tokens than the request allowed.
+    CompletionOverBound,
+    /// A frame that is not JSON of a known type with its required fields.
+    MalformedFrame,
+}
+
+impl Violation {
+    /// The `kind` label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::ForeignRequest => "foreign_request",
+            Self::SeqRegression => "seq_regression",
+            Self::UsageOutOfRange => "usage_out_of_range",
+            Self::CompletionOverBound => "completion_over_bound",
+            Self::MalformedFrame => "malformed_frame",
+        }
+    }
+}
+
 /// What a [`super::NodeActor`] handles.
 #[derive(Debug)]
 pub enum NodeMsg {
@@ -58,6 +89,14 @@ pub enum NodeMsg {
     ConnectionLost,
     /// Periodic check for a missed heartbeat.
     CheckHeartbeat,
+    /// The node sent a frame it had no right to send (found by the actor itself or by the
+    /// generation the frame named).
+    Violation {
+        /// What it did.
+        kind: Violation,
+        /// The request the frame named, if any (for the log).
+        request_id: Option<String>,
+    },
 }
 
 /// Cloneable access to a connected node.
@@ -130,6 +169,14 @@ impl NodeHandle {
         let _ = self.actor.cast(NodeMsg::Ack {
             request_id: request_id.to_owned(),
             attempt,
+        });
+    }
+
+    /// Reports a frame the node had no right to send.
+    pub fn violation(&self, kind: Violation, request_id: Option<&str>) {
+        let _ = self.actor.cast(NodeMsg::Violation {
+            kind,
+            request_id: request_id.map(str::to_owned),
         });
     }
 
