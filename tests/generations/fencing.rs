@@ -4,59 +4,10 @@
 
 use std::time::Duration;
 
-use futures::{SinkExt, StreamExt};
 use serde_json::{Value, json};
 use switchyard::store::{LedgerStatus, hash_secret};
-use tokio_tungstenite::tungstenite::Message;
 
-use crate::harness::{PgFleet, body, pg_fleet, until};
-
-type Ws =
-    tokio_tungstenite::WebSocketStream<tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>>;
-
-/// A scripted node: registers, then does exactly what the test says.
-async fn fake_node(f: &PgFleet, node_id: &str, token: &str) -> Ws {
-    let url = format!("ws://{}/v1/nodes/connect", f.server.addr());
-    let (mut ws, _) = tokio_tungstenite::connect_async(url).await.unwrap();
-    let register = json!({"type": "register", "node_id": node_id, "token": token, "gpus": [],
-        "models": ["llama-3.1-8b-instruct"], "version": "test", "location": "onprem"});
-    ws.send(Message::text(register.to_string())).await.unwrap();
-    assert_eq!(recv(&mut ws).await["type"], "registered");
-    ws
-}
-
-async fn recv(ws: &mut Ws) -> Value {
-    loop {
-        let msg = tokio::time::timeout(Duration::from_secs(10), ws.next())
-            .await
-            .expect("a frame within 10 s")
-            .unwrap()
-            .unwrap();
-        if let Message::Text(t) = msg {
-            return serde_json::from_str(&t).unwrap();
-        }
-    }
-}
-
-async fn send(ws: &mut Ws, frame: Value) {
-    ws.send(Message::text(frame.to_string())).await.unwrap();
-}
-
-/// Sum of a server metric's samples whose labels contain `label`.
-async fn metric(f: &PgFleet, name: &str, label: &str) -> f64 {
-    let page = crate::common::http()
-        .get(f.url("/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    page.lines()
-        .filter(|l| l.starts_with(name) && l.contains(label))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
-}
+use crate::harness::{body, fake_node, metric, pg_fleet, recv, send, until};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stale_attempt_that_comes_back_is_rejected_and_never_billed() {

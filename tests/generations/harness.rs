@@ -3,10 +3,11 @@
 
 use std::time::Duration;
 
-use futures::StreamExt;
+use futures::{SinkExt, StreamExt};
 use serde_json::{Value, json};
 use switchyard::demo::{Fleet, FleetConfig};
 use switchyard_actors::lifecycle::{WindowCounters, window_start};
+use tokio_tungstenite::tungstenite::Message;
 
 use crate::common::{clean_redis, drop_pg, fresh_pg, http, redis_url};
 
@@ -221,4 +222,76 @@ where
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     panic!("timed out waiting for {what}");
+}
+
+pub type Ws =
+    tokio_tungstenite::WebSocketStream<tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>>;
+
+/// A scripted node serving the small model: registers, then does exactly what the test says.
+pub async fn fake_node(f: &PgFleet, node_id: &str, token: &str) -> Ws {
+    fake_node_serving(f, node_id, token, "llama-3.1-8b-instruct").await
+}
+
+/// A scripted node serving `model`.
+pub async fn fake_node_serving(f: &PgFleet, node_id: &str, token: &str, model: &str) -> Ws {
+    let url = format!("ws://{}/v1/nodes/connect", f.server.addr());
+    let (mut ws, _) = tokio_tungstenite::connect_async(url).await.unwrap();
+    let register = json!({"type": "register", "node_id": node_id, "token": token, "gpus": [],
+        "models": [model], "version": "test", "location": "onprem"});
+    ws.send(Message::text(register.to_string())).await.unwrap();
+    assert_eq!(recv(&mut ws).await["type"], "registered");
+    ws
+}
+
+/// The next text frame (10 s at most).
+pub async fn recv(ws: &mut Ws) -> Value {
+    loop {
+        let msg = tokio::time::timeout(Duration::from_secs(10), ws.next())
+            .await
+            .expect("a frame within 10 s")
+            .unwrap()
+            .unwrap();
+        if let Message::Text(t) = msg {
+            return serde_json::from_str(&t).unwrap();
+        }
+    }
+}
+
+/// The next text frame within `wait`, or `None` (the socket may also have closed).
+pub async fn recv_within(ws: &mut Ws, wait: Duration) -> Option<Value> {
+    let deadline = tokio::time::Instant::now() + wait;
+    loop {
+        let msg = tokio::time::timeout_at(deadline, ws.next())
+            .await
+            .ok()??
+            .ok()?;
+        if let Message::Text(t) = msg {
+            return Some(serde_json::from_str(&t).unwrap());
+        }
+    }
+}
+
+pub async fn send(ws: &mut Ws, frame: Value) {
+    ws.send(Message::text(frame.to_string())).await.unwrap();
+}
+
+/// Sends raw text as one frame (for frames serde would not write).
+pub async fn send_raw(ws: &mut Ws, text: &str) {
+    ws.send(Message::text(text.to_owned())).await.unwrap();
+}
+
+/// Sum of a server metric's samples whose labels contain `label`.
+pub async fn metric(f: &PgFleet, name: &str, label: &str) -> f64 {
+    let page = http()
+        .get(f.url("/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    page.lines()
+        .filter(|l| l.starts_with(name) && l.contains(label))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
 }

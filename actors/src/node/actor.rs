@@ -250,7 +250,7 @@ impl Actor for NodeActor {
                 }
             }
             NodeMsg::Violation { kind, request_id } => {
-                violation(state, &myself, kind, request_id.as_deref());
+                violation(state, &myself, kind, request_id.as_deref()).await;
             }
         }
         Ok(())
@@ -476,9 +476,18 @@ fn refused(state: &mut NodeState) {
     }
 }
 
+/// How long a node's violation count stays readable (`GET /admin/nodes`) after the last one.
+const VIOLATIONS_KEPT: Duration = Duration::from_secs(24 * 3600);
+
+/// The coordinator key counting a node's recent violations, for operators: the node list
+/// shows it even after the node was disconnected for them.
+pub fn violations_key(node_id: &str) -> String {
+    format!("node_violations:{node_id}")
+}
+
 /// Counts and logs a violation; past the tolerated number within the window the node is
 /// disconnected (it may register again; an operator revokes its token to keep it out).
-fn violation(
+async fn violation(
     state: &mut NodeState,
     myself: &ActorRef<NodeMsg>,
     kind: Violation,
@@ -489,6 +498,10 @@ fn violation(
         .increment(1);
     tracing::warn!(node_id = %node, kind = kind.as_str(), request_id, "node protocol violation; frame refused");
     state.violations_total += 1;
+    let key = violations_key(&node);
+    if let Err(e) = state.args.coordinator.incr(&key, 1, VIOLATIONS_KEPT).await {
+        tracing::warn!(error = %e, "could not record a node's violation in the coordinator");
+    }
     let now = state.args.clock.now();
     let window = state.args.trust.window;
     state.violations.push_back(now);
@@ -567,7 +580,7 @@ async fn settle_orphan(
     {
         Ok(Holder::Node(node)) if node == state.args.node_id => None,
         Ok(Holder::Node(_) | Holder::NotAssigned) => {
-            violation(state, myself, Violation::ForeignRequest, Some(&request_id));
+            violation(state, myself, Violation::ForeignRequest, Some(&request_id)).await;
             return;
         }
         Ok(Holder::Unrecorded) => {
@@ -580,7 +593,7 @@ async fn settle_orphan(
         }
     };
     if prompt_tokens > MAX_TOKEN_COUNT || completion_tokens > MAX_TOKEN_COUNT {
-        violation(state, myself, Violation::UsageOutOfRange, Some(&request_id));
+        violation(state, myself, Violation::UsageOutOfRange, Some(&request_id)).await;
         review = Some(ReviewReason::UsageUnrepresentable);
     }
     // The row to settle: the request id, or the generation's current admission's row.
