@@ -8,7 +8,6 @@ use std::num::NonZeroU32;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
-use axum::serve::ListenerExt;
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use switchyard_actors::generation::{Directory, Generations};
 use switchyard_actors::model_queue::{ModelQueueActor, ModelQueueHandle, QueueArgs};
@@ -252,23 +251,13 @@ impl Server {
         let app = crate::http::router(state.clone());
         let shutdown = state.shutdown.clone();
         let send_buffer = state.config.generations.socket_send_buffer_bytes;
-        let task = tokio::spawn(async move {
-            let listener = listener.tap_io(move |tcp| {
-                if let Err(e) = tcp.set_nodelay(true) {
-                    tracing::warn!(error = %e, "could not set TCP_NODELAY");
-                }
-                if send_buffer > 0
-                    && let Err(e) = socket2::SockRef::from(&*tcp).set_send_buffer_size(send_buffer)
-                {
-                    tracing::warn!(error = %e, "could not bound the socket's send buffer");
-                }
-            });
-            let serve =
-                axum::serve(listener, app).with_graceful_shutdown(shutdown.cancelled_owned());
-            if let Err(e) = serve.await {
-                tracing::error!(error = %e, "server failed");
-            }
-        });
+        let task = tokio::spawn(crate::http::listener::serve(
+            listener,
+            app,
+            state.config.listener.clone(),
+            send_buffer,
+            shutdown,
+        ));
         tracing::info!(%addr, replica_id = %state.replica_id, "switchyard listening");
         Ok(Self { addr, state, task })
     }

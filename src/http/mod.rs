@@ -6,6 +6,7 @@ pub use generations::CANCEL_CHANNEL;
 pub mod error;
 mod health;
 mod lifecycle;
+pub mod listener;
 mod nodes_ws;
 mod openai;
 pub mod sse;
