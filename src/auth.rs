@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use axum::http::HeaderMap;
-use switchyard_actors::error::ErrorCode;
+use switchyard_actors::error::{ErrorCode, Failure};
 use switchyard_actors::ports::Clock;
 use tokio::time::Instant;
 
@@ -90,13 +90,48 @@ pub struct Authenticator {
     defaults: Defaults,
 }
 
-fn bearer(headers: &HeaderMap) -> Option<&str> {
-    headers
-        .get(axum::http::header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .map(str::trim)
-        .filter(|t| !t.is_empty())
+/// Why an `Authorization` header was refused before any credential was looked at.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum BearerError {
+    /// No `Authorization` header.
+    #[error("Missing bearer credential.")]
+    Missing,
+    /// Two or more `Authorization` headers: which one a proxy or a framework reads differs,
+    /// so none is trusted.
+    #[error("Send one Authorization header, not several.")]
+    Repeated,
+    /// Anything but `Bearer`, one space, and a credential of visible ASCII characters.
+    #[error(
+        "The Authorization header must be `Bearer <credential>`: the word Bearer, one space, then the credential (visible ASCII characters, no spaces)."
+    )]
+    Malformed,
+}
+
+impl From<BearerError> for ApiError {
+    fn from(e: BearerError) -> Self {
+        ApiError::new(ErrorCode::Unauthorized, e.to_string())
+    }
+}
+
+/// The credential of the request's one `Authorization: Bearer <credential>` header, exactly
+/// as docs/api.md states it: the scheme word `Bearer`, one space, and a non-empty credential
+/// of visible ASCII (0x21-0x7E) with nothing after it. Shared by the API and the admin API,
+/// so both accept and refuse the same headers.
+pub fn bearer(headers: &HeaderMap) -> Result<&str, BearerError> {
+    let mut values = headers.get_all(axum::http::header::AUTHORIZATION).iter();
+    let value = values.next().ok_or(BearerError::Missing)?;
+    if values.next().is_some() {
+        return Err(BearerError::Repeated);
+    }
+    let token = value
+        .as_bytes()
+        .strip_prefix(b"Bearer ")
+        .ok_or(BearerError::Malformed)?;
+    if token.is_empty() || !token.iter().all(|b| b.is_ascii_graphic()) {
+        return Err(BearerError::Malformed);
+    }
+    // Visible ASCII is UTF-8, so this cannot fail; the check above is what refuses.
+    std::str::from_utf8(token).map_err(|_| BearerError::Malformed)
 }
 
 /// A JWT is three base64url parts; an API key has no dots.
@@ -124,7 +159,7 @@ impl Authenticator {
     /// The principal behind the request's bearer credential.
     pub async fn authenticate(&self, headers: &HeaderMap) -> Result<Principal, ApiError> {
         let unauthorized = |m: &str| ApiError::new(ErrorCode::Unauthorized, m);
-        let token = bearer(headers).ok_or_else(|| unauthorized("Missing bearer credential."))?;
+        let token = bearer(headers)?;
         if looks_like_jwt(token) {
             return self.verify_jwt(token).await;
         }
@@ -140,7 +175,7 @@ impl Authenticator {
 
     /// Whether the bearer is a JWT with the admin role (for the admin API).
     pub async fn admin_jwt(&self, headers: &HeaderMap) -> Option<Result<bool, ApiError>> {
-        let token = bearer(headers).filter(|t| looks_like_jwt(t))?;
+        let token = bearer(headers).ok().filter(|t| looks_like_jwt(t))?;
         let verifier = self.jwt.as_ref()?;
         Some(
             verifier
@@ -165,7 +200,8 @@ impl Authenticator {
             Ok(id) => self.store.team(id).await,
             Err(_) => self.store.team_by_name(team).await,
         }
-        .map_err(|_| {
+        .map_err(|e| {
+            tracing::error!(error = %e, "team lookup for a JWT failed");
             ApiError::new(
                 ErrorCode::QuotaServiceUnavailable,
                 "Credentials cannot be checked right now.",
@@ -216,12 +252,95 @@ impl Authenticator {
     }
 }
 
-/// A JWKS outage is the platform's problem (503, retry); anything else is the token's (401).
+/// A JWKS outage, or a key the throttle does not let us fetch yet, is the platform's problem
+/// (503 `quota_service_unavailable`, fail closed, retry); anything else is the token's (401).
 fn jwt_error(e: JwtError) -> ApiError {
     match e {
         JwtError::JwksUnavailable(_) => {
             ApiError::unavailable("Tokens cannot be verified right now.")
         }
+        JwtError::KeyNotFetchedYet { retry_after } => {
+            // Whole seconds, rounded up: retrying before the throttle ends gets this again.
+            let secs = u64::try_from(retry_after.as_millis().div_ceil(1000))
+                .unwrap_or(u64::MAX)
+                .max(1);
+            ApiError::from(
+                Failure::new(
+                    ErrorCode::QuotaServiceUnavailable,
+                    "The token's signing key is not among the identity provider's keys fetched \
+                     moments ago; they are fetched again after Retry-After seconds.",
+                )
+                .retry_after(secs),
+            )
+        }
         other => ApiError::new(ErrorCode::Unauthorized, other.to_string()),
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+mod tests {
+    use std::time::Duration;
+
+    use axum::http::HeaderValue;
+    use axum::http::header::AUTHORIZATION;
+
+    use super::*;
+
+    fn headers(values: &[&[u8]]) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        for v in values {
+            h.append(AUTHORIZATION, HeaderValue::from_bytes(v).unwrap());
+        }
+        h
+    }
+
+    #[test]
+    fn bearer_is_the_word_one_space_and_visible_ascii() {
+        assert_eq!(bearer(&headers(&[b"Bearer sk-sy-abc"])), Ok("sk-sy-abc"));
+        assert_eq!(bearer(&headers(&[b"Bearer a.b.c"])), Ok("a.b.c"));
+        assert_eq!(bearer(&headers(&[])), Err(BearerError::Missing));
+        for bad in [
+            &b"Bearer  sk-sy-abc"[..],
+            b"Bearer sk-sy-abc ",
+            b"Bearer sk-sy-abc\t",
+            b"Bearer sk-sy abc",
+            b"Bearer ",
+            b"Bearer",
+            b"bearer sk-sy-abc",
+            b"Basic dXNlcjpwYXNz",
+            b"Bearer\tsk-sy-abc",
+            b"Bearer sk-sy-\xc3\xa9",
+        ] {
+            assert_eq!(
+                bearer(&headers(&[bad])),
+                Err(BearerError::Malformed),
+                "{}",
+                String::from_utf8_lossy(bad)
+            );
+        }
+        assert_eq!(
+            bearer(&headers(&[b"Bearer one", b"Bearer two"])),
+            Err(BearerError::Repeated)
+        );
+        let refused = ApiError::from(BearerError::Malformed);
+        assert_eq!(refused.failure.code, ErrorCode::Unauthorized);
+    }
+
+    #[test]
+    fn a_key_not_fetched_yet_is_a_retryable_503_with_its_wait() {
+        let e = jwt_error(JwtError::KeyNotFetchedYet {
+            retry_after: Duration::from_millis(12_300),
+        });
+        assert_eq!(e.failure.code, ErrorCode::QuotaServiceUnavailable);
+        assert_eq!(e.failure.retry_after_secs, Some(13));
+        let e = jwt_error(JwtError::KeyNotFetchedYet {
+            retry_after: Duration::from_millis(1),
+        });
+        assert_eq!(e.failure.retry_after_secs, Some(1));
+        assert_eq!(
+            jwt_error(JwtError::UnknownKid).failure.code,
+            ErrorCode::Unauthorized
+        );
     }
 }

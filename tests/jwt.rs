@@ -405,8 +405,15 @@ async fn jwt_rotated_key_is_picked_up_by_a_single_refresh() {
     v.verify(&old).await.unwrap();
     assert_eq!(idp.hits(), 1);
 
-    // Right after a fetch, an unknown kid does not trigger another one.
-    assert_eq!(v.verify(&new).await, Err(JwtError::UnknownKid));
+    // Right after a fetch, an unknown kid does not trigger another one: it is not fetched
+    // yet, and the caller is told when it may be.
+    match v.verify(&new).await {
+        Err(JwtError::KeyNotFetchedYet { retry_after }) => assert!(
+            !retry_after.is_zero() && retry_after <= interval,
+            "{retry_after:?}"
+        ),
+        other => panic!("{other:?}"),
+    }
     assert_eq!(idp.hits(), 1, "throttled");
 
     // The provider rotates: the new key is published next to the old one.
@@ -418,6 +425,61 @@ async fn jwt_rotated_key_is_picked_up_by_a_single_refresh() {
     v.verify(&new).await.unwrap();
     v.verify(&old).await.unwrap();
     assert_eq!(idp.hits(), 2);
+}
+
+#[tokio::test]
+async fn jwt_a_key_published_just_after_a_fetch_is_retryable_until_the_next_fetch() {
+    let idp = JwksServer::serving(&["rsa-a"]).await;
+    let interval = Duration::from_millis(800);
+    let mut cfg = idp.config();
+    cfg.refresh_min_interval = interval;
+    let v = verifier(cfg);
+    v.verify(&rsa_token("rsa-a", "rsa-a", json!({})))
+        .await
+        .unwrap();
+    assert_eq!(idp.hits(), 1);
+
+    // The IdP rotates moments after our fetch and signs with the new key at once.
+    idp.set_mode(Mode::Serve(jwks(&["rsa-a", "rsa-b"])));
+    let new = rsa_token("rsa-b", "rsa-b", json!({ "sub": "carol" }));
+    let started = Instant::now();
+    let retry_after = match v.verify(&new).await {
+        Err(JwtError::KeyNotFetchedYet { retry_after }) => retry_after,
+        other => panic!("a final answer while the throttle holds: {other:?}"),
+    };
+    assert!(
+        retry_after <= interval && retry_after + started.elapsed() >= interval / 2,
+        "{retry_after:?}"
+    );
+    assert_eq!(idp.hits(), 1, "the throttle holds");
+
+    // A client that waits as told gets through, with one more fetch.
+    tokio::time::sleep(retry_after + Duration::from_millis(20)).await;
+    assert_eq!(v.verify(&new).await.unwrap().sub, "carol");
+    assert_eq!(idp.hits(), 2);
+
+    // A kid the IdP never publishes: "retry" while throttled, then final once a fresh
+    // fetch (made for this token) does not have it.
+    let stranger = rsa_token("rsa-x", "rsa-b", json!({}));
+    let retry_after = match v.verify(&stranger).await {
+        Err(JwtError::KeyNotFetchedYet { retry_after }) => retry_after,
+        other => panic!("{other:?}"),
+    };
+    tokio::time::sleep(retry_after + Duration::from_millis(20)).await;
+    assert_eq!(v.verify(&stranger).await, Err(JwtError::UnknownKid));
+    assert_eq!(idp.hits(), 3);
+    // A token without any kid names no key that could appear: final at once.
+    let no_kid = raw_token(&json!({ "alg": "RS256" }), "c2ln");
+    assert_eq!(v.verify(&no_kid).await, Err(JwtError::UnknownKid));
+
+    // A key the last rotation dropped is revoked at once, not "retry later".
+    tokio::time::sleep(interval + Duration::from_millis(20)).await;
+    idp.set_mode(Mode::Serve(jwks(&["rsa-b"])));
+    assert_eq!(v.verify(&stranger).await, Err(JwtError::UnknownKid));
+    assert_eq!(idp.hits(), 4);
+    let old = rsa_token("rsa-a", "rsa-a", json!({}));
+    assert_eq!(v.verify(&old).await, Err(JwtError::UnknownKid));
+    assert_eq!(idp.hits(), 4);
 }
 
 /// A token naming a random kid; its signature is never looked at (the kid is unknown).
@@ -435,7 +497,16 @@ async fn flood(v: &JwtVerifier, n: usize) {
         })
         .collect();
     for t in tasks {
-        assert_eq!(t.await.unwrap(), Err(JwtError::UnknownKid));
+        // Refused: finally after a fetch this flood waited for, or "retry later" when the
+        // throttle kept it from fetching; never accepted.
+        let got = t.await.unwrap();
+        assert!(
+            matches!(
+                got,
+                Err(JwtError::UnknownKid | JwtError::KeyNotFetchedYet { .. })
+            ),
+            "{got:?}"
+        );
     }
 }
 

@@ -1,7 +1,7 @@
 //! The JWKS document: fetched with a timeout and a size cap, parsed key by key into the
 //! verification keys the verifier caches. Only RSA and EC signing keys are kept.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -91,6 +91,9 @@ impl VerificationKey {
 #[derive(Debug)]
 pub(super) struct KeySet {
     keys: BTreeMap<String, Arc<VerificationKey>>,
+    /// Kids the previous document had and this one dropped: a rotation revoked them, so a
+    /// token naming one is refused outright rather than told to retry.
+    retired: BTreeSet<String>,
     /// When the document was fetched (monotonic), for the cache TTL.
     pub(super) fetched_at: Instant,
 }
@@ -98,6 +101,24 @@ pub(super) struct KeySet {
 impl KeySet {
     pub(super) fn get(&self, kid: &str) -> Option<Arc<VerificationKey>> {
         self.keys.get(kid).cloned()
+    }
+
+    /// Whether the last rotation dropped `kid`.
+    pub(super) fn retired(&self, kid: &str) -> bool {
+        self.retired.contains(kid)
+    }
+
+    /// This set as the successor of `previous`: it remembers which kids were dropped.
+    pub(super) fn replacing(mut self, previous: Option<&KeySet>) -> Self {
+        if let Some(previous) = previous {
+            self.retired = previous
+                .keys
+                .keys()
+                .filter(|kid| !self.keys.contains_key(*kid))
+                .cloned()
+                .collect();
+        }
+        self
     }
 
     pub(super) fn len(&self) -> usize {
@@ -137,7 +158,11 @@ impl KeySet {
         if keys.is_empty() {
             tracing::warn!("JWKS holds no usable signing keys");
         }
-        Ok(Self { keys, fetched_at })
+        Ok(Self {
+            keys,
+            retired: BTreeSet::new(),
+            fetched_at,
+        })
     }
 }
 

@@ -1,6 +1,7 @@
 //! JWT verification against an identity provider's JWKS URL (SPEC §6). Owns the key cache:
 //! keys are fetched once, reused for `cache_ttl`, refreshed when a token names an unknown
-//! `kid` (at most once per `refresh_min_interval`), and every refresh is single-flight.
+//! `kid` (at most once per `refresh_min_interval`), and every refresh is single-flight. A
+//! `kid` unknown while the throttle holds is "not fetched yet" (retry), not "unknown" (final).
 //! Tokens and key material never reach a log.
 
 mod keys;
@@ -117,6 +118,15 @@ pub enum JwtError {
     /// The keys could not be fetched and none usable is cached; the text is a short cause.
     #[error("signing keys unavailable: {0}")]
     JwksUnavailable(String),
+    /// The `kid` is not in the JWKS, which was fetched less than `refresh_min_interval` ago
+    /// and may not be fetched again yet. The key may have been published since (a rotation
+    /// under way), so the token is neither accepted nor finally refused: the caller should
+    /// retry after `retry_after`, when a fetch is allowed and decides.
+    #[error("token signed by a key not fetched yet")]
+    KeyNotFetchedYet {
+        /// Until the next fetch is allowed.
+        retry_after: Duration,
+    },
 }
 
 /// Verifies bearer JWTs. Cheap to clone; clones share one key cache.
@@ -145,6 +155,16 @@ struct Shared {
     last_attempt: Option<tokio::time::Instant>,
     /// Why the last attempt failed; `None` after a success.
     last_error: Option<String>,
+}
+
+/// An answer from what is already known, instead of a fetch.
+struct Settled {
+    /// The newest key set, or why there is none usable.
+    outcome: Result<Arc<KeySet>, JwtError>,
+    /// Set when no fetch completed since the caller looked and only the throttle stands in
+    /// the way: how long until the next fetch is allowed. A `kid` missing from `outcome`
+    /// is then not known to be bad, only not fetched yet.
+    throttled_for: Option<Duration>,
 }
 
 /// What one read of [`Shared`] saw.
@@ -253,7 +273,7 @@ impl JwtVerifier {
                     let Ok(gate) = self.inner.fetch_gate.try_lock() else {
                         return Ok(stale_key);
                     };
-                    return match self.refresh(snap.attempts, gate).await {
+                    return match self.refresh(snap.attempts, gate).await.outcome {
                         // A rotation that dropped the key revokes it.
                         Ok(set) => set.get(kid).ok_or(JwtError::UnknownKid),
                         // The provider being down must not lock everyone out.
@@ -265,14 +285,28 @@ impl JwtVerifier {
         }
         // Throttled (or just refreshed by someone else): answer without queueing on the
         // gate, so a flood of unknown kids costs a read lock each, not a turn at a mutex.
-        let set = match self.settled(snap.attempts) {
-            Some(outcome) => outcome?,
+        let settled = match self.settled(snap.attempts) {
+            Some(settled) => settled,
             None => {
                 let gate = self.inner.fetch_gate.lock().await;
-                self.refresh(snap.attempts, gate).await?
+                self.refresh(snap.attempts, gate).await
             }
         };
-        set.get(kid).ok_or(JwtError::UnknownKid)
+        let set = settled.outcome?;
+        if let Some(key) = set.get(kid) {
+            return Ok(key);
+        }
+        match settled.throttled_for {
+            // Unknown to a fetch made before this token arrived, and none allowed yet: an
+            // IdP that just published the key (and signs with it at once) must not get its
+            // users a final 401 for up to `refresh_min_interval`. A key the last rotation
+            // dropped is known to be bad.
+            Some(retry_after) if !set.retired(kid) => {
+                Err(JwtError::KeyNotFetchedYet { retry_after })
+            }
+            // A fetch completed since this token arrived and does not have the key.
+            _ => Err(JwtError::UnknownKid),
+        }
     }
 
     fn snapshot(&self) -> Snapshot {
@@ -290,26 +324,37 @@ impl JwtVerifier {
     /// The outcome to use instead of fetching, if there is one: an attempt completed since
     /// `seen_attempts` was read (a concurrent caller fetched: share its outcome), or the
     /// last attempt is younger than `refresh_min_interval` (throttled: answer from what is
-    /// known).
-    fn settled(&self, seen_attempts: u64) -> Option<Result<Arc<KeySet>, JwtError>> {
+    /// known, saying how long the throttle lasts).
+    fn settled(&self, seen_attempts: u64) -> Option<Settled> {
         let inner = &*self.inner;
         let shared = inner.shared.read().unwrap_or_else(PoisonError::into_inner);
+        if shared.attempts != seen_attempts {
+            return Some(Settled {
+                outcome: outcome(&shared),
+                throttled_for: None,
+            });
+        }
         let now = inner.clock.now();
-        let throttled = shared
+        let wait = shared
             .last_attempt
-            .is_some_and(|at| now.saturating_duration_since(at) < inner.cfg.refresh_min_interval);
-        (shared.attempts != seen_attempts || throttled).then(|| outcome(&shared))
+            .and_then(|at| {
+                inner
+                    .cfg
+                    .refresh_min_interval
+                    .checked_sub(now.saturating_duration_since(at))
+            })
+            .filter(|wait| !wait.is_zero())?;
+        Some(Settled {
+            outcome: outcome(&shared),
+            throttled_for: Some(wait),
+        })
     }
 
     /// Fetches the JWKS unless [`Self::settled`] has the answer. Holding `_gate` makes this
     /// the only fetch in flight. Returns the newest key set, or why there is none usable.
-    async fn refresh(
-        &self,
-        seen_attempts: u64,
-        _gate: tokio::sync::MutexGuard<'_, ()>,
-    ) -> Result<Arc<KeySet>, JwtError> {
-        if let Some(outcome) = self.settled(seen_attempts) {
-            return outcome;
+    async fn refresh(&self, seen_attempts: u64, _gate: tokio::sync::MutexGuard<'_, ()>) -> Settled {
+        if let Some(settled) = self.settled(seen_attempts) {
+            return settled;
         }
         let inner = &*self.inner;
         let result = keys::fetch(&inner.http, &inner.cfg.jwks_url)
@@ -320,6 +365,7 @@ impl JwtVerifier {
         shared.last_attempt = Some(inner.clock.now());
         match result {
             Ok(set) => {
+                let set = set.replacing(shared.keys.as_deref());
                 tracing::info!(keys = set.len(), "JWKS fetched");
                 shared.keys = Some(Arc::new(set));
                 shared.last_error = None;
@@ -329,7 +375,11 @@ impl JwtVerifier {
                 shared.last_error = Some(error);
             }
         }
-        outcome(&shared)
+        // This caller's own fetch: its answer is final, not throttled.
+        Settled {
+            outcome: outcome(&shared),
+            throttled_for: None,
+        }
     }
 }
 

@@ -140,3 +140,87 @@ async fn jwt_callers_use_the_api_and_admins_the_admin_api() {
     );
     fleet.shutdown(Duration::from_secs(1)).await;
 }
+
+/// A JWKS whose document the test can change (a key rotation at the identity provider).
+async fn rotating_jwks(kids: &[&str]) -> (String, std::sync::Arc<std::sync::Mutex<String>>) {
+    let doc = |kids: &[&str]| {
+        let keys: Vec<Value> = kids
+            .iter()
+            .map(|k| serde_json::from_str(&fixture(&format!("{k}.jwk.json"))).unwrap())
+            .collect();
+        json!({ "keys": keys }).to_string()
+    };
+    let served = std::sync::Arc::new(std::sync::Mutex::new(doc(kids)));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}/jwks", listener.local_addr().unwrap());
+    let state = served.clone();
+    let app = axum::Router::new().route(
+        "/jwks",
+        get(move || {
+            let state = state.clone();
+            async move { state.lock().unwrap().clone() }
+        }),
+    );
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    (url, served)
+}
+
+fn token_by(key: &str, claims: Value) -> String {
+    let pem = fixture(&format!("{key}.pem"));
+    let der = b64(&pem
+        .lines()
+        .filter(|l| !l.starts_with("-----"))
+        .collect::<String>());
+    let mut header = Header::new(Algorithm::RS256);
+    header.kid = Some(key.into());
+    jsonwebtoken::encode(&header, &claims, &EncodingKey::from_rsa_der(&der)).unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_published_just_after_the_last_fetch_gets_a_retryable_503_with_retry_after() {
+    let (jwks_url, served) = rotating_jwks(&["rsa-a"]).await;
+    let fleet = fleet(&[("small", 1)], 20.0, |c| {
+        c.server.jwks_url = Some(jwks_url.clone());
+        c.server.jwt_audience = Some(AUD.into());
+        c.server.jwt_issuer = Some(ISS.into());
+    })
+    .await;
+    let models = |bearer: String| {
+        let url = format!("{}/models", fleet.openai_base_url());
+        async move { http().get(url).bearer_auth(bearer).send().await.unwrap() }
+    };
+    let first = models(token_by("rsa-a", claims(json!({"team": "demo"})))).await;
+    assert_eq!(first.status(), 200, "the first token fetches the keys");
+
+    // The identity provider rotates and signs with the new key at once, well inside the
+    // 30 s during which the gateway does not fetch its keys again.
+    let keys: Vec<Value> = ["rsa-a", "rsa-b"]
+        .iter()
+        .map(|k| serde_json::from_str(&fixture(&format!("{k}.jwk.json"))).unwrap())
+        .collect();
+    *served.lock().unwrap() = json!({ "keys": keys }).to_string();
+    let rotated = models(token_by("rsa-b", claims(json!({"team": "demo"})))).await;
+    assert_eq!(rotated.status(), 503, "retryable, not a final 401");
+    let retry_after: u64 = rotated.headers()["retry-after"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!((1..=30).contains(&retry_after), "{retry_after}");
+    assert!(rotated.headers().get("x-should-retry").is_none());
+    let body: Value = rotated.json().await.unwrap();
+    assert_eq!(body["error"]["code"], "quota_service_unavailable");
+    assert_eq!(body["error"]["retryable"], true);
+    assert_eq!(body["error"]["type"], "service_unavailable_error");
+
+    // The same on the admin API, which verifies JWTs the same way.
+    let admin = http()
+        .get(format!("{}/admin/teams", fleet.server.base_url()))
+        .bearer_auth(token_by("rsa-b", claims(json!({"role": "admin"}))))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(admin.status(), 503);
+    assert!(admin.headers().get("retry-after").is_some());
+    fleet.shutdown(Duration::from_secs(1)).await;
+}
