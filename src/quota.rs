@@ -59,7 +59,10 @@ pub struct Limits {
     slot_ttl: Duration,
 }
 
-fn unavailable() -> ApiError {
+/// The fail-closed answer when the coordinator cannot be reached; the cause is logged here,
+/// once, and never shown.
+fn unavailable(check: &'static str, cause: &dyn std::fmt::Display) -> ApiError {
+    tracing::error!(error = %cause, check, "coordinator unreachable at admission");
     ApiError::unavailable("Limits cannot be checked right now; nothing was admitted.")
 }
 
@@ -109,7 +112,7 @@ impl Limits {
                 .await
             {
                 Ok(v) => v,
-                Err(_) => return Err(unavailable()),
+                Err(e) => return Err(unavailable("max_streams", &e)),
             };
             if !v.admitted {
                 return Err(ApiError::from(
@@ -129,7 +132,7 @@ impl Limits {
                 .await
             {
                 Ok(v) => v,
-                Err(_) => return refuse(hook, unavailable()),
+                Err(e) => return refuse(hook, unavailable("rpm", &e)),
             };
             headers.requests = Some((rpm, rpm.saturating_sub(v.count), v.wait_ms));
             if !v.admitted {
@@ -148,7 +151,7 @@ impl Limits {
             // Counted at settle; read here (adding 0 creates the day's counter if needed).
             let used = match self.coordinator.incr(day, 0, DAY_COUNTER_TTL).await {
                 Ok(n) => u64::try_from(n).unwrap_or(0),
-                Err(_) => return refuse(hook, unavailable()),
+                Err(e) => return refuse(hook, unavailable("tokens_per_day", &e)),
             };
             headers.tokens = Some((tpd, tpd.saturating_sub(used)));
             if used >= tpd {

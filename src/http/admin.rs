@@ -1,29 +1,59 @@
 //! The admin API (SPEC section 6): teams, keys, credits and node tokens, for operators.
-//! Authorised by the bootstrap admin token (compared in constant time); JWTs with the
-//! `admin` role join later. Secrets are returned exactly once, at creation; only their
-//! hashes are stored.
+//! Authorised by the bootstrap admin token (compared in constant time) or a JWT with the
+//! `admin` role. Every input is checked here, against the limits docs/api.md lists, before
+//! any storage call, so both stores see only values they can hold; a store failure is logged
+//! with its cause and answered with a fixed message. Secrets are returned exactly once, at
+//! creation; only their hashes are stored.
 
+use std::collections::BTreeSet;
 use std::sync::{Arc, PoisonError};
 
-use axum::extract::{FromRequestParts, Path, Query, State};
+use axum::extract::{FromRequestParts, State};
 use axum::http::StatusCode;
 use axum::http::request::Parts;
 use axum::response::{IntoResponse, Response};
 use chrono::{DateTime, Utc};
-use serde::Deserialize;
+use serde::de::{self, Unexpected, Visitor};
+use serde::{Deserialize, Deserializer};
 use serde_json::{Value, json};
 use subtle::ConstantTimeEq;
 use switchyard_actors::error::ErrorCode;
 
-use super::error::{ApiError, Json};
+use super::error::{ApiError, Json, Path, Query, printable};
 use crate::server::AppState;
 use crate::store::{
-    API_KEY_PREFIX, NODE_TOKEN_PREFIX, NewApiKey, StoreError, Team, display_prefix, hash_secret,
-    new_secret,
+    API_KEY_PREFIX, NODE_LOCATIONS, NODE_TOKEN_PREFIX, NewApiKey, StoreError, Team, display_prefix,
+    hash_secret, new_secret,
 };
 
-/// Proof that the caller presented the bootstrap admin token (compared in constant time).
-/// Taking it as a handler argument is what makes a route admin-only.
+// Input limits (docs/api.md, "Admin API"). Each fits both stores' columns (BIGINT, TEXT
+// under a unique index) and the arithmetic downstream (ms as i64, Redis counters as i64).
+
+/// Longest team name, in characters (PostgreSQL's unique index refuses entries over about
+/// 2.7 KB; 128 characters of UTF-8 are at most 512 bytes).
+const MAX_TEAM_NAME_CHARS: usize = 128;
+/// Longest node id, in characters.
+const MAX_NODE_ID_CHARS: usize = 128;
+/// Requests per minute.
+const MAX_RPM: u64 = 1_000_000;
+/// Tokens per UTC day.
+const MAX_TOKENS_PER_DAY: u64 = 1_000_000_000_000;
+/// Concurrent generations.
+const MAX_STREAMS: u64 = 100_000;
+/// Messages per quota window.
+const MAX_MESSAGE_QUOTA: u64 = 1_000_000;
+/// Burst bucket capacity.
+const MAX_BURST_CAPACITY: u64 = 1_000_000;
+/// Seconds per burst token: at most a day.
+const MAX_BURST_REFILL_SECONDS: u64 = 86_400;
+/// Longest piece of a client's model name echoed in an error.
+const ECHO_MODEL_CHARS: usize = 64;
+/// Largest credit or correction, in microcredits (a billion credits).
+const MAX_CREDIT_MICROCREDITS: i64 = 1_000_000_000_000_000;
+
+/// Proof that the caller presented an admin credential: the bootstrap admin token (compared
+/// in constant time) or a JWT with the admin role. Taking it as a handler argument, before
+/// any other extractor, is what makes a route admin-only.
 #[derive(Debug, Clone, Copy)]
 pub struct Admin;
 
@@ -34,12 +64,8 @@ impl FromRequestParts<Arc<AppState>> for Admin {
         parts: &mut Parts,
         state: &Arc<AppState>,
     ) -> Result<Self, ApiError> {
-        let presented = parts
-            .headers
-            .get(axum::http::header::AUTHORIZATION)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "))
-            .ok_or_else(|| ApiError::new(ErrorCode::Unauthorized, "Missing bearer credential."))?;
+        // The same parsing as the API's: one header, `Bearer`, one space, visible ASCII.
+        let presented = crate::auth::bearer(&parts.headers)?;
         let forbidden = || ApiError::new(ErrorCode::Forbidden, "Admin rights are required.");
         // A JWT with the admin role, verified against the JWKS.
         if let Some(verdict) = state.auth.admin_jwt(&parts.headers).await {
@@ -58,22 +84,151 @@ impl FromRequestParts<Arc<AppState>> for Admin {
     }
 }
 
-fn store_error(e: StoreError) -> ApiError {
-    match e {
+/// Answers a store failure the caller did not handle itself. The cause is logged here, once,
+/// and never shown: an unreachable store is 503 with a fixed message; a refusal the checks
+/// above should have made impossible is a 400 that says nothing of the store.
+fn store_failed(op: &'static str) -> impl FnOnce(StoreError) -> ApiError {
+    move |e| match e {
         StoreError::NotFound => ApiError::new(ErrorCode::NotFound, "Not found."),
-        StoreError::Conflict(m) | StoreError::Invalid(m) => {
-            ApiError::new(ErrorCode::InvalidRequest, m)
+        StoreError::Conflict(_) | StoreError::Invalid(_) => {
+            tracing::warn!(error = %e, op, "the store refused an admin change that passed validation");
+            ApiError::new(
+                ErrorCode::InvalidRequest,
+                "The change conflicts with what is stored.",
+            )
         }
-        StoreError::Unavailable(_) => ApiError::new(
-            ErrorCode::QuotaServiceUnavailable,
-            "The database is unavailable.",
-        ),
+        StoreError::Unavailable(_) => {
+            tracing::error!(error = %e, op, "admin store call failed");
+            ApiError::new(
+                ErrorCode::QuotaServiceUnavailable,
+                "The database is unavailable.",
+            )
+        }
+    }
+}
+
+fn invalid(param: &str, message: impl Into<String>) -> ApiError {
+    ApiError::new(ErrorCode::InvalidRequest, message).with_param(param)
+}
+
+// ---------------------------------------------------------------------------------------
+// Checks on admin input. Each names its field and says what is allowed.
+
+/// A team name: non-blank, at most [`MAX_TEAM_NAME_CHARS`] characters, no control
+/// characters (NUL included: PostgreSQL cannot store it and SQLite would), no whitespace at
+/// either end, and not an integer (an integer names a team by id, in bodies, `?team=` and
+/// JWT claims alike, so such a name could never be used).
+fn check_team_name(name: &str, param: &str) -> Result<(), ApiError> {
+    let why = if name.trim().is_empty() {
+        "cannot be empty or blank".to_owned()
+    } else if name.chars().count() > MAX_TEAM_NAME_CHARS {
+        format!("has at most {MAX_TEAM_NAME_CHARS} characters")
+    } else if name.chars().any(char::is_control) {
+        "cannot contain control characters (NUL, tabs, line breaks)".to_owned()
+    } else if name.trim() != name {
+        "cannot start or end with whitespace".to_owned()
+    } else if name.parse::<i64>().is_ok() {
+        "cannot be an integer (integers name teams by id)".to_owned()
+    } else {
+        return Ok(());
+    };
+    Err(invalid(param, format!("`{param}`: a team name {why}.")))
+}
+
+/// A node id: 1 to [`MAX_NODE_ID_CHARS`] characters of `A-Z a-z 0-9 . _ -`, so it is safe in
+/// a URL path, a metric label, a Redis key and a log line.
+fn check_node_id(id: &str, param: &str) -> Result<(), ApiError> {
+    let valid = !id.is_empty()
+        && id.len() <= MAX_NODE_ID_CHARS
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b));
+    if valid {
+        Ok(())
+    } else {
+        Err(invalid(
+            param,
+            format!(
+                "`{param}`: a node id is 1 to {MAX_NODE_ID_CHARS} characters of A-Z a-z 0-9 . _ -"
+            ),
+        ))
+    }
+}
+
+/// A JSON integer that is at least 0; its field's range is checked by [`ranged`].
+#[derive(Debug, Clone, Copy)]
+struct Count(u64);
+
+impl<'de> Deserialize<'de> for Count {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct CountVisitor;
+        impl Visitor<'_> for CountVisitor {
+            type Value = Count;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a non-negative integer")
+            }
+            fn visit_u64<E: de::Error>(self, v: u64) -> Result<Count, E> {
+                Ok(Count(v))
+            }
+            fn visit_i64<E: de::Error>(self, v: i64) -> Result<Count, E> {
+                u64::try_from(v)
+                    .map(Count)
+                    .map_err(|_| E::invalid_value(Unexpected::Signed(v), &self))
+            }
+        }
+        deserializer.deserialize_u64(CountVisitor)
+    }
+}
+
+/// `value` within `min..=max`, as `T`; `None` stays `None` (the field's default).
+fn ranged<T: TryFrom<u64>>(
+    value: Option<Count>,
+    param: &str,
+    min: u64,
+    max: u64,
+) -> Result<Option<T>, ApiError> {
+    let Some(Count(v)) = value else {
+        return Ok(None);
+    };
+    let out_of_range = || {
+        invalid(
+            param,
+            format!("`{param}` must be an integer from {min} to {max}, or null."),
+        )
+    };
+    if !(min..=max).contains(&v) {
+        return Err(out_of_range());
+    }
+    T::try_from(v).map(Some).map_err(|_| out_of_range())
+}
+
+/// A JSON integer that fits an i64.
+#[derive(Debug, Clone, Copy)]
+struct Amount(i64);
+
+impl<'de> Deserialize<'de> for Amount {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct AmountVisitor;
+        impl Visitor<'_> for AmountVisitor {
+            type Value = Amount;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("an integer number of microcredits")
+            }
+            fn visit_i64<E: de::Error>(self, v: i64) -> Result<Amount, E> {
+                Ok(Amount(v))
+            }
+            fn visit_u64<E: de::Error>(self, v: u64) -> Result<Amount, E> {
+                i64::try_from(v)
+                    .map(Amount)
+                    .map_err(|_| E::invalid_value(Unexpected::Unsigned(v), &self))
+            }
+        }
+        deserializer.deserialize_i64(AmountVisitor)
     }
 }
 
 /// A team named in a body by its id or its unique name.
-#[derive(Debug, Deserialize)]
-#[serde(untagged)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum TeamRef {
     /// By id.
     Id(i64),
@@ -81,18 +236,53 @@ pub enum TeamRef {
     Name(String),
 }
 
-async fn resolve_team(state: &AppState, team: &TeamRef) -> Result<Team, ApiError> {
+impl<'de> Deserialize<'de> for TeamRef {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct TeamRefVisitor;
+        impl Visitor<'_> for TeamRefVisitor {
+            type Value = TeamRef;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a team id (an integer) or a team name (a string)")
+            }
+            fn visit_i64<E: de::Error>(self, v: i64) -> Result<TeamRef, E> {
+                Ok(TeamRef::Id(v))
+            }
+            fn visit_u64<E: de::Error>(self, v: u64) -> Result<TeamRef, E> {
+                i64::try_from(v)
+                    .map(TeamRef::Id)
+                    .map_err(|_| E::invalid_value(Unexpected::Unsigned(v), &self))
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<TeamRef, E> {
+                Ok(TeamRef::Name(v.to_owned()))
+            }
+            fn visit_string<E: de::Error>(self, v: String) -> Result<TeamRef, E> {
+                Ok(TeamRef::Name(v))
+            }
+        }
+        deserializer.deserialize_any(TeamRefVisitor)
+    }
+}
+
+/// The team `team` names; a name that breaks the naming rules is refused before the store
+/// is asked, since no team can have it.
+async fn resolve_team(state: &AppState, team: &TeamRef, param: &str) -> Result<Team, ApiError> {
     let found = match team {
         TeamRef::Id(id) => state.store.team(*id).await,
-        TeamRef::Name(name) => state.store.team_by_name(name).await,
+        TeamRef::Name(name) => {
+            check_team_name(name, param)?;
+            state.store.team_by_name(name).await
+        }
     }
-    .map_err(store_error)?;
-    found.ok_or_else(|| ApiError::new(ErrorCode::NotFound, "Unknown team."))
+    .map_err(store_failed("team lookup"))?;
+    found.ok_or_else(|| ApiError::new(ErrorCode::NotFound, "Unknown team.").with_param(param))
 }
 
 fn ok<T: serde::Serialize>(status: StatusCode, body: T) -> Response {
     (status, axum::Json(body)).into_response()
 }
+
+// ---------------------------------------------------------------------------------------
+// Teams
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -105,11 +295,15 @@ pub async fn create_team(
     _admin: Admin,
     Json(body): Json<NewTeam>,
 ) -> Result<Response, ApiError> {
+    check_team_name(&body.name, "name")?;
     let team = state
         .store
         .create_team(&body.name)
         .await
-        .map_err(store_error)?;
+        .map_err(|e| match e {
+            StoreError::Conflict(_) => invalid("name", "`name`: a team with this name exists."),
+            other => store_failed("create team")(other),
+        })?;
     tracing::info!(team_id = team.id, "team created");
     Ok(ok(StatusCode::CREATED, team))
 }
@@ -118,9 +312,16 @@ pub async fn list_teams(
     State(state): State<Arc<AppState>>,
     _admin: Admin,
 ) -> Result<Response, ApiError> {
-    let teams = state.store.teams().await.map_err(store_error)?;
+    let teams = state
+        .store
+        .teams()
+        .await
+        .map_err(store_failed("list teams"))?;
     Ok(ok(StatusCode::OK, json!({ "data": teams })))
 }
+
+// ---------------------------------------------------------------------------------------
+// Keys
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -129,19 +330,92 @@ pub struct NewKey {
     #[serde(default)]
     model_allowlist: Option<Vec<String>>,
     #[serde(default)]
+    rpm: Option<Count>,
+    #[serde(default)]
+    tokens_per_day: Option<Count>,
+    #[serde(default)]
+    max_streams: Option<Count>,
+    #[serde(default)]
+    expires_at: Option<String>,
+    #[serde(default)]
+    message_quota: Option<Count>,
+    #[serde(default)]
+    burst_capacity: Option<Count>,
+    #[serde(default)]
+    burst_refill_seconds: Option<Count>,
+}
+
+/// The limits of a new key, each within its documented range.
+#[derive(Debug)]
+struct KeyLimits {
+    model_allowlist: Option<Vec<String>>,
     rpm: Option<u32>,
-    #[serde(default)]
     tokens_per_day: Option<u64>,
-    #[serde(default)]
     max_streams: Option<u32>,
-    #[serde(default)]
     expires_at: Option<DateTime<Utc>>,
-    #[serde(default)]
     message_quota: Option<u32>,
-    #[serde(default)]
     burst_capacity: Option<u32>,
-    #[serde(default)]
     burst_refill_seconds: Option<u32>,
+}
+
+impl NewKey {
+    /// Checks every field but `team` (resolved against the store afterwards).
+    fn limits(self, state: &AppState) -> Result<KeyLimits, ApiError> {
+        if let Some(models) = &self.model_allowlist {
+            let mut seen = BTreeSet::new();
+            for (i, name) in models.iter().enumerate() {
+                if state.config.resolve_model(name).is_none() {
+                    return Err(invalid(
+                        "model_allowlist",
+                        format!("`model_allowlist[{i}]` is not a configured model or alias."),
+                    ));
+                }
+                if !seen.insert(name.as_str()) {
+                    return Err(invalid(
+                        "model_allowlist",
+                        format!("`model_allowlist[{i}]` repeats an earlier entry."),
+                    ));
+                }
+            }
+        }
+        let expires_at = match &self.expires_at {
+            None => None,
+            Some(text) => {
+                let at = DateTime::parse_from_rfc3339(text)
+                    .map_err(|_| {
+                        invalid(
+                            "expires_at",
+                            "`expires_at` must be an RFC 3339 time with an offset, such as \
+                             2027-01-01T00:00:00Z.",
+                        )
+                    })?
+                    .with_timezone(&Utc);
+                if at <= state.clock.wall() {
+                    return Err(invalid("expires_at", "`expires_at` is in the past."));
+                }
+                Some(at)
+            }
+        };
+        Ok(KeyLimits {
+            rpm: ranged(self.rpm, "rpm", 0, MAX_RPM)?,
+            tokens_per_day: ranged(self.tokens_per_day, "tokens_per_day", 0, MAX_TOKENS_PER_DAY)?,
+            max_streams: ranged(self.max_streams, "max_streams", 0, MAX_STREAMS)?,
+            message_quota: ranged(self.message_quota, "message_quota", 0, MAX_MESSAGE_QUOTA)?,
+            // An empty bucket never refills past zero: a capacity of 0 would refuse every
+            // request with a retryable 429 forever. `null` is the way to have no bucket.
+            burst_capacity: ranged(self.burst_capacity, "burst_capacity", 1, MAX_BURST_CAPACITY)?,
+            // 0 would refill instantly, so the bucket would never limit (the configuration's
+            // `generations.burst_refill_secs` refuses 0 for the same reason).
+            burst_refill_seconds: ranged(
+                self.burst_refill_seconds,
+                "burst_refill_seconds",
+                1,
+                MAX_BURST_REFILL_SECONDS,
+            )?,
+            model_allowlist: self.model_allowlist,
+            expires_at,
+        })
+    }
 }
 
 pub async fn create_key(
@@ -149,35 +423,32 @@ pub async fn create_key(
     _admin: Admin,
     Json(body): Json<NewKey>,
 ) -> Result<Response, ApiError> {
-    let team = resolve_team(&state, &body.team).await?;
-    if let Some(models) = &body.model_allowlist
-        && let Some(unknown) = models
-            .iter()
-            .find(|m| state.config.resolve_model(m).is_none())
-    {
-        return Err(ApiError::new(
-            ErrorCode::InvalidRequest,
-            format!("Unknown model `{unknown}` in the allowlist."),
-        ));
-    }
-    let secret = new_secret(API_KEY_PREFIX).map_err(store_error)?;
+    let team_ref = body.team.clone();
+    let limits = body.limits(&state)?;
+    let team = resolve_team(&state, &team_ref, "team").await?;
+    let secret = new_secret(API_KEY_PREFIX).map_err(store_failed("key secret"))?;
     let record = state
         .store
         .create_api_key(NewApiKey {
             team_id: team.id,
             hash: hash_secret(&secret),
             prefix: display_prefix(&secret),
-            model_allowlist: body.model_allowlist,
-            rpm: body.rpm,
-            tokens_per_day: body.tokens_per_day,
-            max_streams: body.max_streams,
-            expires_at: body.expires_at,
-            message_quota: body.message_quota,
-            burst_capacity: body.burst_capacity,
-            burst_refill_seconds: body.burst_refill_seconds,
+            model_allowlist: limits.model_allowlist,
+            rpm: limits.rpm,
+            tokens_per_day: limits.tokens_per_day,
+            max_streams: limits.max_streams,
+            expires_at: limits.expires_at,
+            message_quota: limits.message_quota,
+            burst_capacity: limits.burst_capacity,
+            burst_refill_seconds: limits.burst_refill_seconds,
         })
         .await
-        .map_err(store_error)?;
+        .map_err(|e| match e {
+            StoreError::NotFound => {
+                ApiError::new(ErrorCode::NotFound, "Unknown team.").with_param("team")
+            }
+            other => store_failed("create key")(other),
+        })?;
     tracing::info!(team_id = team.id, key_id = record.id, "api key created");
     let mut out = serde_json::to_value(&record).unwrap_or(Value::Null);
     if let Some(obj) = out.as_object_mut() {
@@ -197,35 +468,68 @@ pub async fn list_keys(
     Query(q): Query<KeysQuery>,
 ) -> Result<Response, ApiError> {
     let team_ref = match q.team {
+        // An integer is always an id (team names cannot be integers).
         Some(t) => t.parse().map(TeamRef::Id).unwrap_or(TeamRef::Name(t)),
-        None => {
-            return Err(ApiError::new(
-                ErrorCode::InvalidRequest,
-                "`team` is required.",
-            ));
-        }
+        None => return Err(invalid("team", "`team` is required.")),
     };
-    let team = resolve_team(&state, &team_ref).await?;
-    let keys = state.store.api_keys(team.id).await.map_err(store_error)?;
+    let team = resolve_team(&state, &team_ref, "team").await?;
+    let keys = state
+        .store
+        .api_keys(team.id)
+        .await
+        .map_err(store_failed("list keys"))?;
     Ok(ok(StatusCode::OK, json!({ "data": keys })))
 }
 
+/// Revokes a key: 200 `revoked: true` once the key is revoked, whether by this call or an
+/// earlier one (a retried DELETE gets the same answer); 404 for an id no key ever had.
 pub async fn revoke_key(
     State(state): State<Arc<AppState>>,
     _admin: Admin,
     Path(id): Path<i64>,
 ) -> Result<Response, ApiError> {
-    let revoked = state.store.revoke_api_key(id).await.map_err(store_error)?;
-    tracing::info!(key_id = id, revoked, "api key revoked");
-    // `revoked: false` means there was no live key with this id (unknown or revoked before).
-    Ok(ok(StatusCode::OK, json!({ "id": id, "revoked": revoked })))
+    let revoked = state
+        .store
+        .revoke_api_key(id)
+        .await
+        .map_err(store_failed("revoke key"))?;
+    if !revoked && !key_exists(&state, id).await? {
+        return Err(ApiError::new(ErrorCode::NotFound, "Unknown key.").with_param("id"));
+    }
+    tracing::info!(key_id = id, newly = revoked, "api key revoked");
+    Ok(ok(StatusCode::OK, json!({ "id": id, "revoked": true })))
 }
+
+/// Whether a key with this id exists (revoked or not). The store has no lookup by key id,
+/// so this walks the teams' key lists; it runs only when a revocation changed nothing.
+async fn key_exists(state: &AppState, id: i64) -> Result<bool, ApiError> {
+    // Ids come from an identity sequence starting at 1.
+    if id < 1 {
+        return Ok(false);
+    }
+    let failed = store_failed("key lookup");
+    let teams = match state.store.teams().await {
+        Ok(teams) => teams,
+        Err(e) => return Err(failed(e)),
+    };
+    for team in teams {
+        match state.store.api_keys(team.id).await {
+            Ok(keys) if keys.iter().any(|k| k.id == id) => return Ok(true),
+            Ok(_) => {}
+            Err(e) => return Err(store_failed("key lookup")(e)),
+        }
+    }
+    Ok(false)
+}
+
+// ---------------------------------------------------------------------------------------
+// Credits
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Credits {
     team: TeamRef,
-    amount: i64,
+    amount: Amount,
 }
 
 pub async fn add_credits(
@@ -233,18 +537,41 @@ pub async fn add_credits(
     _admin: Admin,
     Json(body): Json<Credits>,
 ) -> Result<Response, ApiError> {
-    let team = resolve_team(&state, &body.team).await?;
+    let Amount(amount) = body.amount;
+    if amount == 0 || amount.unsigned_abs() > MAX_CREDIT_MICROCREDITS.unsigned_abs() {
+        return Err(invalid(
+            "amount",
+            format!(
+                "`amount` must be a non-zero integer from -{MAX_CREDIT_MICROCREDITS} to \
+                 {MAX_CREDIT_MICROCREDITS} microcredits."
+            ),
+        ));
+    }
+    let team = resolve_team(&state, &body.team, "team").await?;
     let balance = state
         .store
-        .add_credits(team.id, body.amount, "admin credit")
+        .add_credits(team.id, amount, "admin credit")
         .await
-        .map_err(store_error)?;
-    tracing::info!(team_id = team.id, amount = body.amount, "credits added");
+        .map_err(|e| match e {
+            StoreError::NotFound => {
+                ApiError::new(ErrorCode::NotFound, "Unknown team.").with_param("team")
+            }
+            // The amount was checked above: what is left is a balance out of i64's range.
+            StoreError::Invalid(_) => invalid(
+                "amount",
+                "`amount`: the credit would take the team's balance out of range.",
+            ),
+            other => store_failed("add credits")(other),
+        })?;
+    tracing::info!(team_id = team.id, amount, "credits added");
     Ok(ok(
         StatusCode::OK,
         json!({ "id": team.id, "name": team.name, "balance_microcredits": balance }),
     ))
 }
+
+// ---------------------------------------------------------------------------------------
+// Nodes
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -263,24 +590,29 @@ pub async fn create_node(
     _admin: Admin,
     Json(body): Json<NewNode>,
 ) -> Result<Response, ApiError> {
-    let valid_id = !body.node_id.is_empty()
-        && body.node_id.len() <= 128
-        && body
-            .node_id
-            .chars()
-            .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c));
-    if !valid_id {
-        return Err(ApiError::new(
-            ErrorCode::InvalidRequest,
-            "node_id: 1-128 of [A-Za-z0-9._-].",
+    check_node_id(&body.node_id, "node_id")?;
+    if !NODE_LOCATIONS.contains(&body.location.as_str()) {
+        return Err(invalid(
+            "location",
+            "`location` must be \"onprem\" or \"cloud\".",
         ));
     }
-    let token = new_secret(NODE_TOKEN_PREFIX).map_err(store_error)?;
+    let token = new_secret(NODE_TOKEN_PREFIX).map_err(store_failed("node secret"))?;
     state
         .store
         .create_node(&body.node_id, &body.location, &hash_secret(&token))
         .await
-        .map_err(store_error)?;
+        .map_err(|e| match e {
+            // The id passed `check_node_id`, so it is safe to echo.
+            StoreError::Conflict(_) => invalid(
+                "node_id",
+                format!(
+                    "`node_id`: node `{}` has a live token; revoke it first.",
+                    body.node_id
+                ),
+            ),
+            other => store_failed("create node")(other),
+        })?;
     tracing::info!(node_id = %body.node_id, "node credential issued");
     Ok(ok(
         StatusCode::CREATED,
@@ -293,11 +625,12 @@ pub async fn revoke_node_token(
     _admin: Admin,
     Path(id): Path<String>,
 ) -> Result<Response, ApiError> {
+    check_node_id(&id, "id")?;
     let revoked = state
         .store
         .revoke_node_token(&id)
         .await
-        .map_err(store_error)?;
+        .map_err(store_failed("revoke node token"))?;
     // The live socket goes too: a revoked node must not keep serving.
     let live = state
         .nodes
@@ -318,7 +651,11 @@ pub async fn list_nodes(
     State(state): State<Arc<AppState>>,
     _admin: Admin,
 ) -> Result<Response, ApiError> {
-    let records = state.store.nodes().await.map_err(store_error)?;
+    let records = state
+        .store
+        .nodes()
+        .await
+        .map_err(store_failed("list nodes"))?;
     let mut data = Vec::new();
     for node in records {
         let heartbeat = state
@@ -363,11 +700,15 @@ pub async fn drain_node(
     _admin: Admin,
     Path(id): Path<String>,
 ) -> Result<Response, ApiError> {
+    check_node_id(&id, "id")?;
     state
         .store
         .mark_node_drained(&id, state.clock.wall())
         .await
-        .map_err(store_error)?;
+        .map_err(|e| match e {
+            StoreError::NotFound => ApiError::new(ErrorCode::NotFound, "Unknown node."),
+            other => store_failed("drain node")(other),
+        })?;
     let live = state
         .nodes
         .lock()
@@ -396,11 +737,16 @@ pub async fn load_model(
     Path(id): Path<String>,
     Json(body): Json<LoadModel>,
 ) -> Result<Response, ApiError> {
+    check_node_id(&id, "id")?;
     if state.config.resolve_model(&body.name).is_none() {
         return Err(ApiError::new(
             ErrorCode::ModelNotFound,
-            format!("Unknown model `{}`.", body.name),
-        ));
+            format!(
+                "Unknown model `{}`.",
+                printable(&body.name, ECHO_MODEL_CHARS)
+            ),
+        )
+        .with_param("name"));
     }
     let live = state
         .nodes

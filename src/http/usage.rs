@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use axum::extract::{Query, State};
+use axum::extract::State;
 use axum::http::HeaderMap;
 use axum::response::{IntoResponse, Response};
 use chrono::{DateTime, Utc};
@@ -12,7 +12,7 @@ use serde::Deserialize;
 use serde_json::json;
 use switchyard_actors::error::ErrorCode;
 
-use super::error::ApiError;
+use super::error::{ApiError, Query};
 use crate::server::AppState;
 use crate::store::LedgerStatus;
 
@@ -31,6 +31,7 @@ fn bound(v: Option<&str>, name: &str) -> Result<Option<DateTime<Utc>>, ApiError>
                     ErrorCode::InvalidRequest,
                     format!("`{name}` must be an RFC 3339 time."),
                 )
+                .with_param(name)
             })
     })
     .transpose()
@@ -44,26 +45,34 @@ struct ModelUsage {
     cost_microcredits: i64,
 }
 
+/// The query is taken as a `Result` so the credential is checked first: a caller without
+/// one learns nothing about the parameters.
 pub async fn usage(
     State(state): State<Arc<AppState>>,
     headers: HeaderMap,
-    Query(q): Query<UsageQuery>,
+    query: Result<Query<UsageQuery>, ApiError>,
 ) -> Response {
-    match run(&state, &headers, &q).await {
+    match run(&state, &headers, query).await {
         Ok(r) => r,
         Err(e) => e.into_response(),
     }
 }
 
-async fn run(state: &AppState, headers: &HeaderMap, q: &UsageQuery) -> Result<Response, ApiError> {
+async fn run(
+    state: &AppState,
+    headers: &HeaderMap,
+    query: Result<Query<UsageQuery>, ApiError>,
+) -> Result<Response, ApiError> {
     let principal = state.auth.authenticate(headers).await?;
+    let Query(q) = query?;
     let from = bound(q.from.as_deref(), "from")?;
     let to = bound(q.to.as_deref(), "to")?;
     let rows = state
         .store
         .ledger_rows(Some(principal.team_id))
         .await
-        .map_err(|_| {
+        .map_err(|e| {
+            tracing::error!(error = %e, "usage read failed");
             ApiError::new(
                 ErrorCode::QuotaServiceUnavailable,
                 "Usage cannot be read right now.",
