@@ -183,6 +183,9 @@ async fn ledger_conformance_in_memory_reference() {
     conformance::ledger_conformance_suite(&MemoryLedger::default(), 1, "c:")
         .await
         .unwrap();
+    conformance::bounded_billing_suite(&MemoryLedger::default(), 1, "bb:")
+        .await
+        .unwrap();
 }
 
 #[tokio::test]
@@ -194,6 +197,12 @@ async fn ledger_conformance_sqlite_in_memory() {
         .await
         .unwrap();
     conformance::balance_conformance_suite(&store, "b:")
+        .await
+        .unwrap();
+    conformance::bounded_billing_suite(&store, team, "bb:")
+        .await
+        .unwrap();
+    conformance::drift_conformance_suite(&store, "d:")
         .await
         .unwrap();
 }

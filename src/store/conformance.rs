@@ -4,9 +4,12 @@
 //!
 //! [`ledger_conformance_suite`] opens rows with request ids starting with the caller's
 //! `prefix` for the team `team_id`, which must exist where the implementation checks teams
-//! and hold at least [`SUITE_BALANCE`]. [`balance_conformance_suite`] checks the admission
-//! rule (balance minus open reservations must cover the estimate) on a [`Store`], which owns
-//! balances; it creates its own teams, named after `prefix`.
+//! and hold at least [`SUITE_BALANCE`]; so does [`bounded_billing_suite`] (bills within a
+//! row's bounds, claims and reviews kept), which reads rows back through [`LedgerProbe`].
+//! [`balance_conformance_suite`] checks the admission rule (balance minus open reservations
+//! must cover the estimate) on a [`Store`], which owns balances, and
+//! [`drift_conformance_suite`] the drift report's query; they create their own teams, named
+//! after `prefix`.
 
 use std::fmt::Debug;
 
@@ -17,6 +20,18 @@ use switchyard_actors::ports::{
 };
 
 use super::{LedgerStatus, Store, StoreError};
+
+mod bounds;
+mod drift;
+
+pub use bounds::{
+    BilledRow, FIVE_TOKENS, LedgerProbe, bounded, bounded_billing_suite, expected_row,
+    huge_claims_settle_at_the_bounds, in_bound_claims_mark_nothing,
+    over_bound_claims_bill_the_bound, requested_reviews_are_stored, unbounded_rows_bill_the_claim,
+};
+pub use drift::{
+    drift_conformance_suite, drift_reviewed_rows_are_capped, drift_totals_and_reviewed_rows,
+};
 
 /// How a ledger conformance check failed.
 #[derive(Debug, thiserror::Error)]

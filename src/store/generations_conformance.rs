@@ -70,6 +70,7 @@ pub async fn generations_conformance_suite(s: Arc<dyn GenerationStore>, prefix: 
     fixed_window_boundary(g, prefix).await?;
     reservation_stays_in_its_window(g, prefix).await?;
     terminal_records_never_change(g, prefix).await?;
+    outputs_keep_every_character(g, prefix).await?;
     unknown_generations(g, prefix).await?;
     sweep_expires_and_forgets(g, prefix).await?;
     concurrent_admissions_stop_at_the_limit(Arc::clone(&s), prefix).await?;
@@ -485,6 +486,39 @@ pub async fn terminal_records_never_change(s: &dyn GenerationStore, prefix: &str
         }
     }
     expect_eq(CHECK, "window", window(s, &done.subject, T0).await?, before)
+}
+
+/// A retained output comes back exactly as the node sent it, NUL and every other character
+/// included (PostgreSQL's TEXT cannot hold NUL; the store must not lose or replace it).
+pub async fn outputs_keep_every_character(s: &dyn GenerationStore, prefix: &str) -> Outcome {
+    const CHECK: &str = "outputs_keep_every_character";
+    const OUTPUT: &str = "\0starts, a\0b\0\0c, \u{1}\u{7f} \u{fffd} é ✓ 😀 \r\n\t\\0 ends\0";
+    let policy = roomy();
+    let now = T0 + 1_000;
+    let new = request(prefix, "nul", "key", "fp", 0);
+    let rec = admitted(s, CHECK, &new, &policy, now).await?;
+    running(s, CHECK, &rec.id, now).await?;
+    let (ended, _) = applied(s, CHECK, &rec.id, &completed(1, OUTPUT), now + 1).await?;
+    expect_eq(CHECK, "returned", ended.output.as_deref(), Some(OUTPUT))?;
+    let stored = s.get_generation(&rec.id).await?;
+    expect_eq(
+        CHECK,
+        "get",
+        stored.as_ref().and_then(|r| r.output.as_deref()),
+        Some(OUTPUT),
+    )?;
+    expect_eq(CHECK, "whole record", stored, Some(ended.clone()))?;
+    expect_eq(
+        CHECK,
+        "find",
+        s.find_generation(&new.subject, "key").await?,
+        Some(ended.clone()),
+    )?;
+    // A replay of the key hands back the same output.
+    match s.admit_generation(&new, &policy, now + 2).await? {
+        Decision::Existing(r) if r.output.as_deref() == Some(OUTPUT) => Ok(()),
+        other => Err(violated(CHECK, format!("replay: {other:?}"))),
+    }
 }
 
 /// Unknown ids, keys and windows: `Unknown` for an event, absent or zero otherwise.

@@ -8,6 +8,7 @@
 //! [`hash_secret`] of it.
 
 pub mod conformance;
+mod drift;
 pub mod generations_conformance;
 pub mod postgres;
 mod sql;
@@ -21,6 +22,10 @@ use rand::TryRngCore;
 use serde::Serialize;
 use sha2::{Digest, Sha256};
 
+pub use drift::{
+    DRIFT_REVIEWED_LIMIT, DriftReport, ModelDrift, ReviewCounts, ReviewedRow, TokenCounts,
+    TokenTotals,
+};
 pub use postgres::PostgresStore;
 pub use sqlite::SqliteStore;
 pub use switchyard_actors::lifecycle::GenerationStore;
@@ -234,6 +239,18 @@ pub struct LedgerRow {
     pub created_at: DateTime<Utc>,
     /// When the row became final (settled or cancelled).
     pub settled_at: Option<DateTime<Utc>>,
+    /// The most the row may bill in prompt tokens; `None` for rows admitted before bounds
+    /// existed (unbounded).
+    pub prompt_token_bound: Option<i64>,
+    /// The most the row may bill in completion tokens; `None` as for the prompt bound.
+    pub completion_token_bound: Option<i64>,
+    /// The node's prompt-token report when it exceeded a bound and was clamped (a report
+    /// beyond `i64::MAX` is kept as `i64::MAX`); `None` otherwise.
+    pub claimed_prompt_tokens: Option<i64>,
+    /// The node's completion-token report when clamped, as for the prompt claim.
+    pub claimed_completion_tokens: Option<i64>,
+    /// Why an operator should look at the row (the drift report lists such rows).
+    pub review: Option<ReviewReason>,
 }
 
 /// Configuration, ledger and generation storage. The [`Ledger`] supertrait carries the
@@ -312,6 +329,16 @@ pub trait Store: Ledger + GenerationStore {
         before: DateTime<Utc>,
         limit: i64,
     ) -> Result<Vec<String>, StoreError>;
+    /// The drift report over settlements in `[from, to)` (`GET /admin/reports/drift`):
+    /// per model, the settled requests and tokens, the rows under review by reason and what
+    /// their nodes claimed against what was billed; and the reviewed rows themselves, newest
+    /// first, at most [`DRIFT_REVIEWED_LIMIT`]. Read in one snapshot, so the totals and the
+    /// list agree. `Invalid` unless `from < to`.
+    async fn drift_report(
+        &self,
+        from: DateTime<Utc>,
+        to: DateTime<Utc>,
+    ) -> Result<DriftReport, StoreError>;
     /// Succeeds when the database answers (`/readyz`).
     async fn ping(&self) -> Result<(), StoreError>;
 }

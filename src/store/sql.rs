@@ -7,7 +7,9 @@ use switchyard_actors::lifecycle::{
     AttemptState, Bucket, Effect, Event, GenerationRecord, GenerationStore, LifecycleError,
     MessageState, Status, WindowCounters,
 };
-use switchyard_actors::ports::LedgerError;
+use switchyard_actors::ports::{
+    LedgerError, MAX_TOKEN_COUNT, ReviewReason, Settlement, UsageBounds, cost_of,
+};
 
 use super::StoreError;
 
@@ -27,11 +29,83 @@ pub(super) fn found(rows_affected: u64) -> Result<(), StoreError> {
     }
 }
 
-/// Token counts are u64 at the port and a signed 64-bit column in both databases; a count
-/// beyond i64 is refused rather than clamped, so the ledger never records a number nobody
-/// produced.
-pub(super) fn tokens(n: u64) -> Result<i64, LedgerError> {
-    i64::try_from(n).map_err(|_| LedgerError::Unavailable(format!("token count {n} out of range")))
+/// A count as the signed 64-bit column both databases have, saturated at `i64::MAX`. Claims
+/// (a node's report) and bounds may be any u64; the ledger bills no more than a row's bound,
+/// which is at most `i64::MAX`, so saturating a claim never changes what is billed, and a
+/// count too large to store can never fail a settle or leave its row reserved.
+pub(super) fn saturated(n: u64) -> i64 {
+    i64::try_from(n).unwrap_or(i64::MAX)
+}
+
+/// A row's bound as stored, as the port's: NULL (a row admitted before bounds existed) and a
+/// negative value (refused by the schema) read as no bound.
+fn bound(stored: Option<i64>) -> u64 {
+    stored
+        .and_then(|b| u64::try_from(b).ok())
+        .unwrap_or(MAX_TOKEN_COUNT)
+}
+
+/// A row's bounds as stored.
+pub(super) fn stored_bounds(prompt: Option<i64>, completion: Option<i64>) -> UsageBounds {
+    UsageBounds {
+        prompt_tokens: bound(prompt),
+        completion_tokens: bound(completion),
+    }
+}
+
+/// What a settle statement wrote, as it returned it.
+#[derive(Debug, PartialEq, Eq)]
+pub(super) struct Settled {
+    pub(super) prompt_tokens: i64,
+    pub(super) completion_tokens: i64,
+    pub(super) claimed: Option<(i64, i64)>,
+    pub(super) review: Option<String>,
+    pub(super) cost: i64,
+}
+
+impl Settled {
+    /// What the port's rule says a settle of `s` writes into a row with these bounds and
+    /// prices: [`UsageBounds::bill`], the claim kept when clamped (saturated, as stored),
+    /// the settlement's review or else `usage_over_bound` when clamped, and [`cost_of`] of
+    /// the bill.
+    pub(super) fn expected(
+        s: &Settlement,
+        bounds: UsageBounds,
+        price_input_per_mtok: i64,
+        price_output_per_mtok: i64,
+    ) -> Self {
+        let billed = bounds.bill(s.prompt_tokens, s.completion_tokens);
+        Self {
+            prompt_tokens: saturated(billed.prompt_tokens),
+            completion_tokens: saturated(billed.completion_tokens),
+            claimed: billed
+                .clamped
+                .then(|| (saturated(s.prompt_tokens), saturated(s.completion_tokens))),
+            review: s
+                .review
+                .or(billed.clamped.then_some(ReviewReason::UsageOverBound))
+                .map(|r| r.as_str().to_owned()),
+            cost: cost_of(
+                billed.prompt_tokens,
+                billed.completion_tokens,
+                price_input_per_mtok,
+                price_output_per_mtok,
+            ),
+        }
+    }
+
+    /// Fails unless the statement wrote exactly `expected`. Cannot happen unless the SQL
+    /// and the port's rule drift apart; a wrong bill must never commit, so the caller
+    /// returns the error, which rolls the settle back and leaves it retryable.
+    pub(super) fn check(self, expected: &Self, request_id: &str) -> Result<Self, LedgerError> {
+        if self == *expected {
+            Ok(self)
+        } else {
+            Err(LedgerError::Unavailable(format!(
+                "settle of {request_id:?} wrote {self:?} in SQL but the rule says {expected:?}"
+            )))
+        }
+    }
 }
 
 // ---------------------------------------------------------------------------------------
@@ -208,11 +282,12 @@ impl<'a> RecordParams<'a> {
     }
 }
 
-/// Binds a [`RecordParams`] to [`INSERT_GENERATION`] or [`UPDATE_GENERATION`]. A macro
-/// rather than a function: it works on either backend's query without spelling out sqlx's
-/// encoding bounds.
+/// Binds a [`RecordParams`] to [`INSERT_GENERATION`] or [`UPDATE_GENERATION`]; `$output`
+/// turns the output text into the backend's column value (the text itself on SQLite, its
+/// UTF-8 bytes on PostgreSQL: see [`OutputColumn`]). A macro rather than a function: it works
+/// on either backend's query without spelling out sqlx's encoding bounds.
 macro_rules! bind_record {
-    ($query:expr, $p:expr) => {{
+    ($query:expr, $p:expr, $output:expr) => {{
         let p = &$p;
         $query
             .bind(p.rec.id.as_str())
@@ -230,7 +305,7 @@ macro_rules! bind_record {
             .bind(p.rec.slot_expires_ms)
             .bind(p.input_tokens)
             .bind(p.output_tokens)
-            .bind(p.rec.output.as_deref())
+            .bind(($output)(p.rec.output.as_deref()))
             .bind(p.rec.error_code.as_deref())
             .bind(p.rec.created_ms)
             .bind(p.rec.terminal_ms)
@@ -280,10 +355,36 @@ where
         .ok_or_else(|| LifecycleError::Unavailable(format!("generations.{name} is unknown")))
 }
 
+/// How a backend stores a generation's output. A node's output is any text, NUL included;
+/// PostgreSQL's TEXT cannot hold NUL, so there the column is BYTEA holding the UTF-8 (see
+/// `migrations/postgres/0003_usage_bounds.sql`), while SQLite's TEXT holds it as it is.
+pub(super) trait OutputColumn {
+    /// The `output` column as text; bytes that are not UTF-8 are an unreadable row.
+    fn output(&self) -> Result<Option<String>, LifecycleError>;
+}
+
+impl OutputColumn for sqlx::sqlite::SqliteRow {
+    fn output(&self) -> Result<Option<String>, LifecycleError> {
+        gen_col(self, "output")
+    }
+}
+
+impl OutputColumn for sqlx::postgres::PgRow {
+    fn output(&self) -> Result<Option<String>, LifecycleError> {
+        gen_col::<_, Option<Vec<u8>>>(self, "output")?
+            .map(|bytes| {
+                String::from_utf8(bytes).map_err(|_| {
+                    LifecycleError::Unavailable("generations.output is not UTF-8".to_owned())
+                })
+            })
+            .transpose()
+    }
+}
+
 /// A `generations` row (all of [`generation_columns!`]) as a record, on either backend.
 pub(super) fn generation_from_row<R>(row: &R) -> Result<GenerationRecord, LifecycleError>
 where
-    R: Row,
+    R: Row + OutputColumn,
     for<'n> &'n str: ColumnIndex<R>,
     for<'r> String: Decode<'r, R::Database> + Type<R::Database>,
     for<'r> Option<String>: Decode<'r, R::Database> + Type<R::Database>,
@@ -307,7 +408,7 @@ where
         slot_expires_ms: gen_col(row, "slot_expires_ms")?,
         input_tokens: gen_u64(row, "input_tokens")?,
         output_tokens: gen_u64(row, "output_tokens")?,
-        output: gen_col(row, "output")?,
+        output: row.output()?,
         error_code: gen_col(row, "error_code")?,
         created_ms: gen_col(row, "created_ms")?,
         terminal_ms: gen_col(row, "terminal_ms")?,

@@ -41,6 +41,7 @@ conformance_checks!(
         fixed_window_boundary,
         reservation_stays_in_its_window,
         terminal_records_never_change,
+        outputs_keep_every_character,
         unknown_generations,
         sweep_expires_and_forgets;
     arc:

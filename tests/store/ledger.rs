@@ -3,6 +3,7 @@
 //! random mix.
 
 use super::*;
+use switchyard::store::{ReviewReason, UsageBounds};
 
 on_both!(store:
     ledger_prices_settles_from_the_row_and_debits_once,
@@ -10,13 +11,19 @@ on_both!(store:
     the_store_is_usable_as_dyn_store_and_dyn_ledger,
     ledger_conformance,
     balance_conformance,
+    bounded_billing_conformance,
+    drift_conformance,
+    bounds_and_claims_round_trip_through_ledger_row,
     two_hundred_spawned_reserves_admit_exactly_ten,
     fifty_concurrent_settles_of_one_row_debit_once,
-    settles_saturate_and_refuse_like_cost_of,
+    settles_saturate_like_cost_of_and_take_any_claim,
     an_overflowing_debit_rolls_the_settle_back,
     names_with_nul_are_absent,
 );
-on_both!(db: balance_equals_credits_minus_settled_costs_after_a_random_mix);
+on_both!(db:
+    balance_equals_credits_minus_settled_costs_after_a_random_mix,
+    the_ledger_schema_holds_the_bounds_and_review_rules,
+);
 
 async fn ledger_prices_settles_from_the_row_and_debits_once(store: Arc<dyn Store>) {
     let team = store.create_team("ledger").await.unwrap();
@@ -166,6 +173,132 @@ async fn balance_conformance(store: Arc<dyn Store>) {
         .unwrap();
 }
 
+async fn bounded_billing_conformance(store: Arc<dyn Store>) {
+    let team = funded(store.as_ref(), "bounded", conformance::SUITE_BALANCE).await;
+    conformance::bounded_billing_suite(store.as_ref(), team, "bb:")
+        .await
+        .unwrap();
+}
+
+async fn drift_conformance(store: Arc<dyn Store>) {
+    conformance::drift_conformance_suite(store.as_ref(), "d:")
+        .await
+        .unwrap();
+}
+
+/// `ledger_row` shows the bounds a row was reserved with, and after a clamped settle the
+/// claim and the review; a bound beyond i64 is stored as no bound (`i64::MAX`).
+async fn bounds_and_claims_round_trip_through_ledger_row(store: Arc<dyn Store>) {
+    let team = funded(store.as_ref(), "bounds", 1_000_000).await;
+    let r = conformance::bounded("five", team, conformance::FIVE_TOKENS);
+    store.reserve(&r).await.unwrap();
+    let open = store.ledger_row("five").await.unwrap().unwrap();
+    assert_eq!(
+        (
+            open.prompt_token_bound,
+            open.completion_token_bound,
+            open.claimed_prompt_tokens,
+            open.claimed_completion_tokens,
+            open.review
+        ),
+        (Some(100), Some(5), None, None, None)
+    );
+    store
+        .settle(&settlement("five", 30, 100_000))
+        .await
+        .unwrap();
+    let row = store.ledger_row("five").await.unwrap().unwrap();
+    assert_eq!(
+        (
+            row.prompt_tokens,
+            row.completion_tokens,
+            row.claimed_prompt_tokens,
+            row.claimed_completion_tokens,
+            row.review
+        ),
+        (
+            30,
+            5,
+            Some(30),
+            Some(100_000),
+            Some(ReviewReason::UsageOverBound)
+        )
+    );
+    assert_eq!(row.cost_microcredits, cost_of(30, 5, 1_000_000, 2_000_000));
+
+    let wide = conformance::bounded(
+        "wide",
+        team,
+        UsageBounds {
+            prompt_tokens: u64::MAX,
+            completion_tokens: 7,
+        },
+    );
+    store.reserve(&wide).await.unwrap();
+    let row = store.ledger_row("wide").await.unwrap().unwrap();
+    assert_eq!(
+        (row.prompt_token_bound, row.completion_token_bound),
+        (Some(i64::MAX), Some(7))
+    );
+}
+
+/// The schema refuses what the store never writes: a bill beyond the row's bounds, half a
+/// pair of bounds or claims, a claim without a review, a review on an open row, an unknown
+/// reason.
+async fn the_ledger_schema_holds_the_bounds_and_review_rules(db: &Db) {
+    let store = db.store();
+    let team = funded(store.as_ref(), "rules", 1_000_000).await;
+    for id in ["open", "done"] {
+        store
+            .reserve(&conformance::bounded(id, team, conformance::FIVE_TOKENS))
+            .await
+            .unwrap();
+    }
+    store.settle(&settlement("done", 1, 1)).await.unwrap();
+    let raw = db.raw().await;
+    let refused = [
+        "UPDATE usage_ledger SET completion_tokens = 6 WHERE request_id = 'done'",
+        "UPDATE usage_ledger SET prompt_tokens = 101 WHERE request_id = 'done'",
+        "UPDATE usage_ledger SET completion_token_bound = NULL WHERE request_id = 'done'",
+        "UPDATE usage_ledger SET prompt_token_bound = -1, prompt_tokens = 0 \
+         WHERE request_id = 'done'",
+        "UPDATE usage_ledger SET review = 'usage_over_bound' WHERE request_id = 'open'",
+        "UPDATE usage_ledger SET review = 'looks_odd' WHERE request_id = 'done'",
+        "UPDATE usage_ledger SET claimed_prompt_tokens = 1, claimed_completion_tokens = 1 \
+         WHERE request_id = 'done'",
+        "UPDATE usage_ledger SET review = 'usage_over_bound', claimed_prompt_tokens = 1 \
+         WHERE request_id = 'done'",
+        "UPDATE usage_ledger SET review = 'usage_over_bound', claimed_prompt_tokens = -1, \
+         claimed_completion_tokens = 1 WHERE request_id = 'done'",
+    ];
+    for sql in refused {
+        let err = match &raw {
+            harness::Raw::Sqlite(pool) => sqlx::query(sql).execute(pool).await.unwrap_err(),
+            harness::Raw::Postgres(pool) => sqlx::query(sql).execute(pool).await.unwrap_err(),
+        };
+        assert!(
+            matches!(&err, sqlx::Error::Database(d) if d.is_check_violation()),
+            "{sql}: {err}"
+        );
+    }
+    // What a clamped settle writes is allowed.
+    let allowed = "UPDATE usage_ledger SET review = 'usage_over_bound', \
+                   claimed_prompt_tokens = 1, claimed_completion_tokens = 9 \
+                   WHERE request_id = 'done'";
+    let changed = match &raw {
+        harness::Raw::Sqlite(pool) => sqlx::query(allowed)
+            .execute(pool)
+            .await
+            .map(|r| r.rows_affected()),
+        harness::Raw::Postgres(pool) => sqlx::query(allowed)
+            .execute(pool)
+            .await
+            .map(|r| r.rows_affected()),
+    }
+    .unwrap();
+    assert_eq!(changed, 1);
+}
+
 /// The conformance check races futures on one task; this one races tasks on two threads.
 async fn two_hundred_spawned_reserves_admit_exactly_ten(store: Arc<dyn Store>) {
     const ESTIMATE: i64 = 7_777;
@@ -238,8 +371,9 @@ async fn fifty_concurrent_settles_of_one_row_debit_once(store: Arc<dyn Store>) {
 }
 
 /// The ledger prices a settle exactly as `cost_of` does, up to its saturation at i64::MAX,
-/// and refuses token counts beyond i64 rather than clamping them.
-async fn settles_saturate_and_refuse_like_cost_of(store: Arc<dyn Store>) {
+/// and settles a claim beyond i64 at the ledger's range (marked for review) rather than
+/// failing and leaving the row reserved (issue 10, finding 3).
+async fn settles_saturate_like_cost_of_and_take_any_claim(store: Arc<dyn Store>) {
     let top = u64::try_from(i64::MAX).unwrap();
     let cases = [
         ("zero", 0, 0, 0, 0),
@@ -275,14 +409,31 @@ async fn settles_saturate_and_refuse_like_cost_of(store: Arc<dyn Store>) {
 
     let team = funded(store.as_ref(), "too-many", 1_000).await;
     store.reserve(&reservation("too-many", team)).await.unwrap();
-    assert!(matches!(
-        store.settle(&settlement("too-many", u64::MAX, 0)).await,
-        Err(LedgerError::Unavailable(_))
-    ));
     assert_eq!(
-        store.ledger_row("too-many").await.unwrap().unwrap().status,
-        LedgerStatus::Reserved
+        store
+            .settle(&settlement("too-many", u64::MAX, 0))
+            .await
+            .unwrap(),
+        SettleOutcome::Applied
     );
+    let row = store.ledger_row("too-many").await.unwrap().unwrap();
+    assert_eq!(
+        (
+            row.status,
+            row.prompt_tokens,
+            row.claimed_prompt_tokens,
+            row.review
+        ),
+        (
+            LedgerStatus::Settled,
+            i64::MAX,
+            Some(i64::MAX),
+            Some(ReviewReason::UsageOverBound)
+        )
+    );
+    let want = cost_of(top, 0, 1_000_000, 2_000_000);
+    assert_eq!(row.cost_microcredits, want);
+    assert_eq!(balance(store.as_ref(), team).await, 1_000 - want);
 }
 
 /// A settle whose debit would overflow the balance rolls back whole: the row stays open and

@@ -42,6 +42,11 @@ const ENSURE_PRINCIPAL: &str =
 const LOCK_PRINCIPAL: &str = "SELECT bucket_milli, bucket_at_ms FROM generation_principals \
      WHERE subject = $1 FOR UPDATE";
 
+/// The output as its column holds it: the UTF-8 bytes (BYTEA, which keeps NUL; TEXT cannot).
+fn output_bytes(output: Option<&str>) -> Option<&[u8]> {
+    output.map(str::as_bytes)
+}
+
 #[async_trait]
 impl GenerationStore for PostgresStore {
     async fn admit_generation(
@@ -118,7 +123,7 @@ impl GenerationStore for PostgresStore {
         } else {
             INSERT_GENERATION
         };
-        bind_record!(sqlx::query(write), params)
+        bind_record!(sqlx::query(write), params, output_bytes)
             .execute(&mut *tx)
             .await
             .map_err(unavailable)?;
@@ -198,7 +203,7 @@ impl GenerationStore for PostgresStore {
             return Ok(Applied { record, result });
         };
         let params = RecordParams::of(&record)?;
-        bind_record!(sqlx::query(UPDATE_GENERATION), params)
+        bind_record!(sqlx::query(UPDATE_GENERATION), params, output_bytes)
             .execute(&mut *tx)
             .await
             .map_err(unavailable)?;

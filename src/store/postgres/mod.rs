@@ -16,12 +16,17 @@ use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions, PgRow};
 use sqlx::{Postgres, Row, Transaction};
 
 use switchyard_actors::ports::{
-    Clock, Ledger, LedgerError, Reservation, SettleOutcome, Settlement, SystemClock, cost_of,
+    Clock, Ledger, LedgerError, MAX_TOKEN_COUNT, Reservation, SettleOutcome, Settlement,
+    SystemClock,
 };
 
+use super::drift::{
+    DRIFT_REVIEWED, DRIFT_TOTALS, assemble, check_range, model_drift_from_row, reviewed_fetch_limit,
+};
+use super::sql::{Settled, saturated, stored_bounds};
 use super::{
-    ApiKeyRecord, LedgerRow, LedgerStatus, NODE_LOCATIONS, NewApiKey, NodeRecord, Store,
-    StoreError, Team, covers,
+    ApiKeyRecord, DriftReport, LedgerRow, LedgerStatus, NODE_LOCATIONS, NewApiKey, NodeRecord,
+    Store, StoreError, Team, covers,
 };
 
 mod generations;
@@ -68,9 +73,77 @@ macro_rules! ledger_columns {
     () => {
         "id, request_id, team_id, key_id, model, prompt_tokens, completion_tokens, \
          cost_microcredits, estimated_cost_microcredits, price_input_per_mtok, \
-         price_output_per_mtok, status, created_at, settled_at"
+         price_output_per_mtok, status, created_at, settled_at, prompt_token_bound, \
+         completion_token_bound, claimed_prompt_tokens, claimed_completion_tokens, review"
     };
 }
+
+/// A row's bound on one count, unbounded (the ledger's range) for rows admitted before
+/// bounds existed.
+macro_rules! bound {
+    ($column:literal) => {
+        concat!("COALESCE(", $column, ", 9223372036854775807)")
+    };
+}
+
+/// Whether a settle's claim (`$2` prompt, `$3` completion, saturated; `$4` when either was
+/// beyond i64 before saturating) exceeds the row's bounds: [`UsageBounds::bill`]'s `clamped`.
+macro_rules! clamped {
+    () => {
+        concat!(
+            "($4 OR $2 > ",
+            bound!("prompt_token_bound"),
+            " OR $3 > ",
+            bound!("completion_token_bound"),
+            ")"
+        )
+    };
+}
+
+/// The prompt tokens a settle bills: the claim within the row's bound.
+macro_rules! billed_prompt {
+    () => {
+        concat!("LEAST($2, ", bound!("prompt_token_bound"), ")")
+    };
+}
+
+/// The completion tokens a settle bills: the claim within the row's bound.
+macro_rules! billed_completion {
+    () => {
+        concat!("LEAST($3, ", bound!("completion_token_bound"), ")")
+    };
+}
+
+/// Settles row `$1` if it is still reserved, in one statement: bills the claim within the
+/// row's bounds, keeps the claim and marks the row for review when clamped (`$5`, a
+/// review the caller asks for, wins), prices the bill with the row's prices in exact NUMERIC
+/// ([`cost_of`]: rounded up, saturated at i64::MAX), and returns what it wrote for the check
+/// against the port's rule. In SET, column names read the row as it was before the update.
+const SETTLE: &str = concat!(
+    "UPDATE usage_ledger SET status = 'settled', prompt_tokens = ",
+    billed_prompt!(),
+    ", completion_tokens = ",
+    billed_completion!(),
+    ", claimed_prompt_tokens = CASE WHEN ",
+    clamped!(),
+    " THEN $2 END, claimed_completion_tokens = CASE WHEN ",
+    clamped!(),
+    " THEN $3 END, review = COALESCE($5, CASE WHEN ",
+    clamped!(),
+    " THEN 'usage_over_bound' END), cost_microcredits = LEAST(div(",
+    billed_prompt!(),
+    "::NUMERIC * price_input_per_mtok + ",
+    billed_completion!(),
+    "::NUMERIC * price_output_per_mtok + 999999, 1000000), 9223372036854775807)::BIGINT, \
+     settled_at = $6 WHERE request_id = $1 AND status = 'reserved' \
+     RETURNING team_id, prompt_tokens, completion_tokens, claimed_prompt_tokens, \
+     claimed_completion_tokens, review, cost_microcredits, price_input_per_mtok, \
+     price_output_per_mtok, prompt_token_bound, completion_token_bound"
+);
+
+/// Starts the drift report's reads: one snapshot for both of its queries, so its totals and
+/// its list of rows agree.
+const BEGIN_REPORT: &str = "BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY";
 
 /// The production store over PostgreSQL. Cloning shares the pool.
 #[derive(Debug, Clone)]
@@ -206,8 +279,9 @@ impl Ledger for PostgresStore {
         sqlx::query(
             "INSERT INTO usage_ledger \
              (request_id, team_id, key_id, model, estimated_cost_microcredits, \
-             price_input_per_mtok, price_output_per_mtok, status, created_at) \
-             VALUES ($1, $2, $3, $4, $5, $6, $7, 'reserved', $8)",
+             price_input_per_mtok, price_output_per_mtok, status, created_at, \
+             prompt_token_bound, completion_token_bound) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7, 'reserved', $8, $9, $10)",
         )
         .bind(&r.request_id)
         .bind(r.team_id)
@@ -217,6 +291,9 @@ impl Ledger for PostgresStore {
         .bind(r.price_input_per_mtok)
         .bind(r.price_output_per_mtok)
         .bind(now)
+        // A bound beyond the ledger's range is no bound: the same as `i64::MAX`.
+        .bind(saturated(r.bounds.prompt_tokens))
+        .bind(saturated(r.bounds.completion_tokens))
         .execute(&mut *tx)
         .await
         .map_err(|e| match &e {
@@ -231,54 +308,59 @@ impl Ledger for PostgresStore {
         if !storable(&s.request_id) {
             return Ok(SettleOutcome::Unknown);
         }
-        let (prompt, completion) = (tokens(s.prompt_tokens)?, tokens(s.completion_tokens)?);
+        // Any claim settles: a count beyond i64 is bound saturated, which bills the same (no
+        // bound exceeds i64::MAX), and `$4` keeps it counted as over the bound.
+        let beyond = s.prompt_tokens > MAX_TOKEN_COUNT || s.completion_tokens > MAX_TOKEN_COUNT;
         let now = self.now();
         let mut tx = self.begin().await.map_err(ledger_unavailable)?;
         // Exactly once: a concurrent settle or cancel of the same row waits on this row's
         // lock, then re-checks `status = 'reserved'` against the committed row, matches
-        // nothing and reports `AlreadyFinal`. The cost is `cost_of` at the row's prices,
-        // computed in exact NUMERIC (rounded up, saturated at i64::MAX) so it is priced in
-        // the same statement that claims the row; it is checked against `cost_of` below.
-        let row = sqlx::query(
-            "UPDATE usage_ledger SET status = 'settled', prompt_tokens = $2, \
-             completion_tokens = $3, \
-             cost_microcredits = LEAST(div($2::NUMERIC * price_input_per_mtok \
-             + $3::NUMERIC * price_output_per_mtok + 999999, 1000000), \
-             9223372036854775807)::BIGINT, \
-             settled_at = $4 \
-             WHERE request_id = $1 AND status = 'reserved' \
-             RETURNING team_id, cost_microcredits, price_input_per_mtok, price_output_per_mtok",
-        )
-        .bind(&s.request_id)
-        .bind(prompt)
-        .bind(completion)
-        .bind(now)
-        .fetch_optional(&mut *tx)
-        .await
-        .map_err(ledger_unavailable)?;
+        // nothing and reports `AlreadyFinal`. The bill and its price come from the row's
+        // own bounds and prices in the statement that claims it, so a settle resent by any
+        // replica bills the same; both are checked against the port's rule below.
+        let row = sqlx::query(SETTLE)
+            .bind(&s.request_id)
+            .bind(saturated(s.prompt_tokens))
+            .bind(saturated(s.completion_tokens))
+            .bind(beyond)
+            .bind(s.review.map(|r| r.as_str()))
+            .bind(now)
+            .fetch_optional(&mut *tx)
+            .await
+            .map_err(ledger_unavailable)?;
         let Some(row) = row else {
             return Self::unchanged(&s.request_id, &mut *tx).await;
         };
         let team_id: i64 = row.try_get("team_id").map_err(ledger_unavailable)?;
-        let cost: i64 = row
-            .try_get("cost_microcredits")
-            .map_err(ledger_unavailable)?;
-        let expected = cost_of(
-            s.prompt_tokens,
-            s.completion_tokens,
-            row.try_get("price_input_per_mtok")
-                .map_err(ledger_unavailable)?,
-            row.try_get("price_output_per_mtok")
-                .map_err(ledger_unavailable)?,
+        let get = |name: &str| row.try_get::<i64, _>(name).map_err(ledger_unavailable);
+        let get_opt = |name: &str| {
+            row.try_get::<Option<i64>, _>(name)
+                .map_err(ledger_unavailable)
+        };
+        let expected = Settled::expected(
+            s,
+            stored_bounds(
+                get_opt("prompt_token_bound")?,
+                get_opt("completion_token_bound")?,
+            ),
+            get("price_input_per_mtok")?,
+            get("price_output_per_mtok")?,
         );
-        if cost != expected {
-            // Cannot happen unless the SQL above and `cost_of` drift apart; a wrong price
-            // must never commit, so the settle rolls back and stays retryable.
-            return Err(LedgerError::Unavailable(format!(
-                "settle of {:?} priced {cost} in SQL but {expected} by cost_of",
-                s.request_id
-            )));
-        }
+        let claimed = match (
+            get_opt("claimed_prompt_tokens")?,
+            get_opt("claimed_completion_tokens")?,
+        ) {
+            (Some(p), Some(c)) => Some((p, c)),
+            _ => None,
+        };
+        let written = Settled {
+            prompt_tokens: get("prompt_tokens")?,
+            completion_tokens: get("completion_tokens")?,
+            claimed,
+            review: row.try_get("review").map_err(ledger_unavailable)?,
+            cost: get("cost_microcredits")?,
+        };
+        let cost = written.check(&expected, &s.request_id)?.cost;
         // An overflowing balance raises an error and the whole settlement rolls back.
         sqlx::query(
             "UPDATE teams SET balance_microcredits = balance_microcredits - $1 WHERE id = $2",
@@ -667,6 +749,42 @@ impl Store for PostgresStore {
         .fetch_all(&self.pool)
         .await
         .map_err(unavailable)
+    }
+
+    async fn drift_report(
+        &self,
+        from: DateTime<Utc>,
+        to: DateTime<Utc>,
+    ) -> Result<DriftReport, StoreError> {
+        check_range(from, to)?;
+        // Compared at the millisecond, as stored and as SQLite compares.
+        let (start, end) = (millis(from), millis(to));
+        let mut tx = self
+            .pool
+            .begin_with(BEGIN_REPORT)
+            .await
+            .map_err(unavailable)?;
+        let models = sqlx::query(DRIFT_TOTALS)
+            .bind(start)
+            .bind(end)
+            .fetch_all(&mut *tx)
+            .await
+            .map_err(unavailable)?
+            .iter()
+            .map(model_drift_from_row)
+            .collect::<Result<Vec<_>, _>>()?;
+        let reviewed = sqlx::query(DRIFT_REVIEWED)
+            .bind(start)
+            .bind(end)
+            .bind(reviewed_fetch_limit())
+            .fetch_all(&mut *tx)
+            .await
+            .map_err(unavailable)?
+            .iter()
+            .map(reviewed_from_pg_row)
+            .collect::<Result<Vec<_>, _>>()?;
+        tx.commit().await.map_err(unavailable)?;
+        Ok(assemble(from, to, models, reviewed))
     }
 
     async fn ping(&self) -> Result<(), StoreError> {

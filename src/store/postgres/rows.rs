@@ -3,6 +3,8 @@
 
 #[allow(unused_imports)]
 use super::*;
+use crate::store::ReviewedRow;
+use crate::store::drift::{parse_review, reviewed_from_row};
 
 /// PostgreSQL text cannot hold NUL, and refuses it with an error; SQLite stores it. A key
 /// that cannot be stored cannot be found either, so lookups answer "absent" without asking.
@@ -16,7 +18,7 @@ pub(super) fn millis(at: DateTime<Utc>) -> DateTime<Utc> {
         .unwrap_or(at)
 }
 
-pub(super) use crate::store::sql::{found, ledger_unavailable, tokens, unavailable};
+pub(super) use crate::store::sql::{found, ledger_unavailable, unavailable};
 
 /// A unique violation becomes `Conflict(message())`; a check violation or a value PostgreSQL
 /// cannot hold (SQLSTATE class 22: NUL in text, a timestamp beyond its range) is `Invalid`;
@@ -112,5 +114,18 @@ pub(super) fn ledger_from_row(row: &PgRow) -> Result<LedgerRow, StoreError> {
         status: LedgerStatus::from_str(&status)?,
         created_at: col(row, "created_at")?,
         settled_at: col(row, "settled_at")?,
+        prompt_token_bound: col(row, "prompt_token_bound")?,
+        completion_token_bound: col(row, "completion_token_bound")?,
+        claimed_prompt_tokens: col(row, "claimed_prompt_tokens")?,
+        claimed_completion_tokens: col(row, "claimed_completion_tokens")?,
+        review: col::<Option<String>>(row, "review")?
+            .as_deref()
+            .map(parse_review)
+            .transpose()?,
     })
+}
+
+/// A row of the drift report's list of reviewed rows.
+pub(super) fn reviewed_from_pg_row(row: &PgRow) -> Result<ReviewedRow, StoreError> {
+    reviewed_from_row(row, col(row, "settled_at")?)
 }

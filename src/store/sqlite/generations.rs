@@ -74,7 +74,7 @@ impl GenerationStore for SqliteStore {
         } else {
             INSERT_GENERATION
         };
-        bind_record!(sqlx::query(write), params)
+        bind_record!(sqlx::query(write), params, std::convert::identity)
             .execute(&mut *w.tx)
             .await
             .map_err(unavailable)?;
@@ -144,10 +144,14 @@ impl GenerationStore for SqliteStore {
             return Ok(Applied { record, result });
         };
         let params = RecordParams::of(&record)?;
-        bind_record!(sqlx::query(UPDATE_GENERATION), params)
-            .execute(&mut *w.tx)
-            .await
-            .map_err(unavailable)?;
+        bind_record!(
+            sqlx::query(UPDATE_GENERATION),
+            params,
+            std::convert::identity
+        )
+        .execute(&mut *w.tx)
+        .await
+        .map_err(unavailable)?;
         for effect in effects {
             let (window_start_ms, used) = effect_params(*effect);
             sqlx::query(SETTLE_MESSAGE)

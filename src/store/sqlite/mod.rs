@@ -18,12 +18,17 @@ use sqlx::{ConnectOptions, Row, Sqlite, Transaction};
 use tokio::sync::{Mutex, OwnedMutexGuard};
 
 use switchyard_actors::ports::{
-    Clock, Ledger, LedgerError, Reservation, SettleOutcome, Settlement, SystemClock, cost_of,
+    Clock, Ledger, LedgerError, MAX_TOKEN_COUNT, Reservation, SettleOutcome, Settlement,
+    SystemClock,
 };
 
+use super::drift::{
+    DRIFT_REVIEWED, DRIFT_TOTALS, assemble, check_range, model_drift_from_row, reviewed_fetch_limit,
+};
+use super::sql::{Settled, saturated, stored_bounds};
 use super::{
-    ApiKeyRecord, LedgerRow, LedgerStatus, NODE_LOCATIONS, NewApiKey, NodeRecord, Store,
-    StoreError, Team, covers,
+    ApiKeyRecord, DriftReport, LedgerRow, LedgerStatus, NODE_LOCATIONS, NewApiKey, NodeRecord,
+    Store, StoreError, Team, covers,
 };
 
 mod generations;
@@ -63,9 +68,59 @@ macro_rules! ledger_columns {
     () => {
         "id, request_id, team_id, key_id, model, prompt_tokens, completion_tokens, \
          cost_microcredits, estimated_cost_microcredits, price_input_per_mtok, \
-         price_output_per_mtok, status, created_at, settled_at"
+         price_output_per_mtok, status, created_at, settled_at, prompt_token_bound, \
+         completion_token_bound, claimed_prompt_tokens, claimed_completion_tokens, review"
     };
 }
+
+/// A row's bound on one count, unbounded (the ledger's range) for rows admitted before
+/// bounds existed.
+macro_rules! bound {
+    ($column:literal) => {
+        concat!("COALESCE(", $column, ", 9223372036854775807)")
+    };
+}
+
+/// Whether a settle's claim (`$2` prompt, `$3` completion, saturated; `$4` when either was
+/// beyond i64 before saturating) exceeds the row's bounds: [`UsageBounds::bill`]'s `clamped`.
+///
+/// [`UsageBounds::bill`]: switchyard_actors::ports::UsageBounds::bill
+macro_rules! clamped {
+    () => {
+        concat!(
+            "($4 OR $2 > ",
+            bound!("prompt_token_bound"),
+            " OR $3 > ",
+            bound!("completion_token_bound"),
+            ")"
+        )
+    };
+}
+
+/// Settles row `$1` if it is still reserved, in one statement: bills the claim within the
+/// row's bounds, keeps the claim and marks the row for review when clamped (`$5`, a review
+/// the caller asks for, wins), and returns what it wrote for the check against the port's
+/// rule. SQLite has no exact arithmetic past i64 (an overflow turns into a REAL), so the
+/// cost is `$6`, [`cost_of`] of the same bill computed from the row as read under the write
+/// lock; the check compares the bill the statement wrote with the one that was priced.
+///
+/// [`cost_of`]: switchyard_actors::ports::cost_of
+const SETTLE: &str = concat!(
+    "UPDATE usage_ledger SET status = 'settled', prompt_tokens = MIN($2, ",
+    bound!("prompt_token_bound"),
+    "), completion_tokens = MIN($3, ",
+    bound!("completion_token_bound"),
+    "), claimed_prompt_tokens = CASE WHEN ",
+    clamped!(),
+    " THEN $2 END, claimed_completion_tokens = CASE WHEN ",
+    clamped!(),
+    " THEN $3 END, review = COALESCE($5, CASE WHEN ",
+    clamped!(),
+    " THEN 'usage_over_bound' END), cost_microcredits = $6, settled_at = $7 \
+     WHERE request_id = $1 AND status = 'reserved' \
+     RETURNING prompt_tokens, completion_tokens, claimed_prompt_tokens, \
+     claimed_completion_tokens, review, cost_microcredits"
+);
 
 /// The embedded store over SQLite. Cloning shares the pool.
 #[derive(Debug, Clone)]
@@ -174,17 +229,14 @@ impl SqliteStore {
         self.clock.wall().timestamp_millis()
     }
 
-    /// Moves a `reserved` row to `settled` (with `usage`: prompt and completion tokens) or
-    /// to `cancelled` (without), in one transaction; a settlement prices the usage with the
-    /// row's own prices and debits the team.
+    /// Moves a `reserved` row to `settled` (with a settlement) or to `cancelled` (without),
+    /// in one transaction; a settlement bills the claim within the row's bounds, prices the
+    /// bill with the row's own prices and debits the team.
     async fn finish(
         &self,
         request_id: &str,
-        usage: Option<(u64, u64)>,
+        settlement: Option<&Settlement>,
     ) -> Result<SettleOutcome, LedgerError> {
-        let usage = usage
-            .map(|(p, c)| Ok::<_, LedgerError>((p, c, tokens(p)?, tokens(c)?)))
-            .transpose()?;
         let now = self.now_millis();
         // The write lock is held from the first statement, so the row read here cannot
         // change before the update: of any number of concurrent or retried settles, exactly
@@ -192,7 +244,8 @@ impl SqliteStore {
         // the lock.
         let mut w = self.begin_write().await.map_err(ledger_unavailable)?;
         let row = sqlx::query(
-            "SELECT team_id, status, price_input_per_mtok, price_output_per_mtok \
+            "SELECT team_id, status, price_input_per_mtok, price_output_per_mtok, \
+             prompt_token_bound, completion_token_bound \
              FROM usage_ledger WHERE request_id = ?",
         )
         .bind(request_id)
@@ -208,48 +261,8 @@ impl SqliteStore {
         }
         let team_id: i64 = row.try_get("team_id").map_err(ledger_unavailable)?;
 
-        let changed = match usage {
-            Some((prompt, completion, prompt_db, completion_db)) => {
-                let cost = cost_of(
-                    prompt,
-                    completion,
-                    row.try_get("price_input_per_mtok")
-                        .map_err(ledger_unavailable)?,
-                    row.try_get("price_output_per_mtok")
-                        .map_err(ledger_unavailable)?,
-                );
-                // `status = 'reserved'` again: redundant under the write lock, kept so the
-                // statement is exactly-once on its own.
-                let changed = sqlx::query(
-                    "UPDATE usage_ledger SET status = 'settled', prompt_tokens = ?, \
-                     completion_tokens = ?, cost_microcredits = ?, settled_at = ? \
-                     WHERE request_id = ? AND status = 'reserved'",
-                )
-                .bind(prompt_db)
-                .bind(completion_db)
-                .bind(cost)
-                .bind(now)
-                .bind(request_id)
-                .execute(&mut *w.tx)
-                .await
-                .map_err(ledger_unavailable)?
-                .rows_affected();
-                if changed == 1 {
-                    // An overflow would become REAL in SQLite; the STRICT table refuses it
-                    // and the whole settlement rolls back.
-                    sqlx::query(
-                        "UPDATE teams SET balance_microcredits = balance_microcredits - ? \
-                         WHERE id = ?",
-                    )
-                    .bind(cost)
-                    .bind(team_id)
-                    .execute(&mut *w.tx)
-                    .await
-                    .map_err(ledger_unavailable)?;
-                }
-                changed
-            }
-            None => sqlx::query(
+        let Some(s) = settlement else {
+            let changed = sqlx::query(
                 "UPDATE usage_ledger SET status = 'cancelled', settled_at = ? \
                  WHERE request_id = ? AND status = 'reserved'",
             )
@@ -258,11 +271,79 @@ impl SqliteStore {
             .execute(&mut *w.tx)
             .await
             .map_err(ledger_unavailable)?
-            .rows_affected(),
+            .rows_affected();
+            if changed != 1 {
+                return Ok(SettleOutcome::AlreadyFinal);
+            }
+            w.tx.commit().await.map_err(ledger_unavailable)?;
+            return Ok(SettleOutcome::Applied);
         };
-        if changed != 1 {
+
+        let get = |name: &str| row.try_get::<i64, _>(name).map_err(ledger_unavailable);
+        let get_opt = |name: &str| {
+            row.try_get::<Option<i64>, _>(name)
+                .map_err(ledger_unavailable)
+        };
+        let expected = Settled::expected(
+            s,
+            stored_bounds(
+                get_opt("prompt_token_bound")?,
+                get_opt("completion_token_bound")?,
+            ),
+            get("price_input_per_mtok")?,
+            get("price_output_per_mtok")?,
+        );
+        // Any claim settles: a count beyond i64 is bound saturated, which bills the same (no
+        // bound exceeds i64::MAX), and `$4` keeps it counted as over the bound.
+        let beyond = s.prompt_tokens > MAX_TOKEN_COUNT || s.completion_tokens > MAX_TOKEN_COUNT;
+        // `status = 'reserved'` again: redundant under the write lock, kept so the statement
+        // is exactly-once on its own.
+        let Some(written) = sqlx::query(SETTLE)
+            .bind(request_id)
+            .bind(saturated(s.prompt_tokens))
+            .bind(saturated(s.completion_tokens))
+            .bind(beyond)
+            .bind(s.review.map(|r| r.as_str()))
+            .bind(expected.cost)
+            .bind(now)
+            .fetch_optional(&mut *w.tx)
+            .await
+            .map_err(ledger_unavailable)?
+        else {
             return Ok(SettleOutcome::AlreadyFinal);
+        };
+        let get = |name: &str| written.try_get::<i64, _>(name).map_err(ledger_unavailable);
+        let get_opt = |name: &str| {
+            written
+                .try_get::<Option<i64>, _>(name)
+                .map_err(ledger_unavailable)
+        };
+        let claimed = match (
+            get_opt("claimed_prompt_tokens")?,
+            get_opt("claimed_completion_tokens")?,
+        ) {
+            (Some(p), Some(c)) => Some((p, c)),
+            _ => None,
+        };
+        let cost = Settled {
+            prompt_tokens: get("prompt_tokens")?,
+            completion_tokens: get("completion_tokens")?,
+            claimed,
+            review: written.try_get("review").map_err(ledger_unavailable)?,
+            cost: get("cost_microcredits")?,
         }
+        .check(&expected, request_id)?
+        .cost;
+        // An overflow would become REAL in SQLite; the STRICT table refuses it and the whole
+        // settlement rolls back.
+        sqlx::query(
+            "UPDATE teams SET balance_microcredits = balance_microcredits - ? WHERE id = ?",
+        )
+        .bind(cost)
+        .bind(team_id)
+        .execute(&mut *w.tx)
+        .await
+        .map_err(ledger_unavailable)?;
         w.tx.commit().await.map_err(ledger_unavailable)?;
         Ok(SettleOutcome::Applied)
     }
@@ -310,8 +391,9 @@ impl Ledger for SqliteStore {
         sqlx::query(
             "INSERT INTO usage_ledger \
              (request_id, team_id, key_id, model, estimated_cost_microcredits, \
-             price_input_per_mtok, price_output_per_mtok, status, created_at) \
-             VALUES (?, ?, ?, ?, ?, ?, ?, 'reserved', ?)",
+             price_input_per_mtok, price_output_per_mtok, status, created_at, \
+             prompt_token_bound, completion_token_bound) \
+             VALUES (?, ?, ?, ?, ?, ?, ?, 'reserved', ?, ?, ?)",
         )
         .bind(&r.request_id)
         .bind(r.team_id)
@@ -321,6 +403,9 @@ impl Ledger for SqliteStore {
         .bind(r.price_input_per_mtok)
         .bind(r.price_output_per_mtok)
         .bind(self.now_millis())
+        // A bound beyond the ledger's range is no bound: the same as `i64::MAX`.
+        .bind(saturated(r.bounds.prompt_tokens))
+        .bind(saturated(r.bounds.completion_tokens))
         .execute(&mut *w.tx)
         .await
         .map_err(|e| match &e {
@@ -331,8 +416,7 @@ impl Ledger for SqliteStore {
     }
 
     async fn settle(&self, s: &Settlement) -> Result<SettleOutcome, LedgerError> {
-        self.finish(&s.request_id, Some((s.prompt_tokens, s.completion_tokens)))
-            .await
+        self.finish(&s.request_id, Some(s)).await
     }
 
     async fn cancel(&self, request_id: &str) -> Result<SettleOutcome, LedgerError> {
@@ -685,6 +769,39 @@ impl Store for SqliteStore {
         .fetch_all(&self.pool)
         .await
         .map_err(unavailable)
+    }
+
+    async fn drift_report(
+        &self,
+        from: DateTime<Utc>,
+        to: DateTime<Utc>,
+    ) -> Result<DriftReport, StoreError> {
+        check_range(from, to)?;
+        let (start, end) = (from.timestamp_millis(), to.timestamp_millis());
+        // A read transaction: in WAL mode both queries read one snapshot, so the totals and
+        // the list agree, and no writer waits on them.
+        let mut tx = self.pool.begin().await.map_err(unavailable)?;
+        let models = sqlx::query(DRIFT_TOTALS)
+            .bind(start)
+            .bind(end)
+            .fetch_all(&mut *tx)
+            .await
+            .map_err(unavailable)?
+            .iter()
+            .map(model_drift_from_row)
+            .collect::<Result<Vec<_>, _>>()?;
+        let reviewed = sqlx::query(DRIFT_REVIEWED)
+            .bind(start)
+            .bind(end)
+            .bind(reviewed_fetch_limit())
+            .fetch_all(&mut *tx)
+            .await
+            .map_err(unavailable)?
+            .iter()
+            .map(reviewed_from_sqlite_row)
+            .collect::<Result<Vec<_>, _>>()?;
+        tx.commit().await.map_err(unavailable)?;
+        Ok(assemble(from, to, models, reviewed))
     }
 
     async fn ping(&self) -> Result<(), StoreError> {

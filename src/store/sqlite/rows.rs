@@ -3,8 +3,10 @@
 
 #[allow(unused_imports)]
 use super::*;
+use crate::store::ReviewedRow;
+use crate::store::drift::{parse_review, reviewed_from_row};
 
-pub(super) use crate::store::sql::{found, ledger_unavailable, tokens, unavailable};
+pub(super) use crate::store::sql::{found, ledger_unavailable, unavailable};
 
 /// A unique violation becomes `Conflict(message())`; anything else is `Unavailable`.
 pub(super) fn conflict_or(e: sqlx::Error, message: impl FnOnce() -> String) -> StoreError {
@@ -115,5 +117,18 @@ pub(super) fn ledger_from_row(row: &SqliteRow) -> Result<LedgerRow, StoreError> 
         status: LedgerStatus::from_str(&status)?,
         created_at: time(col(row, "created_at")?)?,
         settled_at: opt_time(col(row, "settled_at")?)?,
+        prompt_token_bound: col(row, "prompt_token_bound")?,
+        completion_token_bound: col(row, "completion_token_bound")?,
+        claimed_prompt_tokens: col(row, "claimed_prompt_tokens")?,
+        claimed_completion_tokens: col(row, "claimed_completion_tokens")?,
+        review: col::<Option<String>>(row, "review")?
+            .as_deref()
+            .map(parse_review)
+            .transpose()?,
     })
+}
+
+/// A row of the drift report's list of reviewed rows.
+pub(super) fn reviewed_from_sqlite_row(row: &SqliteRow) -> Result<ReviewedRow, StoreError> {
+    reviewed_from_row(row, time(col(row, "settled_at")?)?)
 }
