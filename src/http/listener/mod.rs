@@ -1,11 +1,7 @@
-//! The public listener: an accept loop serving the router over hyper's HTTP/1 connection (in
-//! place of `axum::serve`) that bounds what a slow, silent or greedy client may hold — header,
-//! body and idle timeouts, a cap on connections per client address — and answers every
-//! refusal made below the router with the JSON error envelope.
-//!
-//! Files: `clients.rs` the per-address cap; `connection.rs` a connection's phase, its
-//! deadlines and the socket wrapper that rewrites hyper's own refusals; `service.rs` the
-//! per-request limits and the body deadline; `refusal.rs` the envelopes and their counts.
+//! The public listener, in place of `axum::serve`: hyper's HTTP/1 per connection, with header,
+//! body and idle timeouts, a cap on connections per client address, and the error envelope on
+//! refusals made below the router. `clients.rs` the cap; `connection.rs` phases, deadlines and
+//! the socket that rewrites hyper's refusals; `service.rs` head limits and the body deadline.
 
 mod clients;
 mod connection;
