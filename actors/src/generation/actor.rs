@@ -309,6 +309,11 @@ impl GenerationState {
     /// caller, see [`Self::slow_reader`]).
     pub(super) fn tell(&mut self, event: GenEvent) -> Option<SendError> {
         let terminal = !matches!(event, GenEvent::Delta(_));
+        // The client's stream is deltas and then one end: text that arrives after the end
+        // (a chunk racing a deadline) is not sent.
+        if !terminal && self.told_client {
+            return None;
+        }
         if terminal {
             self.told_client = true;
         }

@@ -20,6 +20,7 @@ use crate::ports::memory::{MemoryLedger, RowStatus};
 use crate::ports::{CoordError, Coordinator, LimitVerdict, Reservation, SystemClock};
 use crate::protocol::{NodeFrame, ServerFrame};
 
+mod fuzz;
 mod trust;
 
 const MODEL: &str = "llama-3.1-8b-instruct";
@@ -200,6 +201,16 @@ async fn start_bounded(
     lifecycle: Option<Arc<dyn crate::lifecycle::GenerationStore>>,
     bounds: crate::ports::UsageBounds,
 ) -> Result<GenerationStream, crate::error::Failure> {
+    start_timed(h, request_id, lifecycle, bounds, Timeouts::default()).await
+}
+
+async fn start_timed(
+    h: &Harness,
+    request_id: &str,
+    lifecycle: Option<Arc<dyn crate::lifecycle::GenerationStore>>,
+    bounds: crate::ports::UsageBounds,
+    timeouts: Timeouts,
+) -> Result<GenerationStream, crate::error::Failure> {
     let (tx, rx) = events::channel(StreamBound::default());
     let args = GenerationArgs {
         request_id: request_id.into(),
@@ -220,7 +231,7 @@ async fn start_bounded(
         queue: h.queue.clone(),
         ledger: h.ledger.clone(),
         events: tx,
-        timeouts: Timeouts::default(),
+        timeouts,
         clock: Arc::new(SystemClock),
         on_end: None,
         lifecycle,

@@ -15,7 +15,9 @@ use crate::metric_names::{
     NODE_KV_CACHE_USAGE, NODE_PROTOCOL_VIOLATIONS_TOTAL, STALE_FRAMES_TOTAL,
 };
 use crate::model_queue::ModelQueueHandle;
-use crate::ports::{Clock, Coordinator, Ledger, MAX_TOKEN_COUNT, ReviewReason, Settlement};
+use crate::ports::{
+    Clock, Coordinator, Ledger, MAX_TOKEN_COUNT, ReviewReason, SettleOutcome, Settlement,
+};
 use crate::protocol::{NodeFrame, ServerFrame};
 use crate::tasks::TaskGuard;
 
@@ -592,6 +594,7 @@ async fn settle_orphan(
             return;
         }
     };
+    let verified = review.is_none();
     if prompt_tokens > MAX_TOKEN_COUNT || completion_tokens > MAX_TOKEN_COUNT {
         violation(state, myself, Violation::UsageOutOfRange, Some(&request_id)).await;
         review = Some(ReviewReason::UsageUnrepresentable);
@@ -650,6 +653,10 @@ async fn settle_orphan(
         review,
     };
     match state.args.ledger.settle(&settlement).await {
+        // No record of the attempt and no row: a request this server never admitted.
+        Ok(SettleOutcome::Unknown) if !verified => {
+            violation(state, myself, Violation::ForeignRequest, Some(&request_id)).await;
+        }
         Ok(outcome) => {
             tracing::info!(%request_id, attempt, ?outcome, "settled a done without a live generation");
             send(
