@@ -6,7 +6,7 @@
 use std::convert::Infallible;
 use std::sync::Arc;
 
-use axum::extract::{Path, State};
+use axum::extract::State;
 use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
@@ -16,7 +16,7 @@ use switchyard_actors::generation::{GenEvent, GenerationStream, Usage};
 use switchyard_actors::lifecycle::{Event, GenerationRecord, Refusal};
 use tracing::instrument;
 
-use super::error::{ApiError, Json};
+use super::error::{ApiError, Json, Path};
 use super::lifecycle::{self, Plan, Started};
 use super::sse::KEEP_ALIVE;
 use crate::server::AppState;

@@ -1,179 +1,23 @@
-//! The one place a failure becomes an HTTP answer: every [`ErrorCode`] maps to its status and
-//! OpenAI error type in a single `match`, rendered as the OpenAI envelope extended with
-//! `retryable`, `request_id` and `details`. The body, query and path extractors ([`Json`],
-//! [`Query`], [`Path`]) reject through here too, naming the field, so a malformed request
-//! gets the same shape as every other error.
+//! The body, query and path extractors: every rejection of a body, a query string or a path
+//! parameter is an [`ApiError`] whose message and `error.param` name the field (or the
+//! position) it is about, and never carries a parser's internals.
 
 use std::any::Any;
 
 use axum::body::Bytes;
 use axum::extract::rejection::{JsonRejection, PathRejection};
 use axum::extract::{FromRequest, FromRequestParts, RawPathParams, Request};
+use axum::http::StatusCode;
 use axum::http::request::Parts;
-use axum::http::{HeaderValue, StatusCode};
-use axum::response::{IntoResponse, Response};
 use serde::de::value::StrDeserializer;
 use serde::de::{
     self, DeserializeOwned, DeserializeSeed, Deserializer, MapAccess, SeqAccess, Visitor,
 };
 use serde_json::map::Entry;
-use serde_json::{Map, Number, Value, json};
-use switchyard_actors::error::{ErrorCode, Failure};
+use serde_json::{Map, Number, Value};
+use switchyard_actors::error::ErrorCode;
 
-/// A client-visible failure of a request.
-#[derive(Debug, Clone)]
-pub struct ApiError {
-    /// What went wrong, classified.
-    pub failure: Failure,
-    /// The request's id, echoed in the body.
-    pub request_id: Option<String>,
-    /// Extra machine-readable facts (limits, ids); boxed to keep results small.
-    pub details: Option<Box<serde_json::Value>>,
-    /// `x-ratelimit-*` headers to send with the error.
-    pub rate: Option<Box<crate::quota::RateHeaders>>,
-    /// The field the error is about (`error.param`), when there is one.
-    pub param: Option<String>,
-    /// A status other than the code's own, for refusals HTTP names more precisely (408 for a
-    /// body that never arrived, 414 and 431 for oversized heads, 405): the code stays one of
-    /// SPEC section 4's.
-    pub status: Option<StatusCode>,
-}
-
-impl ApiError {
-    /// An error with a code and a message.
-    pub fn new(code: ErrorCode, message: impl Into<String>) -> Self {
-        Self {
-            failure: Failure::new(code, message),
-            request_id: None,
-            details: None,
-            rate: None,
-            param: None,
-            status: None,
-        }
-    }
-
-    /// Names the offending field in `error.param`.
-    pub fn with_param(mut self, param: impl Into<String>) -> Self {
-        self.param = Some(param.into());
-        self
-    }
-
-    /// Answers with `status` instead of the code's own status.
-    pub fn with_status(mut self, status: StatusCode) -> Self {
-        self.status = Some(status);
-        self
-    }
-
-    /// 503 `quota_service_unavailable` with `Retry-After: 1`: a backend admission or
-    /// bookkeeping needs cannot be reached, so nothing was done (fail closed).
-    pub fn unavailable(message: impl Into<String>) -> Self {
-        Self::from(Failure::new(ErrorCode::QuotaServiceUnavailable, message).retry_after(1))
-    }
-
-    /// Attaches the request id.
-    pub fn with_request_id(mut self, id: &str) -> Self {
-        self.request_id = Some(id.to_owned());
-        self
-    }
-
-    /// Attaches the rate-limit headers.
-    pub fn with_rate_headers(mut self, rate: crate::quota::RateHeaders) -> Self {
-        self.rate = Some(Box::new(rate));
-        self
-    }
-
-    /// Status and OpenAI `type` of a code.
-    pub fn status_and_type(code: ErrorCode) -> (StatusCode, &'static str) {
-        use ErrorCode::*;
-        match code {
-            InvalidRequest | ContextLengthExceeded => {
-                (StatusCode::BAD_REQUEST, "invalid_request_error")
-            }
-            Unauthorized => (StatusCode::UNAUTHORIZED, "authentication_error"),
-            InsufficientBalance => (StatusCode::PAYMENT_REQUIRED, "insufficient_quota"),
-            ModelNotAllowed | Forbidden => (StatusCode::FORBIDDEN, "permission_error"),
-            ModelNotFound | NotFound => (StatusCode::NOT_FOUND, "not_found_error"),
-            IdempotencyConflict | GenerationInProgress => (StatusCode::CONFLICT, "conflict_error"),
-            ResultUnavailable => (StatusCode::GONE, "not_found_error"),
-            RequestTooLarge => (StatusCode::PAYLOAD_TOO_LARGE, "invalid_request_error"),
-            UnsafeReference => (StatusCode::UNPROCESSABLE_ENTITY, "invalid_request_error"),
-            RateLimited | ConcurrencyLimited | QuotaExhausted | QueueFull => {
-                (StatusCode::TOO_MANY_REQUESTS, "rate_limit_error")
-            }
-            ModelBackendError => (StatusCode::BAD_GATEWAY, "api_error"),
-            CapacityExhausted | NoHealthyNode | ModelLoading | QuotaServiceUnavailable => {
-                (StatusCode::SERVICE_UNAVAILABLE, "service_unavailable_error")
-            }
-            GenerationTimeout => (StatusCode::GATEWAY_TIMEOUT, "timeout_error"),
-        }
-    }
-
-    /// The `{"error": {...}}` body.
-    pub fn body(&self) -> serde_json::Value {
-        let code = self.failure.code;
-        let (_, kind) = Self::status_and_type(code);
-        let mut error = json!({
-            "message": self.failure.message,
-            "type": kind,
-            "param": self.param,
-            "code": code.as_str(),
-            "retryable": code.retryable(),
-            "request_id": self.request_id,
-        });
-        if let (Some(details), Some(obj)) = (&self.details, error.as_object_mut()) {
-            obj.insert("details".into(), details.as_ref().clone());
-        }
-        json!({ "error": error })
-    }
-}
-
-impl From<Failure> for ApiError {
-    fn from(failure: Failure) -> Self {
-        Self {
-            failure,
-            request_id: None,
-            details: None,
-            rate: None,
-            param: None,
-            status: None,
-        }
-    }
-}
-
-impl IntoResponse for ApiError {
-    fn into_response(self) -> Response {
-        let status = self
-            .status
-            .unwrap_or_else(|| Self::status_and_type(self.failure.code).0);
-        let mut response = (status, axum::Json(self.body())).into_response();
-        let headers = response.headers_mut();
-        if let Some(secs) = self.failure.retry_after_secs
-            && let Ok(v) = HeaderValue::from_str(&secs.to_string())
-        {
-            headers.insert("retry-after", v);
-        }
-        // The SDKs retry 429 and 5xx by default; tell them when waiting cannot help.
-        if !self.failure.code.retryable() || status == StatusCode::PAYMENT_REQUIRED {
-            headers.insert("x-should-retry", HeaderValue::from_static("false"));
-        }
-        if let Some(id) = self
-            .request_id
-            .as_deref()
-            .and_then(|id| HeaderValue::from_str(id).ok())
-        {
-            headers.insert("x-request-id", id);
-        }
-        if let Some(rate) = &self.rate {
-            rate.apply(headers);
-        }
-        response
-    }
-}
-
-// ---------------------------------------------------------------------------------------
-// Extractors. Every rejection of a body, a query string or a path parameter is an `ApiError`
-// whose message and `error.param` name the field (or the position) it is about, and never
-// carries a parser's internals.
+use super::ApiError;
 
 /// Longest piece of client text (a key, a field name, a serde message) echoed in an error.
 const ECHO_CHARS: usize = 64;
@@ -721,7 +565,9 @@ mod tests {
     use std::time::Instant;
 
     use axum::body::Body;
+    use axum::http::HeaderValue;
     use serde::Deserialize;
+    use serde_json::json;
 
     use super::*;
 
@@ -958,28 +804,5 @@ mod tests {
         assert_eq!(e.param.as_deref(), Some("to"));
         let w: Window = query("/v1/usage").await.unwrap();
         assert!(w.from.is_none() && w.to.is_none());
-    }
-
-    #[test]
-    fn every_code_has_a_client_error_or_server_error_status() {
-        use ErrorCode::*;
-        for code in [
-            InvalidRequest,
-            QueueFull,
-            NoHealthyNode,
-            ModelBackendError,
-            GenerationTimeout,
-        ] {
-            let (status, _) = ApiError::status_and_type(code);
-            assert!(status.is_client_error() || status.is_server_error());
-        }
-        assert_eq!(
-            ApiError::status_and_type(QueueFull).0,
-            StatusCode::TOO_MANY_REQUESTS
-        );
-        assert_eq!(
-            ApiError::status_and_type(NoHealthyNode).0,
-            StatusCode::SERVICE_UNAVAILABLE
-        );
     }
 }
