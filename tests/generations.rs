@@ -1,6 +1,7 @@
 //! The Generations API and the lifecycle shared with `/v1/chat/completions` (SPEC section 5),
 //! end to end on PostgreSQL and Redis: idempotency, cancellation with confirmation, attempt
-//! fencing, message quotas, named SSE events and the slow-reader bound.
+//! fencing, message quotas, named SSE events, the slow-reader bound, and what a node may
+//! claim.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
@@ -18,3 +19,5 @@ mod idempotency;
 mod quota;
 #[path = "generations/streams.rs"]
 mod streams;
+#[path = "generations/trust.rs"]
+mod trust;

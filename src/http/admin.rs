@@ -670,6 +670,17 @@ pub async fn list_nodes(
             .unwrap_or_else(PoisonError::into_inner)
             .contains_key(&node.id);
         let hb = |k: &str| heartbeat.as_ref().and_then(|h| h.get(k)).cloned();
+        // Adding 0 reads the counter without moving its window (it expires 24 h after the
+        // first violation it counted; a node without any gets a 0 that expires the same way).
+        let violations = state
+            .coordinator
+            .incr(
+                &switchyard_actors::node::violations_key(&node.id),
+                0,
+                switchyard_actors::node::VIOLATIONS_KEPT,
+            )
+            .await
+            .ok();
         let health = match (connected, node.drained_at.is_some()) {
             (true, true) => "draining",
             (true, false) => "ready",
@@ -690,6 +701,7 @@ pub async fn list_nodes(
             "last_heartbeat": hb("last_heartbeat"),
             "last_registration": node.last_seen,
             "token_revoked": node.token_hash.is_none(),
+            "protocol_violations": violations,
         }));
     }
     Ok(ok(StatusCode::OK, json!({ "data": data })))

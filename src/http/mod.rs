@@ -9,6 +9,7 @@ mod lifecycle;
 pub mod listener;
 mod nodes_ws;
 mod openai;
+mod reports;
 pub mod sse;
 pub mod ssrf;
 mod usage;
@@ -46,6 +47,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/admin/nodes/{id}/token", delete(admin::revoke_node_token))
         .route("/admin/nodes/{id}/drain", post(admin::drain_node))
         .route("/admin/nodes/{id}/load_model", post(admin::load_model))
+        .route("/admin/reports/drift", get(reports::drift))
         .route("/healthz", get(health::healthz))
         .route("/readyz", get(health::readyz))
         .route("/metrics", get(health::metrics))

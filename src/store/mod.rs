@@ -207,6 +207,21 @@ impl std::str::FromStr for LedgerStatus {
     }
 }
 
+impl LedgerRow {
+    /// The bounds the row was reserved with; a row admitted before bounds existed is
+    /// unbounded.
+    pub fn usage_bounds(&self) -> UsageBounds {
+        let bound = |b: Option<i64>| {
+            b.and_then(|v| u64::try_from(v).ok())
+                .unwrap_or(MAX_TOKEN_COUNT)
+        };
+        UsageBounds {
+            prompt_tokens: bound(self.prompt_token_bound),
+            completion_tokens: bound(self.completion_token_bound),
+        }
+    }
+}
+
 /// One request's row in the usage ledger.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct LedgerRow {

@@ -223,3 +223,122 @@ async fn a_key_of_team_a_reaches_nothing_of_team_b_on_any_route() {
     );
     fleet.shutdown(Duration::from_secs(1)).await;
 }
+
+/// `GET /admin/reports/drift`: admin only; `from` and `to` required, RFC 3339, in order,
+/// each refusal a 400 `invalid_request` naming the field; the answer has per model the
+/// settled tokens, the rows under review and their claims against their bills, the reviewed
+/// rows themselves, and says the engines' own counters were not compared.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_drift_report_shows_reviewed_rows_to_admins_only() {
+    use chrono::{SecondsFormat, Utc};
+    use switchyard::store::conformance::{FIVE_TOKENS, bounded};
+    use switchyard::store::{Reservation, Settlement};
+
+    let fleet = fleet(&[("small", 1)], 20.0, |_| {}).await;
+    let base = fleet.server.base_url();
+    let from = Utc::now() - chrono::Duration::seconds(1);
+    for (id, completion) in [("drift-ok", 5), ("drift-over", 100_000)] {
+        let r = Reservation {
+            model: "drift-model".to_owned(),
+            ..bounded(id, fleet.team_id, FIVE_TOKENS)
+        };
+        fleet.store.reserve(&r).await.unwrap();
+        let s = Settlement {
+            request_id: id.to_owned(),
+            prompt_tokens: 10,
+            completion_tokens: completion,
+            review: None,
+        };
+        fleet.store.settle(&s).await.unwrap();
+    }
+    let to = Utc::now() + chrono::Duration::seconds(1);
+    let at = |t: chrono::DateTime<Utc>| t.to_rfc3339_opts(SecondsFormat::Millis, true);
+    let range = format!("?from={}&to={}", at(from), at(to));
+    let get = |query: &str, token: Option<&str>| {
+        let mut req = http().get(format!("{base}/admin/reports/drift{query}"));
+        if let Some(token) = token {
+            req = req.bearer_auth(token);
+        }
+        req.send()
+    };
+    assert_eq!(get(&range, None).await.unwrap().status(), 401);
+    assert_eq!(
+        get(&range, Some(&fleet.api_key)).await.unwrap().status(),
+        403
+    );
+    let admin = Some(fleet.admin_token.as_str());
+    let refusals = [
+        (format!("?from={}", at(from)), "to"),
+        (format!("?to={}", at(to)), "from"),
+        (format!("?from=yesterday&to={}", at(to)), "from"),
+        (format!("?from={}&to={}", at(to), at(from)), "to"),
+        (format!("?from={0}&to={0}", at(from)), "to"),
+        (format!("{range}&from={}", at(from)), "from"),
+    ];
+    for (query, param) in refusals {
+        let resp = get(&query, admin).await.unwrap();
+        assert_eq!(resp.status(), 400, "{query}");
+        let body: Value = resp.json().await.unwrap();
+        assert_eq!(body["error"]["code"], "invalid_request", "{query}");
+        assert_eq!(body["error"]["param"], param, "{query}");
+    }
+    let resp = get(&range, admin).await.unwrap();
+    assert_eq!(resp.status(), 200);
+    let report: Value = resp.json().await.unwrap();
+    assert_eq!(report["object"], "drift_report");
+    assert_eq!(report["engine_counters"]["compared"], false);
+    let model = report["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|m| m["model"] == "drift-model")
+        .unwrap();
+    assert_eq!(model["settled_requests"], 2);
+    assert_eq!(
+        model["settled"],
+        json!({"prompt_tokens": 20, "completion_tokens": 10})
+    );
+    assert_eq!(
+        model["under_review"],
+        json!({"usage_over_bound": 1, "usage_unrepresentable": 0, "unverified_node": 0})
+    );
+    assert_eq!(
+        model["reviewed_claimed"],
+        json!({"prompt_tokens": 10, "completion_tokens": 100_000})
+    );
+    assert_eq!(
+        model["reviewed_billed"],
+        json!({"prompt_tokens": 10, "completion_tokens": 5})
+    );
+    assert_eq!(report["reviewed_truncated"], false);
+    let reviewed = report["reviewed"].as_array().unwrap();
+    assert_eq!(reviewed.len(), 1);
+    let row = &reviewed[0];
+    assert_eq!(
+        (
+            &row["request_id"],
+            &row["team_id"],
+            &row["model"],
+            &row["review"]
+        ),
+        (
+            &json!("drift-over"),
+            &json!(fleet.team_id),
+            &json!("drift-model"),
+            &json!("usage_over_bound")
+        )
+    );
+    assert_eq!(
+        row["claimed"],
+        json!({"prompt_tokens": 10, "completion_tokens": 100_000})
+    );
+    assert_eq!(
+        row["billed"],
+        json!({"prompt_tokens": 10, "completion_tokens": 5})
+    );
+    assert_eq!(
+        row["bounds"],
+        json!({"prompt_tokens": 100, "completion_tokens": 5})
+    );
+    assert!(row["settled_at"].is_string());
+}

@@ -17,6 +17,7 @@ use crate::metric_names::{
 use crate::model_queue::ModelQueueHandle;
 use crate::ports::{
     Clock, Coordinator, Ledger, MAX_TOKEN_COUNT, ReviewReason, SettleOutcome, Settlement,
+    UsageBounds,
 };
 use crate::protocol::{NodeFrame, ServerFrame};
 use crate::tasks::TaskGuard;
@@ -427,6 +428,14 @@ async fn on_frame(state: &mut NodeState, myself: &ActorRef<NodeMsg>, frame: Node
             completion_tokens,
             finish_reason,
         } => {
+            // Engines name the reason in a short word; anything else (control characters,
+            // NUL, kilobytes) would reach the client and the generation's record.
+            let finish_reason = if is_reason(&finish_reason) {
+                finish_reason
+            } else {
+                violation(state, myself, Violation::MalformedFrame, Some(&request_id)).await;
+                "error".to_owned()
+            };
             if state
                 .in_flight
                 .get(&request_id)
@@ -457,6 +466,14 @@ async fn on_frame(state: &mut NodeState, myself: &ActorRef<NodeMsg>, frame: Node
     }
 }
 
+/// A finish reason as engines write them: 1 to 32 lower-case ASCII letters, digits or `_`.
+fn is_reason(reason: &str) -> bool {
+    (1..=32).contains(&reason.len())
+        && reason
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_')
+}
+
 /// Codes of an engine that failed the work itself (not the client's request, not a drain).
 fn engine_refused(code: &str) -> bool {
     matches!(
@@ -478,8 +495,9 @@ fn refused(state: &mut NodeState) {
     }
 }
 
-/// How long a node's violation count stays readable (`GET /admin/nodes`) after the last one.
-const VIOLATIONS_KEPT: Duration = Duration::from_secs(24 * 3600);
+/// The window of a node's violation count in the coordinator (`GET /admin/nodes`): 24 h from
+/// the first violation it counts.
+pub const VIOLATIONS_KEPT: Duration = Duration::from_secs(24 * 3600);
 
 /// The coordinator key counting a node's recent violations, for operators: the node list
 /// shows it even after the node was disconnected for them.
@@ -602,6 +620,26 @@ async fn settle_orphan(
     // The row to settle: the request id, or the generation's current admission's row.
     let mut ledger_id = request_id.clone();
     if let Some(store) = &state.args.lifecycle {
+        let record = match store.get_generation(&request_id).await {
+            Ok(record) => record,
+            Err(e) => {
+                tracing::warn!(%request_id, error = %e, "could not read a done's generation; left unacked");
+                return;
+            }
+        };
+        if let Some(record) = &record {
+            ledger_id.clone_from(&record.ledger_id);
+        }
+        // The record shows what the ledger will bill (the claim within the row's bounds).
+        let billed = match state.args.ledger.bounds(&ledger_id).await {
+            Ok(bounds) => bounds
+                .unwrap_or(UsageBounds::UNBOUNDED)
+                .bill(prompt_tokens, completion_tokens),
+            Err(e) => {
+                tracing::warn!(%request_id, error = %e, "could not read a row's bounds; left unacked");
+                return;
+            }
+        };
         let now = state.args.clock.wall().timestamp_millis();
         let finish = Event::Finish {
             attempt,
@@ -613,8 +651,8 @@ async fn settle_orphan(
                 ("stop" | "length" | "tool_calls", _) => Outcome::Completed,
                 _ => Outcome::Failed("model_backend_error".into()),
             },
-            input_tokens: prompt_tokens.min(MAX_TOKEN_COUNT),
-            output_tokens: completion_tokens.min(MAX_TOKEN_COUNT),
+            input_tokens: billed.prompt_tokens,
+            output_tokens: billed.completion_tokens,
             output: None,
             finish_reason: Some(finish_reason.clone()),
         };

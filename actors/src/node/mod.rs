@@ -7,5 +7,5 @@
 mod actor;
 mod msg;
 
-pub use actor::{NodeActor, NodeArgs, NodeTrust, violations_key};
+pub use actor::{NodeActor, NodeArgs, NodeTrust, VIOLATIONS_KEPT, violations_key};
 pub use msg::{NodeHandle, NodeLoad, NodeMsg, Violation};

@@ -114,7 +114,12 @@ impl MemoryLedger {
             row.prompt_tokens = billed.prompt_tokens;
             row.completion_tokens = billed.completion_tokens;
             if billed.clamped {
-                row.claimed = Some((claimed_p, claimed_c));
+                // As the SQL ledgers store it: a count beyond their integers reads as the
+                // largest one.
+                row.claimed = Some((
+                    claimed_p.min(super::MAX_TOKEN_COUNT),
+                    claimed_c.min(super::MAX_TOKEN_COUNT),
+                ));
             }
             row.review = review.or(billed.clamped.then_some(ReviewReason::UsageOverBound));
             row.cost = cost_of(
@@ -162,5 +167,10 @@ impl Ledger for MemoryLedger {
 
     async fn cancel(&self, request_id: &str) -> Result<SettleOutcome, LedgerError> {
         self.finish(request_id, RowStatus::Cancelled, None)
+    }
+
+    async fn bounds(&self, request_id: &str) -> Result<Option<super::UsageBounds>, LedgerError> {
+        self.check()?;
+        Ok(self.row(request_id).map(|r| r.reservation.bounds))
     }
 }

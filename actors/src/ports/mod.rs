@@ -81,10 +81,15 @@ impl UsageBounds {
     /// its bound. The ledger's SQL does the same in its settle statement and is checked
     /// against this function.
     pub fn bill(&self, prompt: u64, completion: u64) -> Billed {
+        // No bound beyond what a ledger can hold.
+        let (p, c) = (
+            self.prompt_tokens.min(MAX_TOKEN_COUNT),
+            self.completion_tokens.min(MAX_TOKEN_COUNT),
+        );
         Billed {
-            prompt_tokens: prompt.min(self.prompt_tokens),
-            completion_tokens: completion.min(self.completion_tokens),
-            clamped: prompt > self.prompt_tokens || completion > self.completion_tokens,
+            prompt_tokens: prompt.min(p),
+            completion_tokens: completion.min(c),
+            clamped: prompt > p || completion > c,
         }
     }
 }
@@ -192,6 +197,10 @@ pub trait Ledger: Send + Sync + Debug + 'static {
     async fn settle(&self, settlement: &Settlement) -> Result<SettleOutcome, LedgerError>;
     /// Moves a `reserved` row to `cancelled` (no GPU work was done); final rows are left alone.
     async fn cancel(&self, request_id: &str) -> Result<SettleOutcome, LedgerError>;
+    /// The bounds the row of `request_id` was reserved with (`None`: no such row;
+    /// [`UsageBounds::UNBOUNDED`] for a row admitted before bounds existed), so that whoever
+    /// settles a `done` without its generation can tell what will be billed.
+    async fn bounds(&self, request_id: &str) -> Result<Option<UsageBounds>, LedgerError>;
 }
 
 /// Failures of the coordination backend.
@@ -323,6 +332,12 @@ mod tests {
         );
         assert_eq!(b.bill(u64::MAX, u64::MAX).prompt_tokens, 100);
         assert!(!UsageBounds::UNBOUNDED.bill(1 << 62, 0).clamped);
+        let huge = UsageBounds::UNBOUNDED.bill(u64::MAX, 0);
+        assert_eq!(
+            (huge.prompt_tokens, huge.clamped),
+            (MAX_TOKEN_COUNT, true),
+            "nothing beyond what a ledger holds"
+        );
     }
 
     #[test]

@@ -395,6 +395,13 @@ impl Ledger for PostgresStore {
             Self::unchanged(request_id, &self.pool).await
         }
     }
+
+    async fn bounds(&self, request_id: &str) -> Result<Option<super::UsageBounds>, LedgerError> {
+        let row = Store::ledger_row(self, request_id)
+            .await
+            .map_err(|e| LedgerError::Unavailable(e.to_string()))?;
+        Ok(row.map(|r| r.usage_bounds()))
+    }
 }
 
 #[async_trait]

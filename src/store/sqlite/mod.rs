@@ -422,6 +422,13 @@ impl Ledger for SqliteStore {
     async fn cancel(&self, request_id: &str) -> Result<SettleOutcome, LedgerError> {
         self.finish(request_id, None).await
     }
+
+    async fn bounds(&self, request_id: &str) -> Result<Option<super::UsageBounds>, LedgerError> {
+        let row = Store::ledger_row(self, request_id)
+            .await
+            .map_err(|e| LedgerError::Unavailable(e.to_string()))?;
+        Ok(row.map(|r| r.usage_bounds()))
+    }
 }
 
 #[async_trait]

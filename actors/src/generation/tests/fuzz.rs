@@ -27,19 +27,22 @@ fn cases() -> u32 {
         .unwrap_or(64)
 }
 
+/// A well-formed frame's contents.
+#[derive(Debug, Clone)]
+struct FrameSpec {
+    kind: u8,
+    other_request: bool,
+    attempt: u64,
+    seq: u64,
+    prompt: u64,
+    completion: u64,
+    finish: u8,
+}
+
 #[derive(Debug, Clone)]
 enum Op {
     /// A well-formed frame from node `from` (0 or 1).
-    Frame {
-        from: usize,
-        kind: u8,
-        other_request: bool,
-        attempt: u64,
-        seq: u64,
-        prompt: u64,
-        completion: u64,
-        finish: u8,
-    },
+    Frame { from: usize, spec: FrameSpec },
     /// Arbitrary text through the decoder, from node `from`.
     Text { from: usize, text: String },
     /// Node `from`'s connection ends.
@@ -58,7 +61,10 @@ fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
         6 => (0..2usize, 0..4u8, prop::bool::weighted(0.2), 0..4u64, 0..6u64, count(), count(), 0..5u8)
             .prop_map(|(from, kind, other_request, attempt, seq, prompt, completion, finish)| {
-                Op::Frame { from, kind, other_request, attempt, seq, prompt, completion, finish }
+                Op::Frame {
+                    from,
+                    spec: FrameSpec { kind, other_request, attempt, seq, prompt, completion, finish },
+                }
             }),
         2 => (0..2usize, prop_oneof![
                 ".{0,80}",
@@ -98,32 +104,28 @@ fn drain_into(out: &mut mpsc::Receiver<ServerFrame>, seen: &mut Seen) {
     }
 }
 
-fn frame(
-    op_kind: u8,
-    id: &str,
-    from: usize,
-    attempt: u64,
-    seq: u64,
-    p: u64,
-    c: u64,
-    finish: u8,
-) -> NodeFrame {
-    let code = ["model_backend_error", "invalid_request", "model_loading"][usize::from(finish % 3)];
-    let finish = ["stop", "length", "abort", "error", "weird"][usize::from(finish % 5)];
-    match op_kind {
-        0 => NodeFrame::Accepted {
-            request_id: id.into(),
-            attempt,
-        },
-        // The text names its sender and attempt, so the client's view can be checked.
-        1 => chunk(id, attempt, seq, &format!("[n{from}:{attempt}:{seq}]")),
-        2 => done(id, attempt, p, c, finish),
-        _ => NodeFrame::Error {
-            request_id: id.into(),
-            attempt,
-            code: code.into(),
-            message: "fuzz".into(),
-        },
+impl FrameSpec {
+    fn frame(&self, from: usize) -> NodeFrame {
+        let id = if self.other_request { "r2" } else { "r1" };
+        let (attempt, seq) = (self.attempt, self.seq);
+        let code = ["model_backend_error", "invalid_request", "model_loading"]
+            [usize::from(self.finish % 3)];
+        let finish = ["stop", "length", "abort", "error", "weird"][usize::from(self.finish % 5)];
+        match self.kind {
+            0 => NodeFrame::Accepted {
+                request_id: id.into(),
+                attempt,
+            },
+            // The text names its sender and attempt, so the client's view can be checked.
+            1 => chunk(id, attempt, seq, &format!("[n{from}:{attempt}:{seq}]")),
+            2 => done(id, attempt, self.prompt, self.completion, finish),
+            _ => NodeFrame::Error {
+                request_id: id.into(),
+                attempt,
+                code: code.into(),
+                message: "fuzz".into(),
+            },
+        }
     }
 }
 
@@ -150,21 +152,9 @@ async fn run(ops: Vec<Op>) {
     settle_a_moment().await;
     for op in ops {
         match op {
-            Op::Frame {
-                from,
-                kind,
-                other_request,
-                attempt,
-                seq,
-                prompt,
-                completion,
-                finish,
-            } => {
-                let id = if other_request { "r2" } else { "r1" };
+            Op::Frame { from, spec } => {
                 if let Some(n) = &nodes[from] {
-                    n.deliver(frame(
-                        kind, id, from, attempt, seq, prompt, completion, finish,
-                    ));
+                    n.deliver(spec.frame(from));
                 }
             }
             Op::Text { from, text } => {
