@@ -9,6 +9,8 @@ mod common;
 mod admin;
 #[path = "server/failures.rs"]
 mod failures;
+#[path = "server/fuzz.rs"]
+mod fuzz;
 #[path = "server/invariants.rs"]
 mod invariants;
 #[path = "server/jwt_callers.rs"]

@@ -197,6 +197,51 @@ fn cases() -> Vec<Case> {
         .auth(Auth::Key)
         .bad("messages[0].content"),
         post(
+            "chat with max_tokens of 2^58",
+            "/v1/chat/completions",
+            r#"{"model": "small", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 288230376151711744}"#,
+        )
+        .auth(Auth::Key)
+        .bad("max_tokens"),
+        post(
+            "chat with max_completion_tokens beyond u64",
+            "/v1/chat/completions",
+            r#"{"model": "small", "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 18446744073709551616}"#,
+        )
+        .auth(Auth::Key)
+        .bad("max_completion_tokens"),
+        post(
+            "chat with max_tokens above the context",
+            "/v1/chat/completions",
+            r#"{"model": "small", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8193}"#,
+        )
+        .auth(Auth::Key)
+        .bad("max_tokens"),
+        post(
+            "chat with n of 2",
+            "/v1/chat/completions",
+            r#"{"model": "small", "messages": [{"role": "user", "content": "hi"}], "n": 2}"#,
+        )
+        .auth(Auth::Key)
+        .bad("n"),
+        post(
+            "chat with no messages",
+            "/v1/chat/completions",
+            r#"{"model": "small", "messages": []}"#,
+        )
+        .auth(Auth::Key)
+        .bad("messages"),
+        post(
+            "chat with a prompt that fills the context",
+            "/v1/chat/completions",
+            format!(
+                r#"{{"model": "small", "messages": [{{"role": "user", "content": "{}"}}]}}"#,
+                "word ".repeat(9_000)
+            ),
+        )
+        .auth(Auth::Key)
+        .expect(400, "context_length_exceeded", Some("messages")),
+        post(
             "generation with max_output_tokens given twice",
             "/v1/generations",
             r#"{"model": "small", "messages": [{"role": "user", "content": "hi"}], "max_output_tokens": 2, "max_output_tokens": 900}"#,
