@@ -3,7 +3,7 @@
 //! listener. Whatever arrives: nothing panics, nothing answers 500, every refusal is the JSON
 //! error envelope with a code of SPEC section 4, and the server still answers afterwards.
 //! `SWITCHYARD_FUZZ_CASES` sets the number of cases per property (64 in the test command;
-//! `SWITCHYARD_FUZZ_CASES=20000 cargo nextest run --test server fuzz::` runs them at length).
+//! `SWITCHYARD_FUZZ_CASES=20000 cargo test --test server fuzz::` runs them at length).
 
 use std::time::Duration;
 

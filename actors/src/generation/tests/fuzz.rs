@@ -4,8 +4,9 @@
 //! interleaved with node loss, the client leaving and time passing. After every sequence:
 //! nothing panicked, the row is final exactly once and billed within its bounds, the client
 //! saw only the holder's text and at most one end, and no node was acked for an attempt it
-//! never held. `SWITCHYARD_FUZZ_CASES` sets the number of sequences (64 by default; run
-//! `SWITCHYARD_FUZZ_CASES=20000 cargo nextest run -p switchyard-actors fuzz` at length).
+//! never held. `SWITCHYARD_FUZZ_CASES` sets the number of sequences (64 by default); run
+//! `SWITCHYARD_FUZZ_CASES=20000 cargo test -p switchyard-actors fuzz` at length (plain
+//! `cargo test`: nextest stops a test after 5 minutes).
 
 use std::collections::BTreeSet;
 
