@@ -426,9 +426,12 @@ impl Config {
             if m.price_input_per_mtok < 0 || m.price_output_per_mtok < 0 {
                 return invalid(format!("model {}: prices cannot be negative", m.name));
             }
-            if m.max_context_tokens < 2 || m.default_max_tokens == 0 {
+            if m.max_context_tokens < 2
+                || m.default_max_tokens == 0
+                || m.default_max_tokens > m.max_context_tokens
+            {
                 return invalid(format!(
-                    "model {}: max_context_tokens must be >= 2 and default_max_tokens > 0",
+                    "model {}: max_context_tokens must be >= 2 and default_max_tokens from 1 to max_context_tokens",
                     m.name
                 ));
             }

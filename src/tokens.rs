@@ -70,6 +70,9 @@ impl ChatMessage {
 pub struct ChatTokenizer {
     tokenizer: Tokenizer,
     env: minijinja::Environment<'static>,
+    /// The longest token's text in bytes: a text of n bytes has at least n / this many
+    /// tokens, which refuses a huge prompt without tokenizing it.
+    max_token_bytes: u64,
 }
 
 impl ChatTokenizer {
@@ -102,7 +105,21 @@ impl ChatTokenizer {
         let mut env = minijinja::Environment::new();
         env.add_template_owned("chat", template)
             .map_err(|e| TokenizerError::Load(e.to_string()))?;
-        Ok(Self { tokenizer, env })
+        // A token's stored text is never shorter than the text it stands for (byte-level
+        // BPE maps each byte to one character of one or two bytes; SentencePiece writes a
+        // space as three).
+        let max_token_bytes = tokenizer
+            .get_vocab(true)
+            .keys()
+            .map(|t| t.len() as u64)
+            .max()
+            .unwrap_or(1)
+            .max(1);
+        Ok(Self {
+            tokenizer,
+            env,
+            max_token_bytes,
+        })
     }
 
     /// The underlying tokenizer.
@@ -152,6 +169,9 @@ impl ChatTokenizer {
 /// What the gateway counted of one chat request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PromptCount {
+    /// `messages` is only a lower bound, already at or past the limit the caller gave: the
+    /// text was too long to be worth tokenizing.
+    pub at_least: bool,
     /// The messages through the model's chat template: what the engine counts for a plain
     /// chat request.
     pub messages: u64,
@@ -192,26 +212,50 @@ impl PromptCounter {
     }
 
     /// Counts a chat body's prompt for `model` on the blocking pool (tokenizing is CPU work).
-    /// `None` when the model has no tokenizer loaded.
+    /// A prompt whose text alone must hold `limit` tokens or more is not tokenized: its
+    /// lower bound comes back, marked `at_least`. `None` when the model has no tokenizer.
     pub async fn count_chat(
         &self,
         model: &str,
         body: &serde_json::Map<String, Value>,
+        limit: u64,
     ) -> Option<Result<PromptCount, TokenizerError>> {
         let tok = self.by_model.get(model)?.clone();
-        let messages: Vec<ChatMessage> = body
-            .get("messages")
-            .and_then(Value::as_array)
+        let messages = body.get("messages").cloned().unwrap_or(Value::Null);
+        let text_bytes: u64 = messages
+            .as_array()
             .map(|ms| {
                 ms.iter()
-                    .filter_map(|m| serde_json::from_value(m.clone()).ok())
-                    .collect()
+                    .map(|m| content_bytes(m.get("content")))
+                    .sum::<u64>()
             })
-            .unwrap_or_default();
-        let extra_text = extra_prompt_text(body);
+            .unwrap_or(0);
+        let at_least = text_bytes / tok.max_token_bytes;
+        if at_least >= limit {
+            return Some(Ok(PromptCount {
+                at_least: true,
+                messages: at_least,
+                extra: 0,
+            }));
+        }
+        // Only what the template may render travels to the blocking pool.
+        let extra: serde_json::Map<String, Value> = EXTRA_FIELDS
+            .iter()
+            .filter_map(|f| body.get(*f).map(|v| ((*f).to_owned(), v.clone())))
+            .collect();
         let counted = tokio::task::spawn_blocking(move || {
+            let parsed: Vec<ChatMessage> = messages
+                .as_array()
+                .map(|ms| {
+                    ms.iter()
+                        .filter_map(|m| ChatMessage::deserialize(m).ok())
+                        .collect()
+                })
+                .unwrap_or_default();
+            let extra_text = extra_prompt_text(&extra, &messages);
             Ok(PromptCount {
-                messages: tok.count_chat(&messages)?,
+                at_least: false,
+                messages: tok.count_chat(&parsed)?,
                 extra: if extra_text.is_empty() {
                     0
                 } else {
@@ -224,16 +268,32 @@ impl PromptCounter {
     }
 }
 
+/// Body fields besides `messages` that a chat template may render into the prompt.
+const EXTRA_FIELDS: [&str; 4] = ["tools", "functions", "tool_choice", "response_format"];
+
+/// Bytes of a message's text: a string, or the `text` of its parts.
+fn content_bytes(content: Option<&Value>) -> u64 {
+    match content {
+        Some(Value::String(s)) => s.len() as u64,
+        Some(Value::Array(parts)) => parts
+            .iter()
+            .filter_map(|p| p.get("text").and_then(Value::as_str))
+            .map(|t| t.len() as u64)
+            .sum(),
+        _ => 0,
+    }
+}
+
 /// The JSON of everything besides message text that a chat template may render into the
 /// prompt: `tools`, `functions`, and each message's fields other than `role` and text content.
-fn extra_prompt_text(body: &serde_json::Map<String, Value>) -> String {
+fn extra_prompt_text(extra: &serde_json::Map<String, Value>, messages: &Value) -> String {
     let mut out = String::new();
-    for field in ["tools", "functions", "tool_choice", "response_format"] {
-        if let Some(v) = body.get(field).filter(|v| !v.is_null()) {
+    for field in EXTRA_FIELDS {
+        if let Some(v) = extra.get(field).filter(|v| !v.is_null()) {
             out.push_str(&v.to_string());
         }
     }
-    if let Some(messages) = body.get("messages").and_then(Value::as_array) {
+    if let Some(messages) = messages.as_array() {
         for m in messages.iter().filter_map(Value::as_object) {
             for (k, v) in m {
                 let text_content = k == "content" && matches!(v, Value::String(_) | Value::Null);
@@ -275,22 +335,32 @@ mod tests {
             "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]
         });
         let a = counter
-            .count_chat("m", plain.as_object().unwrap())
+            .count_chat("m", plain.as_object().unwrap(), 8192)
             .await
             .unwrap()
             .unwrap();
         assert_eq!(a.extra, 0);
         let b = counter
-            .count_chat("m", with_tools.as_object().unwrap())
+            .count_chat("m", with_tools.as_object().unwrap(), 8192)
             .await
             .unwrap()
             .unwrap();
         assert!(b.extra > 10, "{b:?}");
         assert!(
             counter
-                .count_chat("other", plain.as_object().unwrap())
+                .count_chat("other", plain.as_object().unwrap(), 8192)
                 .await
                 .is_none()
         );
+        assert!(!a.at_least);
+        // A megabyte of text is refused by its size alone.
+        let huge =
+            serde_json::json!({"messages": [{"role": "user", "content": "word ".repeat(200_000)}]});
+        let c = counter
+            .count_chat("m", huge.as_object().unwrap(), 8192)
+            .await
+            .unwrap()
+            .unwrap();
+        assert!(c.at_least && c.messages >= 8192, "{c:?}");
     }
 }

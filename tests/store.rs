@@ -468,9 +468,19 @@ async fn api_keys_round_trip_by_hash_and_revoke(store: Arc<dyn Store>) {
         Err(StoreError::Invalid(_))
     ));
 
-    assert!(store.revoke_api_key(full.id).await.unwrap());
-    assert!(!store.revoke_api_key(full.id).await.unwrap());
-    assert!(!store.revoke_api_key(999).await.unwrap());
+    use switchyard::store::KeyRevocation;
+    assert_eq!(
+        store.revoke_api_key(full.id).await.unwrap(),
+        KeyRevocation::Revoked
+    );
+    assert_eq!(
+        store.revoke_api_key(full.id).await.unwrap(),
+        KeyRevocation::AlreadyRevoked
+    );
+    assert_eq!(
+        store.revoke_api_key(999).await.unwrap(),
+        KeyRevocation::Unknown
+    );
     let revoked = store
         .api_key_by_hash(&hash_secret(&secret))
         .await

@@ -1,8 +1,9 @@
 //! Which node holds each attempt of a generation, kept in the coordinator under
-//! `attempts:{request_id}` (one field per attempt epoch, naming its node). The generation
-//! writes it before an `assign` leaves; a node connection reads it when a `done` arrives for
-//! a generation that is gone (its replica restarted), so that only the node that held an
-//! attempt can settle its row (SPEC section 7, trust).
+//! `attempts:{request_id}` (one field per attempt epoch, naming its node, and an `admitted`
+//! field written at admission). The generation writes it when it is admitted and again before
+//! each `assign` leaves, and sends no work it could not record; a node connection reads it
+//! when a `done` arrives for a generation that is not live on its replica, so that only the
+//! node that held an attempt can settle its row (SPEC section 7, trust).
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -24,8 +25,12 @@ fn key(request_id: &str) -> String {
     format!("attempts:{request_id}")
 }
 
-/// Records every attempt of `request_id` and its node, for `ttl` (the longest a `done` may
-/// still arrive).
+/// Present from admission on: a generation admitted but not yet dispatched (or dispatched
+/// elsewhere) is known, so a `done` for it from any node reads as [`Holder::NotAssigned`].
+const ADMITTED: &str = "admitted";
+
+/// Records `request_id` as admitted with every attempt dispatched so far and its node, for
+/// `ttl` (the longest a `done` may still arrive).
 pub async fn record(
     coordinator: &dyn Coordinator,
     request_id: &str,
@@ -35,6 +40,7 @@ pub async fn record(
     let fields = holders
         .iter()
         .map(|(attempt, node)| (attempt.to_string(), node.clone()))
+        .chain(std::iter::once((ADMITTED.to_owned(), "1".to_owned())))
         .collect();
     coordinator.put_hash(&key(request_id), &fields, ttl).await
 }

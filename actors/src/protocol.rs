@@ -155,6 +155,17 @@ pub enum ServerFrame {
     },
 }
 
+/// Whether `reason` is a `done.finish_reason` as engines write them (`stop`, `length`,
+/// `tool_calls`, `abort`, `error`, …): 1 to 32 lower-case ASCII letters, digits or `_`. The
+/// agent sends `error` for anything else; the server refuses anything else as a malformed
+/// frame (it would reach the client and the generation's record).
+pub fn is_finish_reason(reason: &str) -> bool {
+    (1..=32).contains(&reason.len())
+        && reason
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_')
+}
+
 /// Why a node's text frame could not be taken as a [`NodeFrame`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Malformed {

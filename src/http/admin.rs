@@ -22,8 +22,8 @@ use switchyard_actors::error::ErrorCode;
 use super::error::{ApiError, Json, Path, Query, printable};
 use crate::server::AppState;
 use crate::store::{
-    API_KEY_PREFIX, NODE_LOCATIONS, NODE_TOKEN_PREFIX, NewApiKey, StoreError, Team, display_prefix,
-    hash_secret, new_secret,
+    API_KEY_PREFIX, KeyRevocation, NODE_LOCATIONS, NODE_TOKEN_PREFIX, NewApiKey, StoreError, Team,
+    display_prefix, hash_secret, new_secret,
 };
 
 // Input limits (docs/api.md, "Admin API"). Each fits both stores' columns (BIGINT, TEXT
@@ -488,38 +488,17 @@ pub async fn revoke_key(
     _admin: Admin,
     Path(id): Path<i64>,
 ) -> Result<Response, ApiError> {
-    let revoked = state
+    let revocation = state
         .store
         .revoke_api_key(id)
         .await
         .map_err(store_failed("revoke key"))?;
-    if !revoked && !key_exists(&state, id).await? {
+    if revocation == KeyRevocation::Unknown {
         return Err(ApiError::new(ErrorCode::NotFound, "Unknown key.").with_param("id"));
     }
-    tracing::info!(key_id = id, newly = revoked, "api key revoked");
+    let newly = revocation == KeyRevocation::Revoked;
+    tracing::info!(key_id = id, newly, "api key revoked");
     Ok(ok(StatusCode::OK, json!({ "id": id, "revoked": true })))
-}
-
-/// Whether a key with this id exists (revoked or not). The store has no lookup by key id,
-/// so this walks the teams' key lists; it runs only when a revocation changed nothing.
-async fn key_exists(state: &AppState, id: i64) -> Result<bool, ApiError> {
-    // Ids come from an identity sequence starting at 1.
-    if id < 1 {
-        return Ok(false);
-    }
-    let failed = store_failed("key lookup");
-    let teams = match state.store.teams().await {
-        Ok(teams) => teams,
-        Err(e) => return Err(failed(e)),
-    };
-    for team in teams {
-        match state.store.api_keys(team.id).await {
-            Ok(keys) if keys.iter().any(|k| k.id == id) => return Ok(true),
-            Ok(_) => {}
-            Err(e) => return Err(store_failed("key lookup")(e)),
-        }
-    }
-    Ok(false)
 }
 
 // ---------------------------------------------------------------------------------------

@@ -120,7 +120,7 @@ async fn prepare(
     let stream = match obj.get("stream") {
         None | Some(Value::Null) => false,
         Some(Value::Bool(b)) => *b,
-        Some(_) => return Err(bad("`stream` must be a boolean.")),
+        Some(_) => return Err(bad("`stream` must be a boolean.").with_param("stream")),
     };
     let max_tokens = match obj.get("max_output_tokens") {
         None | Some(Value::Null) => u64::from(model.default_max_tokens),
@@ -149,14 +149,11 @@ async fn prepare(
             engine.insert(field.into(), v.clone());
         }
     }
-    let measured = lifecycle::measure(state, &model, &engine, max_tokens).await?;
     let plan = Plan {
         principal,
         model,
         engine_body: Value::Object(engine),
-        estimated_prompt_tokens: measured.prompt_tokens,
         max_tokens,
-        bounds: measured.bounds,
         idempotency: Some((key, fingerprint)),
     };
     Ok((plan, stream))

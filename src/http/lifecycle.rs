@@ -36,12 +36,8 @@ pub struct Plan {
     pub model: ModelConfig,
     /// The body the engine gets (model resolved, max_tokens set).
     pub engine_body: Value,
-    /// Prompt tokens as the gateway counted them (the reservation's estimate).
-    pub estimated_prompt_tokens: u64,
     /// Output ceiling (the model's default when the client set none).
     pub max_tokens: u64,
-    /// The most a node may bill for this request.
-    pub bounds: UsageBounds,
     /// (Idempotency-Key, fingerprint of the normalized semantic inputs).
     pub idempotency: Option<(String, String)>,
 }
@@ -100,7 +96,7 @@ pub async fn measure(
     max_tokens: u64,
 ) -> Result<Measured, ApiError> {
     let context = u64::from(model.max_context_tokens);
-    let count = match state.prompts.count_chat(&model.name, body).await {
+    let count = match state.prompts.count_chat(&model.name, body, context).await {
         Some(Ok(count)) => count,
         Some(Err(crate::tokens::TokenizerError::Template(_))) => {
             return Err(ApiError::new(
@@ -123,10 +119,11 @@ pub async fn measure(
         }
     };
     if count.messages >= context {
+        let at_least = if count.at_least { "at least " } else { "" };
         return Err(ApiError::new(
             ErrorCode::ContextLengthExceeded,
             format!(
-                "This model's maximum context length is {context} tokens; the messages count {} tokens, which leaves no room for output.",
+                "This model's maximum context length is {context} tokens; the messages count {at_least}{} tokens, which leaves no room for output.",
                 count.messages
             ),
         )
@@ -143,6 +140,17 @@ pub async fn measure(
             completion_tokens: max_tokens.min(context),
         },
     })
+}
+
+/// [`measure`] of a plan's engine body.
+async fn measure_plan(state: &AppState, plan: &Plan) -> Result<Measured, ApiError> {
+    let Value::Object(body) = &plan.engine_body else {
+        return Err(ApiError::new(
+            ErrorCode::InvalidRequest,
+            "The body must be a JSON object.",
+        ));
+    };
+    measure(state, &plan.model, body, plan.max_tokens).await
 }
 
 /// The most output tokens a request may ask for: the model's context.
@@ -347,6 +355,14 @@ async fn admit(state: &AppState, mut plan: Plan, id: &str) -> Result<Admission, 
             h.run(None);
         }
     };
+    // Tokenizing is CPU work: only for a request the limits let through.
+    let mut measured = match measure_plan(state, &plan).await {
+        Ok(m) => m,
+        Err(e) => {
+            give_back(on_end);
+            return Err(e.with_rate_headers(rate));
+        }
+    };
     let mut id = id.to_owned();
     let mut ledger_id = id.clone();
     let mut lifecycle = None;
@@ -389,6 +405,18 @@ async fn admit(state: &AppState, mut plan: Plan, id: &str) -> Result<Admission, 
                     }
                     plan.model = stored.clone();
                     queue = stored_queue.clone();
+                    // Counted again with the stored version's tokenizer and context.
+                    measured = match measure_plan(state, &plan).await {
+                        Ok(m) => m,
+                        Err(e) => {
+                            give_back(on_end);
+                            let gone = Event::Reject {
+                                code: e.failure.code.as_str().into(),
+                            };
+                            let _ = state.store.apply_generation(&rec.id, &gone, now_ms).await;
+                            return Err(e.with_rate_headers(rate));
+                        }
+                    };
                 }
                 // A readmission's row has a key of its own (the first one is final).
                 ledger_id.clone_from(&rec.ledger_id);
@@ -415,12 +443,12 @@ async fn admit(state: &AppState, mut plan: Plan, id: &str) -> Result<Admission, 
         team_id: who.team_id,
         key_id: who.key_id,
         model: plan.model.name.clone(),
-        estimated_prompt_tokens: plan.estimated_prompt_tokens,
+        estimated_prompt_tokens: measured.prompt_tokens,
         max_tokens: plan.max_tokens,
-        estimated_cost: cost_of(plan.estimated_prompt_tokens, plan.max_tokens, pin, pout),
+        estimated_cost: cost_of(measured.prompt_tokens, plan.max_tokens, pin, pout),
         price_input_per_mtok: pin,
         price_output_per_mtok: pout,
-        bounds: plan.bounds,
+        bounds: measured.bounds,
     };
     let (tx, events) = events::channel(state.config.stream_bound());
     let args = GenerationArgs {

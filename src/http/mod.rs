@@ -52,6 +52,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/readyz", get(health::readyz))
         .route("/metrics", get(health::metrics))
         .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
         // Enforced by the body extractors, so an oversized body gets the error envelope
         // (413 `request_too_large`), not a bare status.
         .layer(DefaultBodyLimit::max(state.config.max_body_bytes))
@@ -60,4 +61,13 @@ pub fn router(state: Arc<AppState>) -> Router {
 
 async fn not_found() -> error::ApiError {
     error::ApiError::new(ErrorCode::NotFound, "No such route.")
+}
+
+/// 405 with the envelope (axum's own answer has an empty body).
+async fn method_not_allowed(method: axum::http::Method) -> error::ApiError {
+    error::ApiError::new(
+        ErrorCode::InvalidRequest,
+        format!("This route does not take {method}."),
+    )
+    .with_status(axum::http::StatusCode::METHOD_NOT_ALLOWED)
 }

@@ -7,8 +7,12 @@ use std::sync::{Arc, PoisonError};
 use std::time::Duration;
 
 use axum::extract::State;
+use axum::extract::ws::rejection::WebSocketUpgradeRejection;
 use axum::extract::ws::{Message, WebSocket, WebSocketUpgrade};
-use axum::response::Response;
+use axum::response::{IntoResponse, Response};
+use switchyard_actors::error::ErrorCode;
+
+use super::error::ApiError;
 use futures::{SinkExt, StreamExt};
 use subtle::ConstantTimeEq;
 use switchyard_actors::node::{NodeActor, NodeArgs, NodeHandle, NodeTrust, Violation};
@@ -26,9 +30,23 @@ const MAX_FRAME_BYTES: usize = 1024 * 1024;
 /// Frames queued for one node's socket before it counts as stuck.
 const OUTBOUND_FRAMES: usize = 4096;
 
-pub async fn connect(State(state): State<Arc<AppState>>, ws: WebSocketUpgrade) -> Response {
-    ws.max_message_size(MAX_FRAME_BYTES)
-        .on_upgrade(move |socket| serve_node(state, socket))
+pub async fn connect(
+    State(state): State<Arc<AppState>>,
+    ws: Result<WebSocketUpgrade, WebSocketUpgradeRejection>,
+) -> Response {
+    match ws {
+        Ok(ws) => ws
+            .max_message_size(MAX_FRAME_BYTES)
+            .on_upgrade(move |socket| serve_node(state, socket)),
+        // Not a WebSocket handshake: the error envelope, with the status axum chose (400,
+        // 426 without the upgrade headers).
+        Err(rejection) => ApiError::new(
+            ErrorCode::InvalidRequest,
+            "This route is the node control plane: open a WebSocket (GET with Upgrade: websocket).",
+        )
+        .with_status(rejection.status())
+        .into_response(),
+    }
 }
 
 /// What a `register` frame carries, once verified.

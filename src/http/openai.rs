@@ -121,20 +121,11 @@ async fn prepare(
     let max_tokens = req
         .max_tokens
         .unwrap_or(u64::from(req.resolved.default_max_tokens));
-    let Value::Object(engine_obj) = &req.engine_body else {
-        return Err(ApiError::new(
-            ErrorCode::InvalidRequest,
-            "The body must be a JSON object.",
-        ));
-    };
-    let measured = lifecycle::measure(state, &req.resolved, engine_obj, max_tokens).await?;
     let plan = Plan {
         principal,
         model: req.resolved,
         engine_body: req.engine_body,
-        estimated_prompt_tokens: measured.prompt_tokens,
         max_tokens,
-        bounds: measured.bounds,
         idempotency: idempotency.zip(fingerprint),
     };
     Ok((plan, req.stream, req.include_usage))
@@ -165,7 +156,7 @@ fn validate(state: &AppState, body: Value) -> Result<ChatRequest, ApiError> {
     let stream = match obj.get("stream") {
         None | Some(Value::Null) => false,
         Some(Value::Bool(b)) => *b,
-        Some(_) => return Err(bad("`stream` must be a boolean.")),
+        Some(_) => return Err(bad("`stream` must be a boolean.").with_param("stream")),
     };
     let include_usage = obj
         .get("stream_options")

@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use serde::Deserialize;
 use serde_json::{Map, Value};
-use switchyard_actors::protocol::NodeFrame;
+use switchyard_actors::protocol::{NodeFrame, is_finish_reason};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
@@ -24,8 +24,6 @@ use super::writer::Outgoing;
 
 /// Largest error body read from the engine.
 const MAX_ERROR_BODY: usize = 64 * 1024;
-/// Longest `finish_reason` relayed (the engine's is a short word).
-const MAX_FINISH_REASON: usize = 64;
 
 /// An `assign` frame.
 #[derive(Debug)]
@@ -98,7 +96,9 @@ async fn execute(a: Assignment, ctx: &AssignCtx) {
         Err(e) => {
             tracing::warn!(error = %e, "engine request failed");
             let message = truncate_chars(&format!("engine unreachable: {e}"), MAX_ERROR_MESSAGE);
-            return ctx.refuse(&id, "model_backend_error", message).await;
+            // Its own code: the server takes a node whose engine cannot be reached out of
+            // routing, which an engine's answer (even a 5xx caused by the request) must not do.
+            return ctx.refuse(&id, "engine_unreachable", message).await;
         }
     };
     let status = resp.status().as_u16();
@@ -251,7 +251,13 @@ impl AssignCtx {
             attempt: id.attempt,
             prompt_tokens: prompt,
             completion_tokens: completion,
-            finish_reason: truncate_chars(reason, MAX_FINISH_REASON),
+            // The server believes only a short word; an engine that says something else
+            // failed to say how it ended.
+            finish_reason: if is_finish_reason(reason) {
+                reason.to_owned()
+            } else {
+                "error".to_owned()
+            },
         };
         tracing::info!(
             finish_reason = %done.finish_reason,

@@ -337,6 +337,26 @@ async fn an_engine_crash_mid_stream_gives_done_error_then_an_error() {
 }
 
 #[tokio::test]
+async fn an_engine_that_cannot_be_reached_is_refused_with_its_own_code() {
+    let sim = sim(20.0, FaultSpec::default()).await;
+    let mut peer = Peer::start().await;
+    let agent = start(config(&peer, &sim));
+    let (mut conn, _) = peer.accept_registered().await;
+    sim.set_faults(&FaultSpec {
+        exit_after_ms: Some(0),
+        ..Default::default()
+    });
+    sim.stopped().await;
+    conn.send(assign("r-gone", 8));
+    let r = relayed(&mut conn, "r-gone", true).await;
+    let (code, message) = r.error.unwrap();
+    assert_eq!(code, "engine_unreachable");
+    assert!(message.starts_with("engine unreachable"), "{message}");
+    assert!(!r.accepted);
+    agent.stop().await;
+}
+
+#[tokio::test]
 async fn engine_refusals_map_to_error_codes_without_done() {
     let sim = sim(20.0, FaultSpec::default()).await;
     let mut peer = Peer::start().await;

@@ -30,8 +30,8 @@ pub use postgres::PostgresStore;
 pub use sqlite::SqliteStore;
 pub use switchyard_actors::lifecycle::GenerationStore;
 pub use switchyard_actors::ports::{
-    Billed, Ledger, LedgerError, MAX_TOKEN_COUNT, Microcredits, Reservation, ReviewReason,
-    SettleOutcome, Settlement, UsageBounds, cost_of,
+    Billed, EntryStatus, Ledger, LedgerEntry, LedgerError, MAX_TOKEN_COUNT, Microcredits,
+    Reservation, ReviewReason, SettleOutcome, Settlement, UsageBounds, cost_of,
 };
 
 /// Prefix of API keys handed to callers.
@@ -208,6 +208,22 @@ impl std::str::FromStr for LedgerStatus {
 }
 
 impl LedgerRow {
+    /// The row as the actors see it.
+    pub fn entry(&self) -> LedgerEntry {
+        let count = |v: i64| u64::try_from(v).unwrap_or(0);
+        LedgerEntry {
+            bounds: self.usage_bounds(),
+            status: match self.status {
+                LedgerStatus::Reserved => EntryStatus::Reserved,
+                LedgerStatus::Settled => EntryStatus::Settled {
+                    prompt_tokens: count(self.prompt_tokens),
+                    completion_tokens: count(self.completion_tokens),
+                },
+                LedgerStatus::Cancelled => EntryStatus::Cancelled,
+            },
+        }
+    }
+
     /// The bounds the row was reserved with; a row admitted before bounds existed is
     /// unbounded.
     pub fn usage_bounds(&self) -> UsageBounds {
@@ -220,6 +236,17 @@ impl LedgerRow {
             completion_tokens: bound(self.completion_token_bound),
         }
     }
+}
+
+/// What revoking a key did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KeyRevocation {
+    /// It was live and is revoked now.
+    Revoked,
+    /// It was revoked before.
+    AlreadyRevoked,
+    /// No key has this id.
+    Unknown,
 }
 
 /// One request's row in the usage ledger.
@@ -299,9 +326,8 @@ pub trait Store: Ledger + GenerationStore {
     async fn api_key_by_hash(&self, hash: &str) -> Result<Option<ApiKeyRecord>, StoreError>;
     /// A team's keys, by id, revoked ones included.
     async fn api_keys(&self, team_id: i64) -> Result<Vec<ApiKeyRecord>, StoreError>;
-    /// Revokes a key; `true` if it was live and is now revoked, `false` if it is unknown or
-    /// was revoked already.
-    async fn revoke_api_key(&self, id: i64) -> Result<bool, StoreError>;
+    /// Revokes a key.
+    async fn revoke_api_key(&self, id: i64) -> Result<KeyRevocation, StoreError>;
 
     /// Creates node `id` with a token hash, or issues a new token to a node whose token was
     /// revoked (its location is updated, the rest kept). `Conflict` if the node exists with

@@ -99,6 +99,8 @@ enum Payload {
 #[derive(Debug, Clone)]
 struct Input {
     route: usize,
+    /// Another method than the route's own, sometimes.
+    method: Option<usize>,
     payload: Payload,
     /// Extra header (name index, raw value bytes).
     header: Option<(usize, Vec<u8>)>,
@@ -112,18 +114,28 @@ fn input() -> impl Strategy<Value = Input> {
             .prop_map(|(field, value)| Payload::Mutated { field, value }),
     ];
     (
-        0..10usize,
+        0..15usize,
+        prop::option::weighted(0.1, 0..METHODS.len()),
         payload,
         prop::option::of((0..4usize, prop::collection::vec(any::<u8>(), 0..40))),
         prop_oneof![".{0,20}", "[0-9]{1,25}", Just("gen_x".to_owned())],
     )
-        .prop_map(|(route, payload, header, path_id)| Input {
+        .prop_map(|(route, method, payload, header, path_id)| Input {
             route,
+            method,
             payload,
             header,
             path_id,
         })
 }
+
+const METHODS: [Method; 5] = [
+    Method::GET,
+    Method::POST,
+    Method::PUT,
+    Method::DELETE,
+    Method::PATCH,
+];
 
 const HEADERS: [&str; 4] = [
     "authorization",
@@ -146,8 +158,24 @@ fn request(input: &Input, key: &str, admin: &str) -> Option<Request<Body>> {
         6 => (Method::GET, format!("/v1/usage?from={id}&to={id}"), key, 0),
         7 => (Method::GET, format!("/v1/generations/{id}"), key, 0),
         8 => (Method::DELETE, format!("/admin/keys/{id}"), admin, 0),
-        _ => (Method::POST, format!("/v1/generations/{id}/cancel"), key, 0),
+        9 => (Method::POST, format!("/v1/generations/{id}/cancel"), key, 0),
+        10 => (Method::GET, "/v1/nodes/connect".to_owned(), key, 0),
+        11 => (
+            Method::GET,
+            format!("/admin/reports/drift?from={id}&to={id}"),
+            admin,
+            0,
+        ),
+        12 => (Method::POST, format!("/admin/nodes/{id}/drain"), admin, 0),
+        13 => (Method::DELETE, format!("/admin/nodes/{id}/token"), admin, 0),
+        _ => (
+            Method::POST,
+            format!("/admin/nodes/{id}/load_model"),
+            admin,
+            5,
+        ),
     };
+    let method = input.method.map_or(method, |m| METHODS[m].clone());
     let body = match &input.payload {
         Payload::Bytes(b) => b.clone(),
         Payload::Mutated { field, value } => {

@@ -196,6 +196,12 @@ fn cases() -> Vec<Case> {
         )
         .auth(Auth::Key)
         .bad("messages[0].content"),
+        case("wrong method on a known route", Method::PUT, "/v1/chat/completions", Body::Nothing)
+            .auth(Auth::Key)
+            .expect(405, "invalid_request", None),
+        get("the node socket without a WebSocket handshake", "/v1/nodes/connect")
+            .auth(Auth::Nothing)
+            .expect(400, "invalid_request", None),
         post(
             "chat with max_tokens of 2^58",
             "/v1/chat/completions",
@@ -375,7 +381,7 @@ async fn run_cases(fleet: &switchyard::demo::Fleet, backend: &str) {
         let error = &body["error"];
         let message = error["message"].as_str().unwrap_or_default();
         let expected_type = match c.status {
-            400 => "invalid_request_error",
+            400 | 405 | 426 => "invalid_request_error",
             401 => "authentication_error",
             404 => "not_found_error",
             _ => "",

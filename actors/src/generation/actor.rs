@@ -406,6 +406,20 @@ impl GenerationState {
             self.told_client = true;
             return Err(failure);
         }
+        // Known from admission on, so a `done` for it from a node it was never dispatched to
+        // is refused wherever it arrives.
+        if !self.record_holders().await {
+            let failure = Failure::new(
+                ErrorCode::QuotaServiceUnavailable,
+                "The request could not be recorded; it was not admitted.",
+            )
+            .retry_after(1);
+            self.cancel_row().await;
+            self.reject_record(&failure).await;
+            self.count(failure.code.as_str());
+            self.told_client = true;
+            return Err(failure);
+        }
         let queue = self.args.queue.clone();
         if let Err(failure) = queue
             .enqueue(&self.args.request_id, myself.clone(), false, None)
@@ -467,7 +481,19 @@ impl GenerationState {
         self.next_seq = 0;
         self.chunks = 0;
         self.holders.insert(attempt, node.node_id().to_owned());
-        self.record_holders().await;
+        if !self.record_holders().await {
+            // Work whose node is not on record is not sent: a `done` for it could not be told
+            // apart from another node's.
+            self.args.queue.released(node.node_id());
+            self.record(Event::Refuse { attempt }).await;
+            let failure = Failure::new(
+                ErrorCode::QuotaServiceUnavailable,
+                "The request's dispatch could not be recorded; nothing was run.",
+            )
+            .retry_after(1);
+            self.finish_without_work(myself, failure).await;
+            return;
+        }
         let now = self.args.clock.now();
         if self.dispatched_at.is_none() {
             let waited = now.saturating_duration_since(self.admitted_at);
@@ -498,13 +524,13 @@ impl GenerationState {
         self.arm(myself, first, Timer::FirstToken);
     }
 
-    /// Writes which node holds each attempt to the coordinator, before the node hears of the
-    /// newest one, so that a `done` outliving this actor is accepted only from its node. A
-    /// coordinator that cannot be reached does not stop the work: such a `done` is then
-    /// settled within its bounds and marked for review.
-    async fn record_holders(&self) {
+    /// Writes that this generation was admitted and which node holds each attempt to the
+    /// coordinator, before the node hears of the newest one, so that a `done` arriving where
+    /// this actor is not live is accepted only from its node. False when it could not be
+    /// written: then nothing is sent.
+    async fn record_holders(&self) -> bool {
         let Some(coordinator) = &self.args.coordinator else {
-            return;
+            return true;
         };
         let t = &self.args.timeouts;
         // The longest a `done` may arrive: the whole request, the wait for its usage, and the
@@ -518,8 +544,10 @@ impl GenerationState {
         )
         .await
         {
-            tracing::warn!(request_id = %self.args.request_id, error = %e, "could not record the attempt's node");
+            tracing::warn!(request_id = %self.args.request_id, error = %e, "could not record the attempt's node; not sending it");
+            return false;
         }
+        true
     }
 
     /// The current attempt proved it started: the message is consumed (once).
@@ -552,7 +580,7 @@ impl GenerationState {
             tracing::warn!(request_id = %self.args.request_id, expected = self.next_seq, got = seq, "gap in chunk sequence");
         }
         self.prove_started().await;
-        self.next_seq = seq + 1;
+        self.next_seq = seq.saturating_add(1);
         self.chunks += 1;
         let now = self.args.clock.now();
         if self.first_token_at.is_none() {

@@ -14,7 +14,20 @@ use crate::lifecycle::Refusal;
 use crate::lifecycle::{Event, Outcome};
 use crate::metric_names::{OUTPUT_TOKENS_PER_SECOND, STALE_FRAMES_TOTAL, USAGE_CLAMPED_TOTAL};
 use crate::node::{NodeHandle, Violation};
-use crate::ports::{MAX_TOKEN_COUNT, ReviewReason, SettleOutcome, Settlement};
+use crate::ports::{
+    EntryStatus, LedgerEntry, MAX_TOKEN_COUNT, ReviewReason, SettleOutcome, Settlement,
+};
+
+/// What the ledger holds for a generation's row after its settle.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Settled {
+    /// Final with these (prompt, completion) tokens billed, now or by an earlier settle.
+    Billed(u64, u64),
+    /// Final without billing (cancelled, or no such row).
+    Unbilled,
+    /// The ledger could not be reached: the row is still reserved.
+    Unreachable,
+}
 
 /// A node's `done` as it reported it: a claim, billed only within the request's bounds.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -78,18 +91,45 @@ impl GenerationState {
                 "usage report beyond the request's bounds; clamped and marked for review"
             );
         }
-        let usage = Usage {
-            prompt_tokens: billed.prompt_tokens,
-            completion_tokens: billed.completion_tokens,
-            finish_reason: claim.finish_reason,
-        };
-        let settled = self
+        // What the client and the record are told is what the ledger holds after the settle.
+        let (usage, failure) = match self
             .settle(claim.prompt_tokens, claim.completion_tokens, review)
-            .await;
-        if settled {
-            node.ack(&self.args.request_id, self.attempt);
-        }
+            .await
+        {
+            Settled::Billed(prompt_tokens, completion_tokens) => {
+                node.ack(&self.args.request_id, self.attempt);
+                let usage = Usage {
+                    prompt_tokens,
+                    completion_tokens,
+                    finish_reason: claim.finish_reason,
+                };
+                (usage, None)
+            }
+            Settled::Unbilled => {
+                node.ack(&self.args.request_id, self.attempt);
+                let failure = Failure::new(
+                    ErrorCode::ModelBackendError,
+                    "The generation's reservation ended before its usage arrived; nothing was billed.",
+                );
+                (self.nothing_billed(claim.finish_reason), Some(failure))
+            }
+            // Left reserved and unacked: the node sends its done again after a reconnect.
+            Settled::Unreachable => {
+                let failure = Failure::new(
+                    ErrorCode::QuotaServiceUnavailable,
+                    "The answer is complete, but its usage could not be recorded yet; it is billed once recorded.",
+                )
+                .retry_after(1);
+                (self.nothing_billed(claim.finish_reason), Some(failure))
+            }
+        };
         let outcome = match (usage.finish_reason.as_str(), self.stop) {
+            _ if failure.is_some() => Outcome::Failed(
+                failure
+                    .as_ref()
+                    .map_or("model_backend_error", |f| f.code.as_str())
+                    .into(),
+            ),
             _ if unrepresentable => Outcome::Failed("model_backend_error".into()),
             ("abort", Some(Stop::Cancelled)) => Outcome::Cancelled,
             ("abort", Some(Stop::Timeout)) => Outcome::Failed("generation_timeout".into()),
@@ -101,6 +141,11 @@ impl GenerationState {
             Outcome::Cancelled => {
                 self.count("cancelled");
                 self.tell(GenEvent::Cancelled(usage));
+            }
+            Outcome::Failed(_) if failure.is_some() => {
+                if let Some(failure) = failure {
+                    self.fail_client(failure);
+                }
             }
             // After our own stop the client was already told; otherwise the node stopped on
             // its own (its agent shut down) or the engine failed: a backend failure.
@@ -121,6 +166,15 @@ impl GenerationState {
             }
         }
         myself.stop(None);
+    }
+
+    /// Zero usage, as a record shows a generation that billed nothing.
+    fn nothing_billed(&self, finish_reason: String) -> Usage {
+        Usage {
+            prompt_tokens: 0,
+            completion_tokens: 0,
+            finish_reason,
+        }
     }
 
     /// Moves the record to its end. From the node: its `done` of the current attempt; from
@@ -197,7 +251,12 @@ impl GenerationState {
         self.record(Event::Refuse { attempt }).await;
         let retryable = matches!(
             code,
-            "model_loading" | "draining" | "model_backend_error" | "model_not_found" | "not_sent"
+            "model_loading"
+                | "draining"
+                | "model_backend_error"
+                | "engine_unreachable"
+                | "model_not_found"
+                | "not_sent"
         );
         if retryable && !self.retried && self.stop.is_none() && !self.client_gone {
             self.retry(myself).await;
@@ -396,10 +455,24 @@ impl GenerationState {
             Timer::Lease(_) => {}
             Timer::SettleWait => {
                 // No `done` came: the attempt is fenced; settle from what was received.
-                let usage = self.fallback_usage();
+                let estimate = self.fallback_usage();
                 tracing::warn!(request_id = %self.args.request_id, "no done from the node; settling from received chunks");
                 let attempt = self.attempt;
                 self.record(Event::LeaseExpired { attempt }).await;
+                let settled = self
+                    .settle(estimate.prompt_tokens, estimate.completion_tokens, None)
+                    .await;
+                // Told and recorded as the ledger holds it.
+                let usage = match settled {
+                    Settled::Billed(prompt_tokens, completion_tokens) => Usage {
+                        prompt_tokens,
+                        completion_tokens,
+                        finish_reason: estimate.finish_reason,
+                    },
+                    Settled::Unbilled | Settled::Unreachable => {
+                        self.nothing_billed(estimate.finish_reason)
+                    }
+                };
                 let outcome = match self.stop {
                     Some(Stop::Cancelled) => Outcome::Cancelled,
                     Some(Stop::Timeout) => Outcome::Failed("generation_timeout".into()),
@@ -407,10 +480,8 @@ impl GenerationState {
                 };
                 self.finish_record(false, outcome.clone(), &usage).await;
                 if outcome == Outcome::Cancelled && !self.told_client {
-                    self.tell(GenEvent::Cancelled(usage.clone()));
+                    self.tell(GenEvent::Cancelled(usage));
                 }
-                self.settle(usage.prompt_tokens, usage.completion_tokens, None)
-                    .await;
                 myself.stop(None);
             }
         }
@@ -492,57 +563,75 @@ impl GenerationState {
     }
 
     /// Settles the row with the node's claim (the ledger bills it within the row's bounds),
-    /// retrying briefly; true once the row is final.
+    /// retrying briefly, and says what the ledger holds afterwards.
     pub(super) async fn settle(
         &mut self,
         prompt_tokens: u64,
         completion_tokens: u64,
         review: Option<ReviewReason>,
-    ) -> bool {
-        if self.ledger_final {
-            return true;
-        }
+    ) -> Settled {
+        let id = self.args.reservation.request_id.clone();
         let settlement = Settlement {
-            request_id: self.args.reservation.request_id.clone(),
+            request_id: id.clone(),
             prompt_tokens,
             completion_tokens,
             review,
         };
-        for backoff_ms in [0u64, 100, 500, 2000] {
-            if backoff_ms > 0 {
-                tokio::time::sleep(Duration::from_millis(backoff_ms)).await;
-            }
-            match self.args.ledger.settle(&settlement).await {
-                Ok(SettleOutcome::Applied) => {
-                    self.ledger_final = true;
-                    let billed = self
-                        .args
-                        .reservation
-                        .bounds
-                        .bill(prompt_tokens, completion_tokens);
-                    self.settled_tokens = Some(
-                        billed
-                            .prompt_tokens
-                            .saturating_add(billed.completion_tokens),
-                    );
-                    return true;
+        let mut outcome = None;
+        if !self.ledger_final {
+            for backoff_ms in [0u64, 100, 500, 2000] {
+                if backoff_ms > 0 {
+                    tokio::time::sleep(Duration::from_millis(backoff_ms)).await;
                 }
-                Ok(SettleOutcome::AlreadyFinal) => {
-                    self.ledger_final = true;
-                    return true;
-                }
-                Ok(SettleOutcome::Unknown) => {
-                    tracing::error!(request_id = %self.args.request_id, "settling a row that does not exist");
-                    self.ledger_final = true;
-                    return true;
-                }
-                Err(e) => {
-                    tracing::warn!(request_id = %self.args.request_id, error = %e, "settle failed; retrying")
+                match self.args.ledger.settle(&settlement).await {
+                    Ok(o) => {
+                        outcome = Some(o);
+                        break;
+                    }
+                    Err(e) => {
+                        tracing::warn!(request_id = %self.args.request_id, error = %e, "settle failed; retrying")
+                    }
                 }
             }
         }
-        // Left reserved: the node keeps its `done` unacked and the sweeper settles it later.
+        // Final or not, this generation does not touch the row again: a row left reserved
+        // waits for the node's resent done, or the sweeper.
         self.ledger_final = true;
-        false
+        match outcome {
+            Some(SettleOutcome::Applied) => {
+                let billed = self
+                    .args
+                    .reservation
+                    .bounds
+                    .bill(prompt_tokens, completion_tokens);
+                self.settled_tokens = Some(
+                    billed
+                        .prompt_tokens
+                        .saturating_add(billed.completion_tokens),
+                );
+                Settled::Billed(billed.prompt_tokens, billed.completion_tokens)
+            }
+            // Final already (an earlier settle whose answer was lost, a sweep): what it holds.
+            Some(SettleOutcome::AlreadyFinal) | None => match self.args.ledger.entry(&id).await {
+                Ok(Some(LedgerEntry {
+                    status:
+                        EntryStatus::Settled {
+                            prompt_tokens,
+                            completion_tokens,
+                        },
+                    ..
+                })) => Settled::Billed(prompt_tokens, completion_tokens),
+                Ok(Some(LedgerEntry {
+                    status: EntryStatus::Cancelled,
+                    ..
+                })) => Settled::Unbilled,
+                Ok(_) | Err(_) if outcome.is_none() => Settled::Unreachable,
+                Ok(_) | Err(_) => Settled::Unbilled,
+            },
+            Some(SettleOutcome::Unknown) => {
+                tracing::error!(request_id = %self.args.request_id, "settling a row that does not exist");
+                Settled::Unbilled
+            }
+        }
     }
 }

@@ -10,16 +10,16 @@ use tokio::sync::mpsc;
 use super::msg::{NodeHandle, NodeLoad, NodeMsg, Violation};
 use crate::attempts::{self, Holder};
 use crate::generation::{Directory, GenerationMsg};
-use crate::lifecycle::{AttemptState, Event, GenerationStore, LifecycleError, Outcome, Refusal};
+use crate::lifecycle::{AttemptState, Event, GenerationStore, Outcome};
 use crate::metric_names::{
     NODE_KV_CACHE_USAGE, NODE_PROTOCOL_VIOLATIONS_TOTAL, STALE_FRAMES_TOTAL,
 };
 use crate::model_queue::ModelQueueHandle;
 use crate::ports::{
-    Clock, Coordinator, Ledger, MAX_TOKEN_COUNT, ReviewReason, SettleOutcome, Settlement,
-    UsageBounds,
+    Clock, Coordinator, EntryStatus, Ledger, LedgerEntry, MAX_TOKEN_COUNT, ReviewReason,
+    SettleOutcome, Settlement,
 };
-use crate::protocol::{NodeFrame, ServerFrame};
+use crate::protocol::{NodeFrame, ServerFrame, is_finish_reason};
 use crate::tasks::TaskGuard;
 
 /// How often the actor checks that heartbeats still arrive.
@@ -430,7 +430,7 @@ async fn on_frame(state: &mut NodeState, myself: &ActorRef<NodeMsg>, frame: Node
         } => {
             // Engines name the reason in a short word; anything else (control characters,
             // NUL, kilobytes) would reach the client and the generation's record.
-            let finish_reason = if is_reason(&finish_reason) {
+            let finish_reason = if is_finish_reason(&finish_reason) {
                 finish_reason
             } else {
                 violation(state, myself, Violation::MalformedFrame, Some(&request_id)).await;
@@ -466,20 +466,11 @@ async fn on_frame(state: &mut NodeState, myself: &ActorRef<NodeMsg>, frame: Node
     }
 }
 
-/// A finish reason as engines write them: 1 to 32 lower-case ASCII letters, digits or `_`.
-fn is_reason(reason: &str) -> bool {
-    (1..=32).contains(&reason.len())
-        && reason
-            .bytes()
-            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_')
-}
-
-/// Codes of an engine that failed the work itself (not the client's request, not a drain).
+/// Codes that say the node's engine cannot take work at all: unreachable, or loading. An
+/// engine's error answer (a 5xx, a 429) may come from the request itself, so it retries the
+/// request elsewhere without counting against the node.
 fn engine_refused(code: &str) -> bool {
-    matches!(
-        code,
-        "model_backend_error" | "model_loading" | "model_not_found"
-    )
+    matches!(code, "engine_unreachable" | "model_loading")
 }
 
 /// One more refusal in a row; at the threshold the node leaves routing until its next
@@ -617,67 +608,31 @@ async fn settle_orphan(
         violation(state, myself, Violation::UsageOutOfRange, Some(&request_id)).await;
         review = Some(ReviewReason::UsageUnrepresentable);
     }
-    // The row to settle: the request id, or the generation's current admission's row.
+    // The row to settle: the request id, or the generation's current admission's row. A
+    // `done` for an older or fenced attempt is stale: acked (the node may forget it), never
+    // billed.
     let mut ledger_id = request_id.clone();
+    let mut record = None;
     if let Some(store) = &state.args.lifecycle {
-        let record = match store.get_generation(&request_id).await {
-            Ok(record) => record,
-            Err(e) => {
-                tracing::warn!(%request_id, error = %e, "could not read a done's generation; left unacked");
-                return;
-            }
-        };
-        if let Some(record) = &record {
-            ledger_id.clone_from(&record.ledger_id);
-        }
-        // The record shows what the ledger will bill (the claim within the row's bounds).
-        let billed = match state.args.ledger.bounds(&ledger_id).await {
-            Ok(bounds) => bounds
-                .unwrap_or(UsageBounds::UNBOUNDED)
-                .bill(prompt_tokens, completion_tokens),
-            Err(e) => {
-                tracing::warn!(%request_id, error = %e, "could not read a row's bounds; left unacked");
-                return;
-            }
-        };
-        let now = state.args.clock.wall().timestamp_millis();
-        let finish = Event::Finish {
-            attempt,
-            from_node: true,
-            outcome: match (finish_reason.as_str(), review) {
-                (_, Some(ReviewReason::UsageUnrepresentable)) => {
-                    Outcome::Failed("model_backend_error".into())
+        match store.get_generation(&request_id).await {
+            Ok(Some(rec)) => {
+                if rec.attempt != attempt || rec.attempt_state == AttemptState::Fenced {
+                    metrics::counter!(STALE_FRAMES_TOTAL, "reason" => "old_attempt").increment(1);
+                    tracing::info!(%request_id, attempt, "rejected a done from a fenced attempt");
+                    send(
+                        state,
+                        myself,
+                        ServerFrame::Ack {
+                            request_id,
+                            attempt,
+                        },
+                    );
+                    return;
                 }
-                ("stop" | "length" | "tool_calls", _) => Outcome::Completed,
-                _ => Outcome::Failed("model_backend_error".into()),
-            },
-            input_tokens: billed.prompt_tokens,
-            output_tokens: billed.completion_tokens,
-            output: None,
-            finish_reason: Some(finish_reason.clone()),
-        };
-        match store.apply_generation(&request_id, &finish, now).await {
-            // A fenced or older attempt: rejected, never billed; the node may forget it.
-            Ok(applied)
-                if applied.result == Err(Refusal::Stale)
-                    || (applied.result == Err(Refusal::Final)
-                        && (applied.record.attempt != attempt
-                            || applied.record.attempt_state == AttemptState::Fenced)) =>
-            {
-                metrics::counter!(STALE_FRAMES_TOTAL, "reason" => "old_attempt").increment(1);
-                tracing::info!(%request_id, attempt, "rejected a done from a fenced attempt");
-                send(
-                    state,
-                    myself,
-                    ServerFrame::Ack {
-                        request_id,
-                        attempt,
-                    },
-                );
-                return;
+                ledger_id.clone_from(&rec.ledger_id);
+                record = Some(rec);
             }
-            Ok(applied) => ledger_id = applied.record.ledger_id,
-            Err(LifecycleError::Unknown) => {}
+            Ok(None) => {}
             Err(e) => {
                 tracing::warn!(%request_id, error = %e, "could not check a done's attempt; left unacked");
                 return;
@@ -685,29 +640,69 @@ async fn settle_orphan(
         }
     }
     let settlement = Settlement {
-        request_id: ledger_id,
+        request_id: ledger_id.clone(),
         prompt_tokens,
         completion_tokens,
         review,
     };
-    match state.args.ledger.settle(&settlement).await {
+    let outcome = match state.args.ledger.settle(&settlement).await {
         // No record of the attempt and no row: a request this server never admitted.
         Ok(SettleOutcome::Unknown) if !verified => {
             violation(state, myself, Violation::ForeignRequest, Some(&request_id)).await;
+            return;
         }
-        Ok(outcome) => {
-            tracing::info!(%request_id, attempt, ?outcome, "settled a done without a live generation");
-            send(
-                state,
-                myself,
-                ServerFrame::Ack {
-                    request_id,
-                    attempt,
-                },
-            );
-        }
+        Ok(outcome) => outcome,
         Err(e) => {
-            tracing::warn!(%request_id, error = %e, "could not settle an orphan done; left unacked")
+            tracing::warn!(%request_id, error = %e, "could not settle an orphan done; left unacked");
+            return;
+        }
+    };
+    tracing::info!(%request_id, attempt, ?outcome, "settled a done without a live generation");
+    // The record shows what the ledger holds, never the claim.
+    if let (Some(store), Some(rec)) = (&state.args.lifecycle, record)
+        && !rec.status.is_terminal()
+    {
+        let (input_tokens, output_tokens) = match state.args.ledger.entry(&ledger_id).await {
+            Ok(Some(LedgerEntry {
+                status:
+                    EntryStatus::Settled {
+                        prompt_tokens,
+                        completion_tokens,
+                    },
+                ..
+            })) => (prompt_tokens, completion_tokens),
+            Ok(_) => (0, 0),
+            Err(e) => {
+                tracing::warn!(%request_id, error = %e, "could not read a settled row; left unacked");
+                return;
+            }
+        };
+        let failed = review == Some(ReviewReason::UsageUnrepresentable)
+            || matches!(finish_reason.as_str(), "abort" | "error");
+        let finish = Event::Finish {
+            attempt,
+            from_node: true,
+            outcome: if failed {
+                Outcome::Failed("model_backend_error".into())
+            } else {
+                Outcome::Completed
+            },
+            input_tokens,
+            output_tokens,
+            output: None,
+            finish_reason: Some(finish_reason),
+        };
+        let now = state.args.clock.wall().timestamp_millis();
+        if let Err(e) = store.apply_generation(&request_id, &finish, now).await {
+            tracing::warn!(%request_id, error = %e, "could not end a generation from its done; the sweeper will");
         }
     }
+    send(
+        state,
+        myself,
+        ServerFrame::Ack {
+            request_id,
+            attempt,
+        },
+    );
 }

@@ -169,8 +169,18 @@ impl Ledger for MemoryLedger {
         self.finish(request_id, RowStatus::Cancelled, None)
     }
 
-    async fn bounds(&self, request_id: &str) -> Result<Option<super::UsageBounds>, LedgerError> {
+    async fn entry(&self, request_id: &str) -> Result<Option<super::LedgerEntry>, LedgerError> {
         self.check()?;
-        Ok(self.row(request_id).map(|r| r.reservation.bounds))
+        Ok(self.row(request_id).map(|r| super::LedgerEntry {
+            bounds: r.reservation.bounds,
+            status: match r.status {
+                RowStatus::Reserved => super::EntryStatus::Reserved,
+                RowStatus::Settled => super::EntryStatus::Settled {
+                    prompt_tokens: r.prompt_tokens,
+                    completion_tokens: r.completion_tokens,
+                },
+                RowStatus::Cancelled => super::EntryStatus::Cancelled,
+            },
+        }))
     }
 }

@@ -197,10 +197,35 @@ pub trait Ledger: Send + Sync + Debug + 'static {
     async fn settle(&self, settlement: &Settlement) -> Result<SettleOutcome, LedgerError>;
     /// Moves a `reserved` row to `cancelled` (no GPU work was done); final rows are left alone.
     async fn cancel(&self, request_id: &str) -> Result<SettleOutcome, LedgerError>;
-    /// The bounds the row of `request_id` was reserved with (`None`: no such row;
-    /// [`UsageBounds::UNBOUNDED`] for a row admitted before bounds existed), so that whoever
-    /// settles a `done` without its generation can tell what will be billed.
-    async fn bounds(&self, request_id: &str) -> Result<Option<UsageBounds>, LedgerError>;
+    /// Where the row of `request_id` stands and what it billed (`None`: no such row), so that
+    /// what a client or a record is told is what the ledger holds.
+    async fn entry(&self, request_id: &str) -> Result<Option<LedgerEntry>, LedgerError>;
+}
+
+/// A ledger row as far as the actors need it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LedgerEntry {
+    /// The bounds it was reserved with ([`UsageBounds::UNBOUNDED`] for a row admitted before
+    /// bounds existed).
+    pub bounds: UsageBounds,
+    /// Where it stands.
+    pub status: EntryStatus,
+}
+
+/// Where a ledger row stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EntryStatus {
+    /// Open.
+    Reserved,
+    /// Final, billed these counts.
+    Settled {
+        /// Prompt tokens billed.
+        prompt_tokens: u64,
+        /// Completion tokens billed.
+        completion_tokens: u64,
+    },
+    /// Final, billed nothing.
+    Cancelled,
 }
 
 /// Failures of the coordination backend.

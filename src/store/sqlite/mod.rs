@@ -27,11 +27,12 @@ use super::drift::{
 };
 use super::sql::{Settled, saturated, stored_bounds};
 use super::{
-    ApiKeyRecord, DriftReport, LedgerRow, LedgerStatus, NODE_LOCATIONS, NewApiKey, NodeRecord,
-    Store, StoreError, Team, covers,
+    ApiKeyRecord, DriftReport, KeyRevocation, LedgerRow, LedgerStatus, NODE_LOCATIONS, NewApiKey,
+    NodeRecord, Store, StoreError, Team, covers,
 };
 
 mod generations;
+mod ledger;
 mod rows;
 #[allow(unused_imports)]
 use rows::*;
@@ -357,81 +358,6 @@ struct WriteTx {
 }
 
 #[async_trait]
-impl Ledger for SqliteStore {
-    async fn reserve(&self, r: &Reservation) -> Result<(), LedgerError> {
-        let mut w = self.begin_write().await.map_err(ledger_unavailable)?;
-        // The balance check runs inside this transaction: `BEGIN IMMEDIATE` already holds
-        // the write lock, so no other reservation, settle or credit can slip between the
-        // check and the insert. Returning early drops `w`, which rolls back.
-        let row = sqlx::query(
-            "SELECT balance_microcredits, \
-             (SELECT COALESCE(SUM(estimated_cost_microcredits), 0) FROM usage_ledger \
-             WHERE team_id = ?1 AND status = 'reserved') AS held, \
-             EXISTS (SELECT 1 FROM usage_ledger WHERE request_id = ?2) AS taken \
-             FROM teams WHERE id = ?1",
-        )
-        .bind(r.team_id)
-        .bind(&r.request_id)
-        .fetch_optional(&mut *w.tx)
-        .await
-        .map_err(ledger_unavailable)?
-        .ok_or_else(|| LedgerError::Unavailable(format!("no team {}", r.team_id)))?;
-        let balance: i64 = row
-            .try_get("balance_microcredits")
-            .map_err(ledger_unavailable)?;
-        let held: i64 = row.try_get("held").map_err(ledger_unavailable)?;
-        let taken: bool = row.try_get("taken").map_err(ledger_unavailable)?;
-        // A retried reservation is a duplicate even when its own estimate fills the balance.
-        if taken {
-            return Err(LedgerError::Duplicate);
-        }
-        if !covers(balance, held, r.estimated_cost) {
-            return Err(LedgerError::InsufficientBalance);
-        }
-        sqlx::query(
-            "INSERT INTO usage_ledger \
-             (request_id, team_id, key_id, model, estimated_cost_microcredits, \
-             price_input_per_mtok, price_output_per_mtok, status, created_at, \
-             prompt_token_bound, completion_token_bound) \
-             VALUES (?, ?, ?, ?, ?, ?, ?, 'reserved', ?, ?, ?)",
-        )
-        .bind(&r.request_id)
-        .bind(r.team_id)
-        .bind(r.key_id)
-        .bind(&r.model)
-        .bind(r.estimated_cost)
-        .bind(r.price_input_per_mtok)
-        .bind(r.price_output_per_mtok)
-        .bind(self.now_millis())
-        // A bound beyond the ledger's range is no bound: the same as `i64::MAX`.
-        .bind(saturated(r.bounds.prompt_tokens))
-        .bind(saturated(r.bounds.completion_tokens))
-        .execute(&mut *w.tx)
-        .await
-        .map_err(|e| match &e {
-            sqlx::Error::Database(d) if d.is_unique_violation() => LedgerError::Duplicate,
-            _ => ledger_unavailable(e),
-        })?;
-        w.tx.commit().await.map_err(ledger_unavailable)
-    }
-
-    async fn settle(&self, s: &Settlement) -> Result<SettleOutcome, LedgerError> {
-        self.finish(&s.request_id, Some(s)).await
-    }
-
-    async fn cancel(&self, request_id: &str) -> Result<SettleOutcome, LedgerError> {
-        self.finish(request_id, None).await
-    }
-
-    async fn bounds(&self, request_id: &str) -> Result<Option<super::UsageBounds>, LedgerError> {
-        let row = Store::ledger_row(self, request_id)
-            .await
-            .map_err(|e| LedgerError::Unavailable(e.to_string()))?;
-        Ok(row.map(|r| r.usage_bounds()))
-    }
-}
-
-#[async_trait]
 impl Store for SqliteStore {
     async fn migrate(&self) -> Result<(), StoreError> {
         SqliteStore::migrate(self).await
@@ -598,7 +524,7 @@ impl Store for SqliteStore {
         .collect()
     }
 
-    async fn revoke_api_key(&self, id: i64) -> Result<bool, StoreError> {
+    async fn revoke_api_key(&self, id: i64) -> Result<KeyRevocation, StoreError> {
         let _turn = self.writer.lock().await;
         let done =
             sqlx::query("UPDATE api_keys SET revoked_at = ? WHERE id = ? AND revoked_at IS NULL")
@@ -607,7 +533,20 @@ impl Store for SqliteStore {
                 .execute(&self.pool)
                 .await
                 .map_err(unavailable)?;
-        Ok(done.rows_affected() == 1)
+        if done.rows_affected() == 1 {
+            return Ok(KeyRevocation::Revoked);
+        }
+        let exists: bool =
+            sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM api_keys WHERE id = ?)")
+                .bind(id)
+                .fetch_one(&self.pool)
+                .await
+                .map_err(unavailable)?;
+        Ok(if exists {
+            KeyRevocation::AlreadyRevoked
+        } else {
+            KeyRevocation::Unknown
+        })
     }
 
     async fn create_node(

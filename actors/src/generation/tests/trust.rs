@@ -14,7 +14,7 @@ fn refusal(id: &str, attempt: u64) -> NodeFrame {
     NodeFrame::Error {
         request_id: id.into(),
         attempt,
-        code: "model_backend_error".into(),
+        code: "engine_unreachable".into(),
         message: "engine unreachable".into(),
     }
 }
