@@ -69,6 +69,8 @@ mod generations;
 mod ledger;
 #[path = "store/postgres.rs"]
 mod postgres;
+#[path = "store/upgrade.rs"]
+mod upgrade;
 
 on_both!(store:
     teams_round_trip,

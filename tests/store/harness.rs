@@ -75,6 +75,34 @@ impl Db {
     /// Creates the database for test `name`, connects through `connect_store` and migrates
     /// through the trait.
     pub async fn new(backend: Backend, name: &str) -> Self {
+        let db = Self::unmigrated(backend, name).await;
+        db.store.migrate().await.unwrap();
+        db
+    }
+
+    /// A database with only the migrations up to `version` applied, as an older release left
+    /// it; `store().migrate()` upgrades it.
+    pub async fn at_version(backend: Backend, name: &str, version: i64) -> Self {
+        let db = Self::unmigrated(backend, name).await;
+        let mut migrator = match backend {
+            Backend::Sqlite => sqlx::migrate!("./migrations/sqlite"),
+            Backend::Postgres => sqlx::migrate!("./migrations/postgres"),
+        };
+        migrator.migrations = migrator
+            .migrations
+            .iter()
+            .filter(|m| m.version <= version)
+            .cloned()
+            .collect::<Vec<_>>()
+            .into();
+        match db.raw().await {
+            Raw::Sqlite(pool) => migrator.run(&pool).await.unwrap(),
+            Raw::Postgres(pool) => migrator.run(&pool).await.unwrap(),
+        }
+        db
+    }
+
+    async fn unmigrated(backend: Backend, name: &str) -> Self {
         let (url, cleanup) = match backend {
             Backend::Sqlite => {
                 static SEQ: AtomicU32 = AtomicU32::new(0);
@@ -107,7 +135,6 @@ impl Db {
         let store = connect_store(&url)
             .await
             .unwrap_or_else(|e| panic!("connecting to the fresh {backend:?} database: {e}"));
-        store.migrate().await.unwrap();
         Self {
             backend,
             url,
