@@ -11,6 +11,45 @@ use switchyard_actors::ports::{
     LedgerError, MAX_TOKEN_COUNT, ReviewReason, Settlement, UsageBounds, cost_of,
 };
 
+/// Columns of `usage_ledger` read into a [`LedgerRow`](super::LedgerRow), the same on both
+/// backends.
+macro_rules! ledger_columns {
+    () => {
+        "id, request_id, team_id, key_id, model, prompt_tokens, completion_tokens, \
+         cost_microcredits, estimated_cost_microcredits, price_input_per_mtok, \
+         price_output_per_mtok, status, created_at, settled_at, prompt_token_bound, \
+         completion_token_bound, claimed_prompt_tokens, claimed_completion_tokens, review"
+    };
+}
+pub(crate) use ledger_columns;
+
+/// A row's bound on one count, unbounded (the ledger's range) for rows admitted before
+/// bounds existed.
+macro_rules! bound_sql {
+    ($column:literal) => {
+        concat!("COALESCE(", $column, ", 9223372036854775807)")
+    };
+}
+pub(crate) use bound_sql;
+
+/// Whether a settle's claim (`$2` prompt, `$3` completion, saturated; `$4` when either was
+/// beyond i64 before saturating) exceeds the row's bounds: [`UsageBounds::bill`]'s `clamped`.
+/// Both backends read `$n` placeholders.
+///
+/// [`UsageBounds::bill`]: switchyard_actors::ports::UsageBounds::bill
+macro_rules! clamped {
+    () => {
+        concat!(
+            "($4 OR $2 > ",
+            $crate::store::sql::bound_sql!("prompt_token_bound"),
+            " OR $3 > ",
+            $crate::store::sql::bound_sql!("completion_token_bound"),
+            ")"
+        )
+    };
+}
+pub(crate) use clamped;
+
 use super::StoreError;
 
 pub(super) fn unavailable(e: sqlx::Error) -> StoreError {

@@ -159,6 +159,22 @@ pub async fn metric(client: &reqwest::Client, base: &str, name: &str) -> f64 {
         .unwrap_or_else(|| panic!("metric {name} missing"))
 }
 
+/// Sum of the samples of metric `name` whose line contains `label` (0 when none).
+pub async fn metric_sum(base: &str, name: &str, label: &str) -> f64 {
+    let page = http()
+        .get(format!("{base}/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    page.lines()
+        .filter(|l| l.starts_with(name) && l.contains(label))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
 /// Polls `cond` every 10 ms until it holds or `limit` passes; returns the time it took.
 pub async fn eventually<F, Fut>(limit: Duration, mut cond: F) -> Option<Duration>
 where

@@ -282,16 +282,5 @@ pub async fn send_raw(ws: &mut Ws, text: &str) {
 
 /// Sum of a server metric's samples whose labels contain `label`.
 pub async fn metric(f: &PgFleet, name: &str, label: &str) -> f64 {
-    let page = http()
-        .get(f.url("/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    page.lines()
-        .filter(|l| l.starts_with(name) && l.contains(label))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
+    crate::common::metric_sum(&f.server.base_url(), name, label).await
 }

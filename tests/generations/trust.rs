@@ -53,6 +53,43 @@ fn chat(max_tokens: u64, stream: bool) -> Value {
            "max_tokens": max_tokens, "stream": stream, "stream_options": {"include_usage": true}})
 }
 
+/// The scripted node accepts attempt 1 of `id` and streams `text` as its first chunk.
+async fn accept_and_say(ws: &mut Ws, id: &str, text: &str) {
+    send(
+        ws,
+        json!({"type": "accepted", "request_id": id, "attempt": 1}),
+    )
+    .await;
+    send(
+        ws,
+        json!({"type": "chunk", "request_id": id, "attempt": 1, "seq": 0, "delta": text}),
+    )
+    .await;
+}
+
+/// A non-streaming `max_tokens: 5` chat request, sent in the background; its id is read from
+/// the `assign` the scripted node receives.
+async fn chat_on(
+    f: &PgFleet,
+    node: &mut Ws,
+) -> (tokio::task::JoinHandle<reqwest::Response>, String) {
+    let request = tokio::spawn({
+        let (url, key) = (f.url("/v1/chat/completions"), f.api_key.clone());
+        async move {
+            http()
+                .post(url)
+                .bearer_auth(key)
+                .json(&chat(5, false))
+                .send()
+                .await
+                .unwrap()
+        }
+    });
+    let assign = recv(node).await;
+    let id = assign["request_id"].as_str().unwrap().to_owned();
+    (request, id)
+}
+
 async fn post_chat(f: &PgFleet, body: &Value) -> reqwest::Response {
     http()
         .post(f.url("/v1/chat/completions"))
@@ -186,30 +223,8 @@ async fn a_report_beyond_the_requests_bounds_is_billed_at_the_bounds_and_marked(
 
     // max_tokens 5, and the node claims 100,000 completion tokens.
     let before = balance(&f).await;
-    let request = tokio::spawn({
-        let (url, key) = (f.url("/v1/chat/completions"), f.api_key.clone());
-        async move {
-            http()
-                .post(url)
-                .bearer_auth(key)
-                .json(&chat(5, false))
-                .send()
-                .await
-                .unwrap()
-        }
-    });
-    let assign = recv(&mut liar).await;
-    let id = assign["request_id"].as_str().unwrap().to_owned();
-    send(
-        &mut liar,
-        json!({"type": "accepted", "request_id": id, "attempt": 1}),
-    )
-    .await;
-    send(
-        &mut liar,
-        json!({"type": "chunk", "request_id": id, "attempt": 1, "seq": 0, "delta": "hi"}),
-    )
-    .await;
+    let (request, id) = chat_on(&f, &mut liar).await;
+    accept_and_say(&mut liar, &id, "hi").await;
     send(
         &mut liar,
         json!({"type": "done", "request_id": id, "attempt": 1, "prompt_tokens": 3,
@@ -248,20 +263,7 @@ async fn a_report_beyond_the_requests_bounds_is_billed_at_the_bounds_and_marked(
     assert_eq!(balance(&f).await, before - row.cost_microcredits);
 
     // A prompt claim of 2^62 is billed at the gateway's count plus its margin.
-    let request = tokio::spawn({
-        let (url, key) = (f.url("/v1/chat/completions"), f.api_key.clone());
-        async move {
-            http()
-                .post(url)
-                .bearer_auth(key)
-                .json(&chat(5, false))
-                .send()
-                .await
-                .unwrap()
-        }
-    });
-    let assign = recv(&mut liar).await;
-    let id = assign["request_id"].as_str().unwrap().to_owned();
+    let (request, id) = chat_on(&f, &mut liar).await;
     send(
         &mut liar,
         json!({"type": "done", "request_id": id, "attempt": 1, "prompt_tokens": 1u64 << 62,
@@ -306,16 +308,7 @@ async fn counts_no_ledger_can_hold_end_the_generation_with_an_error_and_a_final_
         let mut events = Events::new(f.submit(key, &body("hello", 50, true)).await);
         let assign = recv(&mut liar).await;
         let id = assign["request_id"].as_str().unwrap().to_owned();
-        send(
-            &mut liar,
-            json!({"type": "accepted", "request_id": id, "attempt": 1}),
-        )
-        .await;
-        send(
-            &mut liar,
-            json!({"type": "chunk", "request_id": id, "attempt": 1, "seq": 0, "delta": "hi"}),
-        )
-        .await;
+        accept_and_say(&mut liar, &id, "hi").await;
         send_raw(
             &mut liar,
             &format!(
@@ -379,16 +372,7 @@ async fn a_nul_in_a_nodes_output_is_kept_as_streamed() {
     let mut events = Events::new(f.submit("nul-1", &body("hello", 50, true)).await);
     let assign = recv(&mut node).await;
     let id = assign["request_id"].as_str().unwrap().to_owned();
-    send(
-        &mut node,
-        json!({"type": "accepted", "request_id": id, "attempt": 1}),
-    )
-    .await;
-    send(
-        &mut node,
-        json!({"type": "chunk", "request_id": id, "attempt": 1, "seq": 0, "delta": "a\u{0}b"}),
-    )
-    .await;
+    accept_and_say(&mut node, &id, "a\u{0}b").await;
     send(
         &mut node,
         json!({"type": "done", "request_id": id, "attempt": 1, "prompt_tokens": 3,

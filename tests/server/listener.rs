@@ -104,23 +104,6 @@ fn assert_envelope(raw: &Raw, status: u16, code: &str) {
     );
 }
 
-/// A labelled sample of the server's `/metrics`, 0 when absent.
-async fn metric(base: &str, name: &str, label: &str) -> f64 {
-    let page = http()
-        .get(format!("{base}/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    page.lines()
-        .find(|l| l.starts_with(name) && l.contains(label))
-        .and_then(|l| l.rsplit(' ').next())
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0.0)
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_silent_connection_is_closed_within_the_header_timeout() {
     let fleet = fleet(&[("small", 1)], 20.0, short_timeouts).await;
@@ -134,7 +117,7 @@ async fn a_silent_connection_is_closed_within_the_header_timeout() {
     );
     assert!(sent.is_empty(), "nothing was asked, nothing is answered");
     let base = fleet.server.base_url();
-    let refusals = metric(
+    let refusals = crate::common::metric_sum(
         &base,
         "switchyard_listener_refusals_total",
         "header_timeout",
@@ -192,7 +175,11 @@ async fn a_body_shorter_than_its_length_gets_408_with_the_envelope_and_the_conne
         "the connection closes after the 408"
     );
     let base = fleet.server.base_url();
-    assert!(metric(&base, "switchyard_listener_refusals_total", "body_timeout").await >= 1.0);
+    assert!(
+        crate::common::metric_sum(&base, "switchyard_listener_refusals_total", "body_timeout")
+            .await
+            >= 1.0
+    );
     fleet.shutdown(Duration::from_secs(1)).await;
 }
 
@@ -271,7 +258,7 @@ async fn timing_300_slow_header_connections_meet_the_per_client_cap() {
     let base = fleet.server.base_url();
     let ok = http().get(format!("{base}/healthz")).send().await.unwrap();
     assert_eq!(ok.status(), 200, "a normal request succeeds afterwards");
-    let capped = metric(
+    let capped = crate::common::metric_sum(
         &base,
         "switchyard_connections_refused_total",
         "per_client_cap",
@@ -346,9 +333,13 @@ async fn oversized_targets_and_heads_get_414_and_431_envelopes() {
         "request_too_large",
     );
     let base = fleet.server.base_url();
-    assert!(metric(&base, "switchyard_listener_refusals_total", "uri_too_long").await >= 2.0);
     assert!(
-        metric(
+        crate::common::metric_sum(&base, "switchyard_listener_refusals_total", "uri_too_long")
+            .await
+            >= 2.0
+    );
+    assert!(
+        crate::common::metric_sum(
             &base,
             "switchyard_listener_refusals_total",
             "head_too_large"
@@ -393,7 +384,10 @@ async fn malformed_heads_get_400_envelopes() {
         .expect("an HTTP/2 preface is closed at once");
     assert!(sent.is_empty(), "{:?}", String::from_utf8_lossy(&sent));
     let base = fleet.server.base_url();
-    assert!(metric(&base, "switchyard_listener_refusals_total", "malformed").await >= 5.0);
+    assert!(
+        crate::common::metric_sum(&base, "switchyard_listener_refusals_total", "malformed").await
+            >= 5.0
+    );
     fleet.shutdown(Duration::from_secs(1)).await;
 }
 

@@ -23,7 +23,7 @@ use switchyard_actors::ports::{
 use super::drift::{
     DRIFT_REVIEWED, DRIFT_TOTALS, assemble, check_range, model_drift_from_row, reviewed_fetch_limit,
 };
-use super::sql::{Settled, saturated, stored_bounds};
+use super::sql::{Settled, bound_sql, clamped, ledger_columns, saturated, stored_bounds};
 use super::{
     ApiKeyRecord, DriftReport, KeyRevocation, LedgerRow, LedgerStatus, NODE_LOCATIONS, NewApiKey,
     NodeRecord, Store, StoreError, Team, covers,
@@ -69,49 +69,17 @@ macro_rules! node_columns {
     };
 }
 
-/// Columns of `usage_ledger` read into a [`LedgerRow`].
-macro_rules! ledger_columns {
-    () => {
-        "id, request_id, team_id, key_id, model, prompt_tokens, completion_tokens, \
-         cost_microcredits, estimated_cost_microcredits, price_input_per_mtok, \
-         price_output_per_mtok, status, created_at, settled_at, prompt_token_bound, \
-         completion_token_bound, claimed_prompt_tokens, claimed_completion_tokens, review"
-    };
-}
-
-/// A row's bound on one count, unbounded (the ledger's range) for rows admitted before
-/// bounds existed.
-macro_rules! bound {
-    ($column:literal) => {
-        concat!("COALESCE(", $column, ", 9223372036854775807)")
-    };
-}
-
-/// Whether a settle's claim (`$2` prompt, `$3` completion, saturated; `$4` when either was
-/// beyond i64 before saturating) exceeds the row's bounds: [`UsageBounds::bill`]'s `clamped`.
-macro_rules! clamped {
-    () => {
-        concat!(
-            "($4 OR $2 > ",
-            bound!("prompt_token_bound"),
-            " OR $3 > ",
-            bound!("completion_token_bound"),
-            ")"
-        )
-    };
-}
-
 /// The prompt tokens a settle bills: the claim within the row's bound.
 macro_rules! billed_prompt {
     () => {
-        concat!("LEAST($2, ", bound!("prompt_token_bound"), ")")
+        concat!("LEAST($2, ", bound_sql!("prompt_token_bound"), ")")
     };
 }
 
 /// The completion tokens a settle bills: the claim within the row's bound.
 macro_rules! billed_completion {
     () => {
-        concat!("LEAST($3, ", bound!("completion_token_bound"), ")")
+        concat!("LEAST($3, ", bound_sql!("completion_token_bound"), ")")
     };
 }
 

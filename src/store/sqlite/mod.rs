@@ -25,7 +25,7 @@ use switchyard_actors::ports::{
 use super::drift::{
     DRIFT_REVIEWED, DRIFT_TOTALS, assemble, check_range, model_drift_from_row, reviewed_fetch_limit,
 };
-use super::sql::{Settled, saturated, stored_bounds};
+use super::sql::{Settled, bound_sql, clamped, ledger_columns, saturated, stored_bounds};
 use super::{
     ApiKeyRecord, DriftReport, KeyRevocation, LedgerRow, LedgerStatus, NODE_LOCATIONS, NewApiKey,
     NodeRecord, Store, StoreError, Team, covers,
@@ -64,40 +64,6 @@ macro_rules! node_columns {
     };
 }
 
-/// Columns of `usage_ledger` read into a [`LedgerRow`].
-macro_rules! ledger_columns {
-    () => {
-        "id, request_id, team_id, key_id, model, prompt_tokens, completion_tokens, \
-         cost_microcredits, estimated_cost_microcredits, price_input_per_mtok, \
-         price_output_per_mtok, status, created_at, settled_at, prompt_token_bound, \
-         completion_token_bound, claimed_prompt_tokens, claimed_completion_tokens, review"
-    };
-}
-
-/// A row's bound on one count, unbounded (the ledger's range) for rows admitted before
-/// bounds existed.
-macro_rules! bound {
-    ($column:literal) => {
-        concat!("COALESCE(", $column, ", 9223372036854775807)")
-    };
-}
-
-/// Whether a settle's claim (`$2` prompt, `$3` completion, saturated; `$4` when either was
-/// beyond i64 before saturating) exceeds the row's bounds: [`UsageBounds::bill`]'s `clamped`.
-///
-/// [`UsageBounds::bill`]: switchyard_actors::ports::UsageBounds::bill
-macro_rules! clamped {
-    () => {
-        concat!(
-            "($4 OR $2 > ",
-            bound!("prompt_token_bound"),
-            " OR $3 > ",
-            bound!("completion_token_bound"),
-            ")"
-        )
-    };
-}
-
 /// Settles row `$1` if it is still reserved, in one statement: bills the claim within the
 /// row's bounds, keeps the claim and marks the row for review when clamped (`$5`, a review
 /// the caller asks for, wins), and returns what it wrote for the check against the port's
@@ -108,9 +74,9 @@ macro_rules! clamped {
 /// [`cost_of`]: switchyard_actors::ports::cost_of
 const SETTLE: &str = concat!(
     "UPDATE usage_ledger SET status = 'settled', prompt_tokens = MIN($2, ",
-    bound!("prompt_token_bound"),
+    bound_sql!("prompt_token_bound"),
     "), completion_tokens = MIN($3, ",
-    bound!("completion_token_bound"),
+    bound_sql!("completion_token_bound"),
     "), claimed_prompt_tokens = CASE WHEN ",
     clamped!(),
     " THEN $2 END, claimed_completion_tokens = CASE WHEN ",
