@@ -140,7 +140,12 @@ async fn relay(socket: WebSocket, node: &NodeHandle, frames: &mut mpsc::Receiver
                         return;
                     }
                 }
-                None => return, // the actor stopped
+                // The actor stopped (shutdown, a revoked token, too many violations): say so,
+                // so the agent sees a closed connection rather than a reset one.
+                None => {
+                    let _ = sink.send(Message::Close(None)).await;
+                    return;
+                }
             },
             incoming = stream.next() => match incoming {
                 Some(Ok(Message::Text(text))) => match decode_node_frame(&text) {
