@@ -41,6 +41,19 @@ pub enum TokenizerError {
     Encode(String),
 }
 
+impl TokenizerError {
+    /// The failure's kind, for logs: the messages of `Template` and `Encode` come from the
+    /// template engine and the tokenizer, which may quote the prompt.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Self::Read { .. } => "read",
+            Self::Load(_) => "load",
+            Self::Template(_) => "template",
+            Self::Encode(_) => "encode",
+        }
+    }
+}
+
 /// One chat message as OpenAI clients send it; `content` is a string or a list of parts.
 #[derive(Debug, Clone, Deserialize)]
 pub struct ChatMessage {

@@ -106,7 +106,8 @@ pub async fn measure(
             .with_param("messages"));
         }
         Some(Err(e)) => {
-            tracing::error!(model = %model.name, error = %e, "counting a prompt failed");
+            // The kind only: the tokenizer's message may quote the prompt.
+            tracing::error!(model = %model.name, kind = e.kind(), "counting a prompt failed");
             return Err(ApiError::unavailable(
                 "The prompt could not be counted; nothing was started.",
             ));

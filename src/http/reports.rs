@@ -54,15 +54,12 @@ struct DriftBody<'a> {
     reviewed_truncated: bool,
 }
 
-/// A required RFC 3339 instant named `name`.
+/// A required RFC 3339 instant named `name` (parsed as `/v1/usage` parses its bounds).
 fn instant(value: Option<&str>, name: &str) -> Result<DateTime<Utc>, ApiError> {
-    let invalid = |message: String| {
-        ApiError::new(ErrorCode::InvalidRequest, message).with_param(name.to_owned())
-    };
-    let value = value.ok_or_else(|| invalid(format!("`{name}` is required.")))?;
-    DateTime::parse_from_rfc3339(value)
-        .map(|d| d.with_timezone(&Utc))
-        .map_err(|_| invalid(format!("`{name}` must be an RFC 3339 time.")))
+    super::usage::bound(value, name)?.ok_or_else(|| {
+        ApiError::new(ErrorCode::InvalidRequest, format!("`{name}` is required."))
+            .with_param(name.to_owned())
+    })
 }
 
 /// `GET /admin/reports/drift?from=&to=`, admin only; settlements in `[from, to)`.

@@ -22,7 +22,8 @@ pub struct UsageQuery {
     to: Option<String>,
 }
 
-fn bound(v: Option<&str>, name: &str) -> Result<Option<DateTime<Utc>>, ApiError> {
+/// An optional RFC 3339 bound named `name`; a malformed one is 400 naming it.
+pub(super) fn bound(v: Option<&str>, name: &str) -> Result<Option<DateTime<Utc>>, ApiError> {
     v.map(|s| {
         DateTime::parse_from_rfc3339(s)
             .map(|d| d.with_timezone(&Utc))
