@@ -66,6 +66,10 @@ pub struct ModelConfig {
     /// A Jinja chat template for `tokenizer`; absent: the built-in template.
     #[serde(default)]
     pub chat_template: Option<std::path::PathBuf>,
+    /// An embedding model: served on `/v1/embeddings` only, billed by input tokens
+    /// (`price_output_per_mtok` unused).
+    #[serde(default)]
+    pub embedding: bool,
 }
 
 fn default_max_tokens() -> u32 {
@@ -333,6 +337,7 @@ pub fn default_models() -> Vec<ModelConfig> {
         node_concurrency: concurrency,
         default_max_tokens: default_max_tokens(),
         max_context_tokens: default_max_context_tokens(),
+        embedding: false,
         tokenizer: None,
         chat_template: None,
     };

@@ -281,6 +281,44 @@ impl PromptCounter {
     }
 }
 
+impl PromptCounter {
+    /// Counts plain texts (a legacy completion's prompt, an embeddings request's inputs) for
+    /// `model`, plus `token_ids` already tokenized by the client, with the same bound as
+    /// [`PromptCounter::count_chat`]: texts that must hold `limit` tokens or more are not
+    /// tokenized.
+    pub async fn count_texts(
+        &self,
+        model: &str,
+        texts: Vec<String>,
+        token_ids: u64,
+        limit: u64,
+    ) -> Option<Result<PromptCount, TokenizerError>> {
+        let tok = self.by_model.get(model)?.clone();
+        let bytes: u64 = texts.iter().map(|t| t.len() as u64).sum();
+        let at_least = (bytes / tok.max_token_bytes).saturating_add(token_ids);
+        if at_least >= limit {
+            return Some(Ok(PromptCount {
+                at_least: true,
+                messages: at_least,
+                extra: 0,
+            }));
+        }
+        let counted = tokio::task::spawn_blocking(move || {
+            let mut total = token_ids;
+            for t in &texts {
+                total = total.saturating_add(tok.count_text(t)?);
+            }
+            Ok(PromptCount {
+                at_least: false,
+                messages: total,
+                extra: 0,
+            })
+        })
+        .await;
+        Some(counted.unwrap_or_else(|e| Err(TokenizerError::Encode(e.to_string()))))
+    }
+}
+
 /// Body fields besides `messages` that a chat template may render into the prompt.
 const EXTRA_FIELDS: [&str; 4] = ["tools", "functions", "tool_choice", "response_format"];
 

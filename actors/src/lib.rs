@@ -40,6 +40,7 @@ pub mod lifecycle;
 pub mod metric_names;
 pub mod model_queue;
 pub mod node;
+pub mod output;
 pub mod ports;
 pub mod protocol;
 pub mod tasks;

@@ -5,6 +5,57 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::output::{RawJson, WireDelta};
+
+/// The protocol version this build speaks. 2 added the engine's structured delta
+/// (`chunk.delta` as an object, `chunk.logprobs`), `done.cached_tokens`, `assign.api`
+/// (legacy completions and embeddings) and the request's `x-request-id`/`traceparent`.
+pub const PROTOCOL_VERSION: u32 = 2;
+/// The oldest version this build still speaks (the previous one: a fleet upgrades one node
+/// at a time). A `register` without `protocol` is version 1.
+pub const OLDEST_PROTOCOL_VERSION: u32 = 1;
+
+fn protocol_one() -> u32 {
+    1
+}
+
+/// Which engine API an assignment runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Api {
+    /// `POST /v1/chat/completions` (every version).
+    #[default]
+    Chat,
+    /// `POST /v1/completions` (protocol 2).
+    Completions,
+    /// `POST /v1/embeddings` (protocol 2).
+    Embeddings,
+}
+
+impl Api {
+    /// Whether this is [`Api::Chat`] (which `assign` leaves out, as version 1 did).
+    pub fn is_chat(&self) -> bool {
+        *self == Api::Chat
+    }
+
+    /// The oldest protocol version that can run it.
+    pub fn min_protocol(self) -> u32 {
+        match self {
+            Api::Chat => 1,
+            Api::Completions | Api::Embeddings => 2,
+        }
+    }
+
+    /// The engine's path for it.
+    pub fn path(self) -> &'static str {
+        match self {
+            Api::Chat => "/v1/chat/completions",
+            Api::Completions => "/v1/completions",
+            Api::Embeddings => "/v1/embeddings",
+        }
+    }
+}
+
 /// Where a node runs: behind NAT in a company data centre, or in the cloud GPU pools.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -44,6 +95,9 @@ pub enum NodeFrame {
         version: String,
         /// On premises or cloud.
         location: Location,
+        /// The protocol version the agent speaks (absent: 1).
+        #[serde(default = "protocol_one")]
+        protocol: u32,
     },
     /// The engine took the assignment; sent before inference starts.
     Accepted {
@@ -60,8 +114,11 @@ pub enum NodeFrame {
         attempt: u64,
         /// Position of this chunk in the attempt, from 0, to drop duplicates and see gaps.
         seq: u64,
-        /// Incremental text.
-        delta: String,
+        /// Incremental text (version 1) or the engine's delta object (version 2).
+        delta: WireDelta,
+        /// The engine's `logprobs` for this delta, verbatim (version 2).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        logprobs: Option<RawJson>,
     },
     /// The engine finished; exact usage from the engine's final usage chunk.
     Done {
@@ -73,8 +130,11 @@ pub enum NodeFrame {
         prompt_tokens: u64,
         /// Completion tokens as the engine counted them.
         completion_tokens: u64,
-        /// `stop`, `length`, `abort`, …
+        /// `stop`, `length`, `tool_calls`, `abort`, … as the engine sent it.
         finish_reason: String,
+        /// `usage.prompt_tokens_details.cached_tokens` as the engine reported it (version 2).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        cached_tokens: Option<u64>,
     },
     /// The engine failed this assignment.
     Error {
@@ -106,8 +166,12 @@ pub enum NodeFrame {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum ServerFrame {
-    /// Registration accepted.
-    Registered {},
+    /// Registration accepted, in the version both sides speak (absent: 1, an older server).
+    Registered {
+        /// The version the node must speak on this connection.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        protocol: Option<u32>,
+    },
     /// Registration refused; the server closes the socket after this frame.
     Rejected {
         /// Why, for the node's log.
@@ -126,6 +190,15 @@ pub enum ServerFrame {
         model: String,
         /// The OpenAI request body to forward.
         body: serde_json::Value,
+        /// The engine API to call (absent: chat).
+        #[serde(default, skip_serializing_if = "Api::is_chat")]
+        api: Api,
+        /// The client's request id, sent to the engine as `X-Request-Id`.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        x_request_id: Option<String>,
+        /// The W3C `traceparent` to continue at the engine.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        traceparent: Option<String>,
         /// The attempt's lease: the node stops this work once it has heard nothing from the
         /// server for this long (any frame or pong renews it), because the server may by then
         /// have fenced the attempt and dispatched a new one. Absent: no lease.
@@ -179,6 +252,17 @@ pub struct Malformed {
 /// of waiting for a report that will never parse (the counts are a protocol violation either
 /// way, see `MAX_TOKEN_COUNT` in `ports`). Anything else unreadable is [`Malformed`].
 pub fn decode_node_frame(text: &str) -> Result<NodeFrame, Malformed> {
+    // Chunks first: they are most frames, and their raw delta cannot be read through serde's
+    // buffering of an internally tagged enum.
+    if let Ok(c) = serde_json::from_str::<ChunkFrame>(text) {
+        return Ok(NodeFrame::Chunk {
+            request_id: c.request_id,
+            attempt: c.attempt,
+            seq: c.seq,
+            delta: c.delta,
+            logprobs: c.logprobs,
+        });
+    }
     if let Ok(frame) = serde_json::from_str::<NodeFrame>(text) {
         return Ok(frame);
     }
@@ -215,7 +299,27 @@ pub fn decode_node_frame(text: &str) -> Result<NodeFrame, Malformed> {
         prompt_tokens: count("prompt_tokens")?,
         completion_tokens: count("completion_tokens")?,
         finish_reason,
+        cached_tokens: field("cached_tokens").and_then(serde_json::Value::as_u64),
     })
+}
+
+/// A `chunk` frame read directly (see [`decode_node_frame`]).
+#[derive(Deserialize)]
+struct ChunkFrame {
+    #[serde(rename = "type")]
+    _kind: ChunkTag,
+    request_id: String,
+    attempt: u64,
+    seq: u64,
+    delta: WireDelta,
+    #[serde(default)]
+    logprobs: Option<RawJson>,
+}
+
+#[derive(Deserialize)]
+enum ChunkTag {
+    #[serde(rename = "chunk")]
+    Chunk,
 }
 
 #[cfg(test)]
@@ -234,6 +338,7 @@ mod tests {
             r#"{"type":"accepted","request_id":"r1","attempt":2}"#
         );
         let s: ServerFrame = serde_json::from_str(r#"{"type":"drain"}"#).unwrap();
+        const { assert!(PROTOCOL_VERSION > OLDEST_PROTOCOL_VERSION) };
         assert_eq!(s, ServerFrame::Drain {});
         let r: ServerFrame =
             serde_json::from_str(r#"{"type":"rejected","reason":"bad token"}"#).unwrap();
@@ -270,6 +375,49 @@ mod tests {
             })
         );
         assert_eq!(decode_node_frame("{"), Err(Malformed { kind: None }));
+    }
+
+    #[test]
+    fn chunks_of_both_versions_round_trip_with_the_engines_bytes() {
+        let v1 = r#"{"type":"chunk","request_id":"r","attempt":1,"seq":0,"delta":"hi"}"#;
+        let f = decode_node_frame(v1).unwrap();
+        assert_eq!(serde_json::to_string(&f).unwrap(), v1);
+        let v2 = r#"{"type":"chunk","request_id":"r","attempt":1,"seq":1,"delta":{"content":"a b","x":[1, 2]},"logprobs":{"content":[]}}"#;
+        let f = decode_node_frame(v2).unwrap();
+        assert_eq!(serde_json::to_string(&f).unwrap(), v2);
+        let bad = r#"{"type":"chunk","request_id":"r","attempt":1,"seq":1,"delta":[1]}"#;
+        assert_eq!(
+            decode_node_frame(bad),
+            Err(Malformed {
+                kind: Some("chunk".into())
+            })
+        );
+    }
+
+    #[test]
+    fn a_version_one_register_and_a_version_two_assign_read_across_versions() {
+        let reg = r#"{"type":"register","node_id":"n","token":"t","gpus":[],"models":["m"],"version":"0.1.0","location":"cloud"}"#;
+        let Ok(NodeFrame::Register { protocol, .. }) = decode_node_frame(reg) else {
+            panic!("register not read");
+        };
+        assert_eq!(protocol, 1);
+        let assign = ServerFrame::Assign {
+            request_id: "r".into(),
+            attempt: 1,
+            model: "m".into(),
+            body: serde_json::json!({}),
+            api: Api::Chat,
+            x_request_id: None,
+            traceparent: None,
+            lease_ms: None,
+        };
+        // A chat assignment is written as version 1 wrote it.
+        assert_eq!(
+            serde_json::to_string(&assign).unwrap(),
+            r#"{"type":"assign","request_id":"r","attempt":1,"model":"m","body":{}}"#
+        );
+        let registered: ServerFrame = serde_json::from_str(r#"{"type":"registered"}"#).unwrap();
+        assert_eq!(registered, ServerFrame::Registered { protocol: None });
     }
 
     #[test]

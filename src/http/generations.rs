@@ -14,6 +14,7 @@ use serde_json::{Map, Value, json};
 use switchyard_actors::error::{ErrorCode, Failure};
 use switchyard_actors::generation::{GenEvent, GenerationStream, Usage};
 use switchyard_actors::lifecycle::{Event, GenerationRecord, Refusal};
+use switchyard_actors::output::{Assembled, Piece};
 use tracing::instrument;
 
 use super::error::{ApiError, Json, Path};
@@ -22,7 +23,7 @@ use super::sse::KEEP_ALIVE;
 use crate::server::AppState;
 
 /// Fields `POST /v1/generations` accepts; anything else is refused.
-const FIELDS: [&str; 8] = [
+const FIELDS: [&str; 10] = [
     "model",
     "messages",
     "stream",
@@ -31,6 +32,18 @@ const FIELDS: [&str; 8] = [
     "top_p",
     "seed",
     "stop",
+    "tools",
+    "tool_choice",
+];
+
+/// Fields passed to the engine as sent.
+const PASSED: [&str; 6] = [
+    "temperature",
+    "top_p",
+    "seed",
+    "stop",
+    "tools",
+    "tool_choice",
 ];
 
 /// The pub/sub channel on which a cancel reaches the replica running the generation.
@@ -110,11 +123,23 @@ async fn prepare(
     for m in messages {
         let role = m.get("role").and_then(Value::as_str);
         let content = m.get("content").and_then(Value::as_str);
-        if role.is_none() || content.is_none() {
-            return Err(
-                bad("Every message needs a string `role` and a string `content`.")
-                    .with_param("messages"),
-            );
+        // An assistant turn that called tools may carry no text.
+        let calls = m.get("tool_calls").is_some_and(Value::is_array);
+        if role.is_none() || (content.is_none() && !calls) {
+            return Err(bad(
+                "Every message needs a string `role` and a string `content` (or `tool_calls`).",
+            )
+            .with_param("messages"));
+        }
+    }
+    for field in ["tools", "tool_choice"] {
+        let ok = match (field, obj.get(field)) {
+            (_, None | Some(Value::Null)) => true,
+            ("tools", Some(v)) => v.is_array(),
+            (_, Some(v)) => v.is_string() || v.is_object(),
+        };
+        if !ok {
+            return Err(bad(&format!("`{field}` has the wrong type.")).with_param(field));
         }
     }
     let stream = match obj.get("stream") {
@@ -144,7 +169,7 @@ async fn prepare(
     engine.insert("model".into(), Value::String(model.name.clone()));
     engine.insert("messages".into(), Value::Array(messages.clone()));
     engine.insert("max_tokens".into(), Value::from(max_tokens));
-    for field in ["temperature", "top_p", "seed", "stop"] {
+    for field in PASSED {
         if let Some(v) = obj.get(field) {
             engine.insert(field.into(), v.clone());
         }
@@ -155,6 +180,9 @@ async fn prepare(
         engine_body: Value::Object(engine),
         max_tokens,
         idempotency: Some((key, fingerprint)),
+        prompt: lifecycle::Prompt::Chat,
+        x_request_id: lifecycle::client_request_id(headers),
+        traceparent: lifecycle::traceparent(headers),
     };
     Ok((plan, stream))
 }
@@ -201,33 +229,69 @@ impl Sequencer {
         self.event("generation.created", data)
     }
 
-    /// The SSE event for `event`, and whether it ends the stream.
-    fn render(&mut self, event: Option<GenEvent>) -> (SseEvent, bool) {
+    /// The SSE events for `event`, and whether it ends the stream. A piece of output is a
+    /// typed event per kind: `generation.reasoning.delta`, `generation.text.delta`, and a
+    /// `generation.tool_call.delta` per tool call fragment.
+    fn render(&mut self, event: Option<GenEvent>) -> (Vec<SseEvent>, bool) {
         let mut data = Map::new();
         match event {
-            Some(GenEvent::Delta(text)) => {
-                self.partial = true;
-                data.insert("index".into(), Value::from(0));
-                data.insert("delta".into(), Value::String(text));
-                (self.event("generation.text.delta", data), false)
-            }
+            Some(GenEvent::Delta(piece)) => (self.pieces(piece), false),
             Some(GenEvent::Finished(usage)) => {
                 data.insert("usage".into(), usage_json(&usage));
-                (self.event("generation.completed", data), true)
+                if usage.finish_reason != "stop" {
+                    data.insert(
+                        "finish_reason".into(),
+                        Value::String(usage.finish_reason.clone()),
+                    );
+                }
+                (vec![self.event("generation.completed", data)], true)
             }
             Some(GenEvent::Cancelled(usage)) => {
                 data.insert("usage".into(), usage_json(&usage));
-                (self.event("generation.cancelled", data), true)
+                (vec![self.event("generation.cancelled", data)], true)
             }
-            Some(GenEvent::Failed(failure)) => (self.error(&failure), true),
+            Some(GenEvent::Failed(failure)) => (vec![self.error(&failure)], true),
             None => {
                 let failure = Failure::new(
                     ErrorCode::ModelBackendError,
                     "The generation ended unexpectedly.",
                 );
-                (self.error(&failure), true)
+                (vec![self.error(&failure)], true)
             }
         }
+    }
+
+    fn pieces(&mut self, piece: Piece) -> Vec<SseEvent> {
+        self.partial = true;
+        let mut events = Vec::new();
+        if !piece.reasoning.is_empty() {
+            let mut data = Map::new();
+            data.insert("delta".into(), Value::String(piece.reasoning));
+            events.push(self.event("generation.reasoning.delta", data));
+        }
+        if !piece.text.is_empty() {
+            let mut data = Map::new();
+            data.insert("index".into(), Value::from(0));
+            data.insert("delta".into(), Value::String(piece.text));
+            events.push(self.event("generation.text.delta", data));
+        }
+        for call in piece.tool_calls {
+            let mut data = Map::new();
+            data.insert("tool_call_index".into(), Value::from(call.index));
+            if let Some(id) = call.id {
+                data.insert("id".into(), Value::String(id));
+            }
+            let function = call.function.unwrap_or_default();
+            if let Some(name) = function.name {
+                data.insert("name".into(), Value::String(name));
+            }
+            data.insert(
+                "arguments_delta".into(),
+                Value::String(function.arguments.unwrap_or_default()),
+            );
+            events.push(self.event("generation.tool_call.delta", data));
+        }
+        events
     }
 
     fn error(&mut self, failure: &Failure) -> SseEvent {
@@ -261,16 +325,22 @@ fn stream_events(generation: GenerationStream, id: String) -> Response {
         next: 0,
         partial: false,
     };
-    let created = seq.created("queued");
-    let state = (Some(generation), seq, Some(created));
-    let events = futures::stream::unfold(state, |(generation, mut seq, first)| async move {
-        if let Some(first) = first {
-            return Some((first, (generation, seq, None)));
-        }
-        let mut generation = generation?;
-        let (event, last) = seq.render(generation.next().await);
-        Some((event, ((!last).then_some(generation), seq, None)))
-    });
+    let pending = std::collections::VecDeque::from([seq.created("queued")]);
+    let state = (Some(generation), seq, pending);
+    let events =
+        futures::stream::unfold(state, |(mut generation, mut seq, mut pending)| async move {
+            loop {
+                if let Some(event) = pending.pop_front() {
+                    return Some((event, (generation, seq, pending)));
+                }
+                let g = generation.as_mut()?;
+                let (events, last) = seq.render(g.next().await);
+                pending.extend(events);
+                if last {
+                    generation = None;
+                }
+            }
+        });
     sse(events)
 }
 
@@ -280,11 +350,11 @@ async fn collect(
     id: &str,
     model: &str,
 ) -> Result<Response, ApiError> {
-    let mut text = String::new();
+    let mut out = Assembled::default();
     loop {
         let (status, usage) = match generation.next().await {
-            Some(GenEvent::Delta(d)) => {
-                text.push_str(&d);
+            Some(GenEvent::Delta(piece)) => {
+                out.push(&piece);
                 continue;
             }
             Some(GenEvent::Finished(u)) => ("completed", u),
@@ -292,7 +362,7 @@ async fn collect(
             Some(GenEvent::Failed(failure)) => {
                 let mut err = ApiError::from(failure);
                 err.details = Some(Box::new(
-                    json!({"generation_id": id, "partial": !text.is_empty()}),
+                    json!({"generation_id": id, "partial": out != Assembled::default()}),
                 ));
                 return Err(err);
             }
@@ -307,11 +377,31 @@ async fn collect(
             "id": id,
             "status": status,
             "model": model,
-            "output": [{"type": "text", "text": text}],
+            "output": output_items(&out),
             "usage": usage_json(&usage),
         });
         return Ok(axum::Json(body).into_response());
     }
+}
+
+/// The output as the API lists it: the reasoning, the text, then each tool call.
+fn output_items(out: &Assembled) -> Value {
+    let mut items = Vec::new();
+    if !out.reasoning.is_empty() {
+        items.push(json!({"type": "reasoning", "text": out.reasoning}));
+    }
+    if !out.content.is_empty() || out.tool_calls.is_empty() {
+        items.push(json!({"type": "text", "text": out.content}));
+    }
+    for call in out.tool_calls() {
+        items.push(json!({
+            "type": "tool_call",
+            "id": call.id,
+            "name": call.function.name,
+            "arguments": call.function.arguments,
+        }));
+    }
+    Value::Array(items)
 }
 
 /// The record as the API shows it.
@@ -352,9 +442,9 @@ fn replay(state: &AppState, rec: &GenerationRecord, stream: bool) -> Result<Resp
     };
     let mut events = vec![seq.created(rec.status.as_str())];
     if !text.is_empty() {
-        events.push(seq.render(Some(GenEvent::Delta(text))).0);
+        events.extend(seq.render(Some(GenEvent::Delta(text.into()))).0);
     }
-    events.push(seq.render(Some(end)).0);
+    events.extend(seq.render(Some(end)).0);
     Ok(sse(futures::stream::iter(events)))
 }
 

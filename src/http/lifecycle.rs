@@ -17,6 +17,7 @@ use switchyard_actors::lifecycle::{
 };
 use switchyard_actors::metric_names::REQUESTS_TOTAL;
 use switchyard_actors::ports::{Reservation, UsageBounds, cost_of};
+use switchyard_actors::protocol::Api;
 
 use super::error::ApiError;
 use crate::auth::Principal;
@@ -40,6 +41,48 @@ pub struct Plan {
     pub max_tokens: u64,
     /// (Idempotency-Key, fingerprint of the normalized semantic inputs).
     pub idempotency: Option<(String, String)>,
+    /// The engine API and what its prompt is.
+    pub prompt: Prompt,
+    /// The client's request id, passed to the engine.
+    pub x_request_id: Option<String>,
+    /// The W3C trace context, passed to the engine.
+    pub traceparent: Option<String>,
+}
+
+/// What a request's prompt is, to count it before admission.
+#[derive(Debug, Clone)]
+pub enum Prompt {
+    /// A chat body's `messages` (and the fields its template renders).
+    Chat,
+    /// Plain texts and client-tokenized ids: a legacy completion's `prompt`, an embeddings
+    /// request's `input`.
+    Texts {
+        /// The engine API.
+        api: Api,
+        /// The texts.
+        texts: Vec<String>,
+        /// Tokens given as ids.
+        token_ids: u64,
+        /// The body field they came from, for errors.
+        param: &'static str,
+    },
+}
+
+impl Prompt {
+    /// The engine API the request runs on.
+    pub fn api(&self) -> Api {
+        match self {
+            Prompt::Chat => Api::Chat,
+            Prompt::Texts { api, .. } => *api,
+        }
+    }
+
+    fn param(&self) -> &'static str {
+        match self {
+            Prompt::Chat => "messages",
+            Prompt::Texts { param, .. } => param,
+        }
+    }
 }
 
 /// What the pipeline produced.
@@ -93,10 +136,23 @@ pub async fn measure(
     state: &AppState,
     model: &ModelConfig,
     body: &serde_json::Map<String, Value>,
+    prompt: &Prompt,
     max_tokens: u64,
 ) -> Result<Measured, ApiError> {
     let context = u64::from(model.max_context_tokens);
-    let count = match state.prompts.count_chat(&model.name, body, context).await {
+    let param = prompt.param();
+    let counted = match prompt {
+        Prompt::Chat => state.prompts.count_chat(&model.name, body, context).await,
+        Prompt::Texts {
+            texts, token_ids, ..
+        } => {
+            state
+                .prompts
+                .count_texts(&model.name, texts.clone(), *token_ids, context)
+                .await
+        }
+    };
+    let count = match counted {
         Some(Ok(count)) => count,
         Some(Err(crate::tokens::TokenizerError::Template(_))) => {
             return Err(ApiError::new(
@@ -119,16 +175,18 @@ pub async fn measure(
             ));
         }
     };
-    if count.messages >= context {
+    // An embedding has no output: its input may fill the context.
+    let room_needed = u64::from(prompt.api() != Api::Embeddings);
+    if count.messages.saturating_add(room_needed) > context {
         let at_least = if count.at_least { "at least " } else { "" };
         return Err(ApiError::new(
             ErrorCode::ContextLengthExceeded,
             format!(
-                "This model's maximum context length is {context} tokens; the messages count {at_least}{} tokens, which leaves no room for output.",
+                "This model's maximum context length is {context} tokens; the `{param}` count {at_least}{} tokens, which leaves no room for output.",
                 count.messages
             ),
         )
-        .with_param("messages"));
+        .with_param(param));
     }
     let trust = &state.config.trust;
     let counted = count.messages.saturating_add(count.extra);
@@ -151,7 +209,7 @@ async fn measure_plan(state: &AppState, plan: &Plan) -> Result<Measured, ApiErro
             "The body must be a JSON object.",
         ));
     };
-    measure(state, &plan.model, body, plan.max_tokens).await
+    measure(state, &plan.model, body, &plan.prompt, plan.max_tokens).await
 }
 
 /// The most output tokens a request may ask for: the model's context.
@@ -167,6 +225,28 @@ pub fn check_max_tokens(model: &ModelConfig, field: &str, n: u64) -> Result<u64,
         .with_param(field));
     }
     Ok(n)
+}
+
+/// The client's `x-request-id` when it is one the engine and the logs may carry: 1 to 128
+/// visible ASCII characters. Anything else is not passed on (the gateway's own id is).
+pub fn client_request_id(headers: &HeaderMap) -> Option<String> {
+    let v = headers.get("x-request-id")?.to_str().ok()?;
+    ((1..=128).contains(&v.len()) && v.bytes().all(|b| b.is_ascii_graphic())).then(|| v.to_owned())
+}
+
+/// A well-formed W3C `traceparent` (`00-` 32 hex `-` 16 hex `-` 2 hex), to continue the
+/// client's trace at the engine.
+pub fn traceparent(headers: &HeaderMap) -> Option<String> {
+    let v = headers.get("traceparent")?.to_str().ok()?;
+    let parts: Vec<&str> = v.split('-').collect();
+    let hex = |s: &str, n: usize| s.len() == n && s.bytes().all(|b| b.is_ascii_hexdigit());
+    (parts.len() == 4
+        && hex(parts[0], 2)
+        && parts[0] != "ff"
+        && hex(parts[1], 32)
+        && hex(parts[2], 16)
+        && hex(parts[3], 2))
+    .then(|| v.to_ascii_lowercase())
 }
 
 /// The optional `Idempotency-Key` header: 1 to 255 visible ASCII characters, sent once.
@@ -456,6 +536,9 @@ async fn admit(state: &AppState, mut plan: Plan, id: &str) -> Result<Admission, 
         request_id: id.clone(),
         model: plan.model.name.clone(),
         body: plan.engine_body,
+        api: plan.prompt.api(),
+        x_request_id: plan.x_request_id,
+        traceparent: plan.traceparent,
         reservation,
         queue,
         ledger: state.store.clone(),
@@ -520,6 +603,7 @@ pub fn replayable(
         prompt_tokens: rec.input_tokens,
         completion_tokens: rec.output_tokens,
         finish_reason: rec.finish_reason.clone().unwrap_or_else(|| "stop".into()),
+        cached_tokens: None,
     };
     let end = match rec.status {
         Status::Completed => GenEvent::Finished(usage),

@@ -1,6 +1,8 @@
 //! The HTTP surface: the route table only. Handlers live in a file per endpoint group.
 
 mod admin;
+mod completions;
+mod embeddings;
 mod generations;
 pub use generations::CANCEL_CHANNEL;
 pub mod error;
@@ -27,6 +29,8 @@ use crate::server::AppState;
 pub fn router(state: Arc<AppState>) -> Router {
     Router::new()
         .route("/v1/chat/completions", post(openai::chat_completions))
+        .route("/v1/completions", post(completions::completions))
+        .route("/v1/embeddings", post(embeddings::embeddings))
         .route("/v1/models", get(openai::models))
         .route("/v1/generations", post(generations::create))
         .route("/v1/generations/{id}", get(generations::get))

@@ -16,7 +16,9 @@ use super::error::ApiError;
 use futures::{SinkExt, StreamExt};
 use subtle::ConstantTimeEq;
 use switchyard_actors::node::{NodeActor, NodeArgs, NodeHandle, NodeTrust, Violation};
-use switchyard_actors::protocol::{Malformed, NodeFrame, ServerFrame, decode_node_frame};
+use switchyard_actors::protocol::{
+    Malformed, NodeFrame, OLDEST_PROTOCOL_VERSION, PROTOCOL_VERSION, ServerFrame, decode_node_frame,
+};
 use switchyard_actors::tasks::TaskGuard;
 use tokio::sync::mpsc;
 
@@ -53,6 +55,8 @@ pub async fn connect(
 struct Registered {
     node_id: String,
     models: Vec<String>,
+    /// The version spoken on this connection: the agent's, or ours when it is newer.
+    protocol: u32,
 }
 
 async fn serve_node(state: Arc<AppState>, mut socket: WebSocket) {
@@ -92,11 +96,12 @@ async fn serve_node(state: Arc<AppState>, mut socket: WebSocket) {
             max_violations: state.config.trust.max_violations,
             window: Duration::from_secs(state.config.trust.violation_window_secs),
         },
+        protocol: registered.protocol,
     };
-    if send(&mut socket, &ServerFrame::Registered {})
-        .await
-        .is_err()
-    {
+    let accepted = ServerFrame::Registered {
+        protocol: Some(registered.protocol),
+    };
+    if send(&mut socket, &accepted).await.is_err() {
         return;
     }
     let node = match NodeActor::start(args).await {
@@ -187,10 +192,20 @@ async fn register(
         models,
         version,
         location,
-    }) = serde_json::from_str(&text)
+        protocol,
+    }) = decode_node_frame(&text)
     else {
         return Err(("the first frame must be register".into(), None));
     };
+    if protocol < OLDEST_PROTOCOL_VERSION {
+        return Err((
+            format!(
+                "protocol {protocol} is no longer spoken; this server speaks {OLDEST_PROTOCOL_VERSION} to {PROTOCOL_VERSION}"
+            ),
+            None,
+        ));
+    }
+    let protocol = protocol.min(PROTOCOL_VERSION);
     if state.registrations.check().is_err() {
         let wait = 250 + u64::from(rand::random::<u16>() % 750);
         return Err(("too many registrations; retry later".into(), Some(wait)));
@@ -225,10 +240,11 @@ async fn register(
     {
         tracing::warn!(error = %e, "could not record the registration");
     }
-    tracing::debug!(%node_id, %version, ?location, "register frame accepted");
+    tracing::debug!(%node_id, %version, protocol, ?location, "register frame accepted");
     Ok(Registered {
         node_id,
         models: known,
+        protocol,
     })
 }
 

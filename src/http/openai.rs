@@ -1,5 +1,7 @@
 //! `POST /v1/chat/completions` and `GET /v1/models`: authenticate, validate, start a
-//! generation, render it as OpenAI's SSE chunks or one `chat.completion`.
+//! generation, render it as OpenAI's SSE chunks or one `chat.completion`. The legacy
+//! completions and embeddings routes (`completions.rs`, `embeddings.rs`) share the pipeline
+//! here.
 
 use std::sync::Arc;
 
@@ -10,23 +12,29 @@ use serde_json::{Map, Value};
 use switchyard_actors::error::ErrorCode;
 use switchyard_actors::generation::GenEvent;
 use switchyard_actors::lifecycle::GenerationRecord;
+use switchyard_actors::protocol::Api;
 use tracing::instrument;
 
 use super::error::{ApiError, Json};
-use super::lifecycle::{self, Plan, Started};
-use super::sse::{self, Render};
+use super::lifecycle::{self, Plan, Prompt, Started};
+use super::sse::{self, Dialect, Render};
 use crate::config::ModelConfig;
 use crate::server::AppState;
 
-/// A validated chat request.
-struct ChatRequest {
-    resolved: ModelConfig,
-    stream: bool,
-    include_usage: bool,
-    max_tokens: Option<u64>,
+/// A validated request of one of the OpenAI routes.
+pub(super) struct Validated {
+    pub resolved: ModelConfig,
+    pub stream: bool,
+    pub include_usage: bool,
+    pub max_tokens: Option<u64>,
     /// The body as the engine gets it: every field passed through, the model resolved.
-    engine_body: Value,
+    pub engine_body: Value,
+    /// What the prompt is, to count it.
+    pub prompt: Prompt,
 }
+
+/// A route's own checks of its body.
+pub(super) type Validate = fn(&AppState, Value) -> Result<Validated, ApiError>;
 
 #[instrument(skip_all, fields(request_id, team_id, model))]
 pub async fn chat_completions(
@@ -34,21 +42,24 @@ pub async fn chat_completions(
     headers: HeaderMap,
     Json(body): Json<Value>,
 ) -> Response {
-    let request_id = new_request_id();
+    let request_id = new_request_id("chatcmpl-");
     tracing::Span::current().record("request_id", request_id.as_str());
-    match run(&state, &headers, body, &request_id).await {
+    match run(&state, &headers, body, &request_id, Dialect::Chat, validate).await {
         Ok(response) => response,
         Err(e) => e.with_request_id(&request_id).into_response(),
     }
 }
 
-async fn run(
+/// The pipeline of a generating route: prepare, admit, render in `dialect`.
+pub(super) async fn run(
     state: &Arc<AppState>,
     headers: &HeaderMap,
     body: Value,
     request_id: &str,
+    dialect: Dialect,
+    validate: Validate,
 ) -> Result<Response, ApiError> {
-    let (plan, stream, include_usage) = prepare(state, headers, body)
+    let (plan, stream, include_usage) = prepare(state, headers, body, validate)
         .await
         .inspect_err(lifecycle::count_refusal)?;
     let model = plan.model.name.clone();
@@ -60,11 +71,11 @@ async fn run(
             rate,
         } => (generation, id, rate),
         Started::Existing(rec) => {
-            let render = Render::new(&rec.id, &model, include_usage, created);
+            let render = Render::with_dialect(dialect, &rec.id, &model, include_usage, created);
             return lifecycle::counted_replay(replay(state, &rec, render, stream).await);
         }
     };
-    let render = Render::new(&id, &model, include_usage, created);
+    let render = Render::with_dialect(dialect, &id, &model, include_usage, created);
     let mut response = if stream {
         sse::stream(generation, render)
     } else {
@@ -86,16 +97,17 @@ async fn replay(
 ) -> Result<Response, ApiError> {
     match lifecycle::replayable(state, rec)? {
         (_, GenEvent::Failed(failure)) => Err(ApiError::from(failure)),
-        (text, end) => sse::replay(vec![GenEvent::Delta(text), end], render, stream).await,
+        (text, end) => sse::replay(vec![GenEvent::Delta(text.into()), end], render, stream).await,
     }
 }
 
 /// Credential, SSRF guard, body, allowlist, Idempotency-Key: the request as a [`Plan`], and
 /// its rendering options (stream, include_usage).
-async fn prepare(
+pub(super) async fn prepare(
     state: &AppState,
     headers: &HeaderMap,
     body: Value,
+    validate: Validate,
 ) -> Result<(Plan, bool, bool), ApiError> {
     let principal = state.auth.authenticate(headers).await?;
     tracing::Span::current().record("team_id", principal.team_id);
@@ -111,6 +123,14 @@ async fn prepare(
         lifecycle::fingerprint(&semantic)
     });
     let req = validate(state, body)?;
+    if req.resolved.embedding != (req.prompt.api() == Api::Embeddings) {
+        let message = if req.resolved.embedding {
+            "That model is an embedding model: use /v1/embeddings."
+        } else {
+            "That model is not an embedding model."
+        };
+        return Err(ApiError::new(ErrorCode::InvalidRequest, message).with_param("model"));
+    }
     tracing::Span::current().record("model", req.resolved.name.as_str());
     if !allowed(state, &principal, &req.resolved) {
         return Err(ApiError::new(
@@ -118,21 +138,27 @@ async fn prepare(
             "This key may not use that model.",
         ));
     }
-    let max_tokens = req
-        .max_tokens
-        .unwrap_or(u64::from(req.resolved.default_max_tokens));
+    let max_tokens = match req.prompt.api() {
+        Api::Embeddings => 0,
+        _ => req
+            .max_tokens
+            .unwrap_or(u64::from(req.resolved.default_max_tokens)),
+    };
     let plan = Plan {
         principal,
         model: req.resolved,
         engine_body: req.engine_body,
         max_tokens,
         idempotency: idempotency.zip(fingerprint),
+        prompt: req.prompt,
+        x_request_id: lifecycle::client_request_id(headers),
+        traceparent: lifecycle::traceparent(headers),
     };
     Ok((plan, req.stream, req.include_usage))
 }
 
 /// Checks the fields Switchyard acts on; the rest pass through to the engine untouched.
-fn validate(state: &AppState, body: Value) -> Result<ChatRequest, ApiError> {
+fn validate(state: &AppState, body: Value) -> Result<Validated, ApiError> {
     let bad = |m: &str| ApiError::new(ErrorCode::InvalidRequest, m);
     let Value::Object(mut obj) = body else {
         return Err(bad("The body must be a JSON object."));
@@ -148,53 +174,87 @@ fn validate(state: &AppState, body: Value) -> Result<ChatRequest, ApiError> {
             return Err(bad("Every message needs a string `role`.").with_param("messages"));
         }
     }
-    match obj.get("n") {
-        None | Some(Value::Null) => {}
-        Some(n) if n.as_u64() == Some(1) => {}
-        Some(_) => return Err(bad("`n` must be 1: one choice per request.").with_param("n")),
+    one_choice(&obj, "n")?;
+    let (stream, include_usage) = stream_options(&obj)?;
+    let max_tokens = output_cap(
+        &mut obj,
+        &resolved,
+        &["max_completion_tokens", "max_tokens"],
+        u64::from(resolved.default_max_tokens),
+    )?;
+    obj.insert("model".into(), Value::String(resolved.name.clone()));
+    obj.remove("stream_options");
+    Ok(Validated {
+        resolved,
+        stream,
+        include_usage,
+        max_tokens,
+        engine_body: Value::Object(obj),
+        prompt: Prompt::Chat,
+    })
+}
+
+/// `field` (`n`, `best_of`) absent or 1: one choice per request.
+pub(super) fn one_choice(obj: &Map<String, Value>, field: &'static str) -> Result<(), ApiError> {
+    match obj.get(field) {
+        None | Some(Value::Null) => Ok(()),
+        Some(n) if n.as_u64() == Some(1) => Ok(()),
+        Some(_) => Err(ApiError::new(
+            ErrorCode::InvalidRequest,
+            format!("`{field}` must be 1: one choice per request."),
+        )
+        .with_param(field)),
     }
+}
+
+/// `stream` and `stream_options.include_usage`.
+pub(super) fn stream_options(obj: &Map<String, Value>) -> Result<(bool, bool), ApiError> {
     let stream = match obj.get("stream") {
         None | Some(Value::Null) => false,
         Some(Value::Bool(b)) => *b,
-        Some(_) => return Err(bad("`stream` must be a boolean.").with_param("stream")),
+        Some(_) => {
+            return Err(
+                ApiError::new(ErrorCode::InvalidRequest, "`stream` must be a boolean.")
+                    .with_param("stream"),
+            );
+        }
     };
     let include_usage = obj
         .get("stream_options")
         .and_then(|o| o.get("include_usage"))
         .and_then(Value::as_bool)
         .unwrap_or(false);
+    Ok((stream, include_usage))
+}
+
+/// The output cap the client set in the first of `fields` present, checked; when it set
+/// none, `default` is written into the engine's body, so the reservation covers what the
+/// engine may produce.
+pub(super) fn output_cap(
+    obj: &mut Map<String, Value>,
+    model: &ModelConfig,
+    fields: &[&str],
+    default: u64,
+) -> Result<Option<u64>, ApiError> {
     let mut max_tokens = None;
-    for field in ["max_completion_tokens", "max_tokens"] {
-        match obj.get(field) {
+    for field in fields {
+        match obj.get(*field) {
             None | Some(Value::Null) => {}
             Some(v) => {
-                let n = lifecycle::check_max_tokens(&resolved, field, v.as_u64().unwrap_or(0))?;
+                let n = lifecycle::check_max_tokens(model, field, v.as_u64().unwrap_or(0))?;
                 max_tokens = max_tokens.or(Some(n));
             }
         }
     }
-    // The model's output cap applies when the client sets none, so the reservation covers
-    // what the engine may produce.
     if max_tokens.is_none() {
-        obj.insert(
-            "max_tokens".into(),
-            Value::from(resolved.default_max_tokens),
-        );
+        obj.insert("max_tokens".into(), Value::from(default));
     }
-    obj.insert("model".into(), Value::String(resolved.name.clone()));
-    obj.remove("stream_options");
-    Ok(ChatRequest {
-        resolved,
-        stream,
-        include_usage,
-        max_tokens,
-        engine_body: Value::Object(obj),
-    })
+    Ok(max_tokens)
 }
 
-/// `chatcmpl-` and 24 random hex digits.
-fn new_request_id() -> String {
-    format!("chatcmpl-{:024x}", rand::random::<u128>() >> 32)
+/// `prefix` and 24 random hex digits.
+pub(super) fn new_request_id(prefix: &str) -> String {
+    format!("{prefix}{:024x}", rand::random::<u128>() >> 32)
 }
 
 /// `GET /v1/models`: the models and aliases the key may use, in OpenAI's list shape.

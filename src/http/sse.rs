@@ -10,10 +10,10 @@ use std::time::Duration;
 
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
-use serde::Serialize;
-use serde_json::json;
+use serde_json::{Value, json};
 use switchyard_actors::error::{ErrorCode, Failure};
 use switchyard_actors::generation::{GenEvent, GenerationStream, Usage};
+use switchyard_actors::output::{Assembled, Piece};
 
 use super::error::ApiError;
 
@@ -24,6 +24,15 @@ const CANCELLED: &str = "cancelled";
 /// `system_fingerprint` of every response.
 const FINGERPRINT: &str = "fp_switchyard";
 
+/// Which OpenAI response shape a generation is rendered in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Dialect {
+    /// `chat.completion` / `chat.completion.chunk`.
+    Chat,
+    /// The legacy `text_completion`.
+    Completions,
+}
+
 /// What every chunk of one response repeats.
 #[derive(Debug, Clone)]
 pub struct Render {
@@ -31,48 +40,100 @@ pub struct Render {
     model: String,
     include_usage: bool,
     created: i64,
+    dialect: Dialect,
+    /// `{"id":…,"object":…,"created":…,"model":…,` (and the fingerprint for chat): every
+    /// chunk starts with it, so a relayed delta is copied between fixed bytes.
+    head: String,
 }
 
 impl Render {
-    /// Rendering for one response.
+    /// Rendering for one chat response.
     pub fn new(id: &str, model: &str, include_usage: bool, created: i64) -> Self {
+        Self::with_dialect(Dialect::Chat, id, model, include_usage, created)
+    }
+
+    /// Rendering for one response in `dialect`.
+    pub fn with_dialect(
+        dialect: Dialect,
+        id: &str,
+        model: &str,
+        include_usage: bool,
+        created: i64,
+    ) -> Self {
+        let quoted = |s: &str| serde_json::to_string(s).unwrap_or_else(|_| "\"\"".into());
+        let head = match dialect {
+            Dialect::Chat => format!(
+                r#"{{"id":{},"object":"chat.completion.chunk","created":{created},"model":{},"system_fingerprint":"{FINGERPRINT}","#,
+                quoted(id),
+                quoted(model)
+            ),
+            Dialect::Completions => format!(
+                r#"{{"id":{},"object":"text_completion","created":{created},"model":{},"#,
+                quoted(id),
+                quoted(model)
+            ),
+        };
         Self {
             id: id.to_owned(),
             model: model.to_owned(),
             include_usage,
             created,
+            dialect,
+            head,
         }
     }
 
-    fn chunk(&self, delta: Delta<'_>, finish_reason: Option<&str>) -> String {
-        let chunk = Chunk {
-            id: &self.id,
-            object: "chat.completion.chunk",
-            created: self.created,
-            model: &self.model,
-            system_fingerprint: FINGERPRINT,
-            choices: vec![Choice {
-                index: 0,
-                delta,
-                logprobs: None,
-                finish_reason,
-            }],
-            usage: self.include_usage.then_some(None),
+    /// One chunk around `choice` (a JSON object's text).
+    fn chunk(&self, choice: &str) -> String {
+        let usage = if self.include_usage {
+            r#","usage":null"#
+        } else {
+            ""
         };
-        serde_json::to_string(&chunk).unwrap_or_default()
+        format!(r#"{}"choices":[{choice}]{usage}}}"#, self.head)
+    }
+
+    /// The chunk of one piece of output: the engine's delta and logprobs as it sent them.
+    fn piece(&self, piece: &Piece) -> String {
+        let logprobs = piece.logprobs.as_ref().map_or("null", |l| l.get());
+        match (self.dialect, &piece.raw) {
+            (Dialect::Chat, Some(raw)) => self.chunk(&format!(
+                r#"{{"index":0,"delta":{},"logprobs":{logprobs},"finish_reason":null}}"#,
+                raw.get()
+            )),
+            (Dialect::Chat, None) => self.chunk(&format!(
+                r#"{{"index":0,"delta":{{"content":{}}},"logprobs":{logprobs},"finish_reason":null}}"#,
+                json_string(&piece.text)
+            )),
+            (Dialect::Completions, _) => self.chunk(&format!(
+                r#"{{"index":0,"text":{},"logprobs":{logprobs},"finish_reason":null}}"#,
+                json_string(&piece.text)
+            )),
+        }
+    }
+
+    fn role(&self) -> String {
+        self.chunk(r#"{"index":0,"delta":{"role":"assistant","content":"","refusal":null},"logprobs":null,"finish_reason":null}"#)
+    }
+
+    fn finish(&self, reason: &str) -> String {
+        let reason = json_string(reason);
+        match self.dialect {
+            Dialect::Chat => self.chunk(&format!(
+                r#"{{"index":0,"delta":{{}},"logprobs":null,"finish_reason":{reason}}}"#
+            )),
+            Dialect::Completions => self.chunk(&format!(
+                r#"{{"index":0,"text":"","logprobs":null,"finish_reason":{reason}}}"#
+            )),
+        }
     }
 
     fn usage_chunk(&self, usage: &Usage) -> String {
-        let chunk = Chunk {
-            id: &self.id,
-            object: "chat.completion.chunk",
-            created: self.created,
-            model: &self.model,
-            system_fingerprint: FINGERPRINT,
-            choices: Vec::new(),
-            usage: Some(Some(usage_json(usage))),
-        };
-        serde_json::to_string(&chunk).unwrap_or_default()
+        format!(
+            r#"{}"choices":[],"usage":{}}}"#,
+            self.head,
+            usage_json(usage)
+        )
     }
 
     fn error(&self, failure: &Failure) -> String {
@@ -80,44 +141,77 @@ impl Render {
         err.failure.retry_after_secs = None;
         err.body().to_string()
     }
+
+    /// The whole answer as one `chat.completion` or `text_completion`.
+    fn document(&self, out: &Assembled, usage: &Usage, reason: &str) -> Value {
+        let logprobs = out.logprobs().unwrap_or(Value::Null);
+        match self.dialect {
+            Dialect::Chat => {
+                let calls = out.tool_calls();
+                let mut message = json!({
+                    "role": "assistant",
+                    // OpenAI's shape: no text beside tool calls is `null`.
+                    "content": if out.content.is_empty() && !calls.is_empty() {
+                        Value::Null
+                    } else {
+                        Value::String(out.content.clone())
+                    },
+                    "refusal": null,
+                });
+                if let Some(m) = message.as_object_mut() {
+                    if !calls.is_empty() {
+                        m.insert("tool_calls".into(), json!(calls));
+                    }
+                    if !out.reasoning.is_empty() {
+                        m.insert(
+                            "reasoning_content".into(),
+                            Value::String(out.reasoning.clone()),
+                        );
+                    }
+                }
+                json!({
+                    "id": self.id,
+                    "object": "chat.completion",
+                    "created": self.created,
+                    "model": self.model,
+                    "system_fingerprint": FINGERPRINT,
+                    "choices": [{
+                        "index": 0,
+                        "message": message,
+                        "logprobs": logprobs,
+                        "finish_reason": reason,
+                    }],
+                    "usage": usage_json(usage),
+                })
+            }
+            Dialect::Completions => json!({
+                "id": self.id,
+                "object": "text_completion",
+                "created": self.created,
+                "model": self.model,
+                "choices": [{
+                    "index": 0,
+                    "text": out.content,
+                    "logprobs": logprobs,
+                    "finish_reason": reason,
+                }],
+                "usage": usage_json(usage),
+            }),
+        }
+    }
 }
 
-#[derive(Debug, Serialize)]
-struct Chunk<'a> {
-    id: &'a str,
-    object: &'static str,
-    created: i64,
-    model: &'a str,
-    system_fingerprint: &'static str,
-    choices: Vec<Choice<'a>>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    usage: Option<Option<serde_json::Value>>,
+fn json_string(s: &str) -> String {
+    serde_json::to_string(s).unwrap_or_else(|_| "\"\"".into())
 }
 
-#[derive(Debug, Serialize)]
-struct Choice<'a> {
-    index: u32,
-    delta: Delta<'a>,
-    logprobs: Option<()>,
-    finish_reason: Option<&'a str>,
-}
-
-#[derive(Debug, Default, Serialize)]
-struct Delta<'a> {
-    #[serde(skip_serializing_if = "Option::is_none")]
-    role: Option<&'static str>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    content: Option<&'a str>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    refusal: Option<Option<()>>,
-}
-
-fn usage_json(u: &Usage) -> serde_json::Value {
+/// OpenAI's usage object; the prompt's cached tokens as the engine reported them.
+pub(super) fn usage_json(u: &Usage) -> Value {
     json!({
         "prompt_tokens": u.prompt_tokens,
         "completion_tokens": u.completion_tokens,
-        "total_tokens": u.prompt_tokens + u.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": 0, "audio_tokens": 0},
+        "total_tokens": u.prompt_tokens.saturating_add(u.completion_tokens),
+        "prompt_tokens_details": {"cached_tokens": u.cached_tokens.unwrap_or(0), "audio_tokens": 0},
         "completion_tokens_details": {
             "reasoning_tokens": 0, "audio_tokens": 0,
             "accepted_prediction_tokens": 0, "rejected_prediction_tokens": 0
@@ -125,10 +219,12 @@ fn usage_json(u: &Usage) -> serde_json::Value {
     })
 }
 
-/// Maps the engine's finish reasons to OpenAI's.
+/// The engine's finish reason as OpenAI clients know it: `stop`, `length`, `tool_calls`,
+/// `content_filter`, `function_call` pass through; anything else (an engine's own word) is
+/// `stop`.
 fn finish_reason(u: &Usage) -> &str {
     match u.finish_reason.as_str() {
-        "length" => "length",
+        r @ ("stop" | "length" | "tool_calls" | "content_filter" | "function_call") => r,
         _ => "stop",
     }
 }
@@ -154,19 +250,15 @@ impl Renderer {
     fn push_role(&mut self) {
         if !self.sent_role {
             self.sent_role = true;
-            let delta = Delta {
-                role: Some("assistant"),
-                content: Some(""),
-                refusal: Some(None),
-            };
-            self.pending.push_back(self.render.chunk(delta, None));
+            if self.render.dialect == Dialect::Chat {
+                self.pending.push_back(self.render.role());
+            }
         }
     }
 
     fn finish(&mut self, usage: &Usage, reason: &str) {
         self.push_role();
-        self.pending
-            .push_back(self.render.chunk(Delta::default(), Some(reason)));
+        self.pending.push_back(self.render.finish(reason));
         if self.render.include_usage {
             self.pending.push_back(self.render.usage_chunk(usage));
         }
@@ -176,13 +268,9 @@ impl Renderer {
 
     fn push(&mut self, event: Option<GenEvent>) {
         match event {
-            Some(GenEvent::Delta(text)) => {
+            Some(GenEvent::Delta(piece)) => {
                 self.push_role();
-                let delta = Delta {
-                    content: Some(&text),
-                    ..Delta::default()
-                };
-                self.pending.push_back(self.render.chunk(delta, None));
+                self.pending.push_back(self.render.piece(&piece));
             }
             Some(GenEvent::Finished(usage)) => self.finish(&usage, finish_reason(&usage)),
             Some(GenEvent::Cancelled(usage)) => self.finish(&usage, CANCELLED),
@@ -265,11 +353,11 @@ pub async fn collect(generation: GenerationStream, render: Render) -> Result<Res
 }
 
 async fn collect_from(mut source: Source, render: Render) -> Result<Response, ApiError> {
-    let mut text = String::new();
+    let mut out = Assembled::default();
     loop {
         let (usage, reason) = match source.next().await {
-            Some(GenEvent::Delta(d)) => {
-                text.push_str(&d);
+            Some(GenEvent::Delta(piece)) => {
+                out.push(&piece);
                 continue;
             }
             Some(GenEvent::Finished(usage)) => {
@@ -285,24 +373,6 @@ async fn collect_from(mut source: Source, render: Render) -> Result<Response, Ap
                 ));
             }
         };
-        {
-            {
-                let body = json!({
-                    "id": render.id,
-                    "object": "chat.completion",
-                    "created": render.created,
-                    "model": render.model,
-                    "system_fingerprint": FINGERPRINT,
-                    "choices": [{
-                        "index": 0,
-                        "message": {"role": "assistant", "content": text, "refusal": null},
-                        "logprobs": null,
-                        "finish_reason": reason,
-                    }],
-                    "usage": usage_json(&usage),
-                });
-                return Ok(axum::Json(body).into_response());
-            }
-        }
+        return Ok(axum::Json(render.document(&out, &usage, &reason)).into_response());
     }
 }

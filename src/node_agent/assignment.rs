@@ -8,7 +8,8 @@ use std::sync::Arc;
 
 use serde::Deserialize;
 use serde_json::{Map, Value};
-use switchyard_actors::protocol::{NodeFrame, is_finish_reason};
+use switchyard_actors::output::{RawJson, WireDelta};
+use switchyard_actors::protocol::{Api, NodeFrame, is_finish_reason};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
@@ -24,6 +25,8 @@ use super::writer::Outgoing;
 
 /// Largest error body read from the engine.
 const MAX_ERROR_BODY: usize = 64 * 1024;
+/// Largest embeddings answer read from the engine (2048 inputs of 4096 floats as JSON).
+const MAX_EMBEDDINGS_BODY: usize = 256 << 20;
 
 /// An `assign` frame.
 #[derive(Debug)]
@@ -32,6 +35,9 @@ pub(crate) struct Assignment {
     pub attempt: u64,
     pub model: String,
     pub body: Value,
+    pub api: Api,
+    pub x_request_id: Option<String>,
+    pub traceparent: Option<String>,
 }
 
 /// What an assignment task needs from the session.
@@ -44,6 +50,8 @@ pub(crate) struct AssignCtx {
     pub cancel: CancellationToken,
     /// Injected faults (tests and drills).
     pub faults: AgentFaults,
+    /// The protocol version spoken on this connection: 1 relays text only.
+    pub protocol: u32,
 }
 
 /// Runs the assignment to its end; returns its key for the session's bookkeeping.
@@ -54,13 +62,17 @@ pub(crate) async fn run(a: Assignment, ctx: AssignCtx) -> Key {
     key
 }
 
-/// The body sent to the engine: the server's body with the engine's model name and forced
-/// streaming with running usage (the server renders what its client asked for).
-pub(crate) fn engine_body(body: Value, model: &str) -> Result<Value, &'static str> {
+/// The body sent to the engine: the server's body with the engine's model name and, for a
+/// generation, forced streaming with running usage (the server renders what its client asked
+/// for).
+pub(crate) fn engine_body(body: Value, model: &str, api: Api) -> Result<Value, &'static str> {
     let Value::Object(mut map) = body else {
         return Err("assignment body is not a JSON object");
     };
     map.insert("model".into(), Value::from(model));
+    if api == Api::Embeddings {
+        return Ok(Value::Object(map));
+    }
     map.insert("stream".into(), Value::Bool(true));
     let mut options = match map.remove("stream_options") {
         Some(Value::Object(o)) => o,
@@ -77,18 +89,18 @@ async fn execute(a: Assignment, ctx: &AssignCtx) {
         request_id: a.request_id,
         attempt: a.attempt,
     };
-    let body = match engine_body(a.body, &a.model) {
+    let body = match engine_body(a.body, &a.model, a.api) {
         Ok(b) => b,
         Err(why) => return ctx.refuse(&id, "invalid_request", why.into()).await,
     };
-    tracing::debug!(model = %a.model, "forwarding to the engine");
+    tracing::debug!(model = %a.model, api = a.api.path(), x_request_id = a.x_request_id.as_deref(), "forwarding to the engine");
     let sent = tokio::select! {
         biased;
         () = ctx.cancel.cancelled() => {
             // Confirms the stop; nothing was generated.
             return ctx.finish(&id, Relay::default().usage(), "abort", None).await;
         }
-        r = ctx.engine.chat(&body) => r,
+        r = ctx.engine.post(a.api, &body, a.x_request_id.as_deref(), a.traceparent.as_deref()) => r,
     };
     drop(body);
     let mut resp = match sent {
@@ -112,7 +124,56 @@ async fn execute(a: Assignment, ctx: &AssignCtx) {
         tracing::warn!(status, code, "engine refused the assignment");
         return ctx.refuse(&id, code, error_message(status, &body)).await;
     }
+    if a.api == Api::Embeddings {
+        return embeddings(&id, ctx, resp).await;
+    }
     stream(&id, ctx, resp).await;
+}
+
+/// An embeddings answer is one JSON document: relayed as one chunk (`{"data": …}`, the
+/// engine's array as it sent it), then a `done` with its prompt tokens.
+async fn embeddings(id: &Id, ctx: &AssignCtx, mut resp: reqwest::Response) {
+    #[derive(Deserialize)]
+    struct Answer {
+        data: RawJson,
+        #[serde(default)]
+        usage: Option<EngineUsage>,
+    }
+    let accepted = NodeFrame::Accepted {
+        request_id: id.request_id.clone(),
+        attempt: id.attempt,
+    };
+    if !ctx.send(accepted).await {
+        return ctx.finish(id, (0, 0), "abort", None).await;
+    }
+    let body = tokio::select! {
+        biased;
+        () = ctx.cancel.cancelled() => return ctx.finish(id, (0, 0), "abort", None).await,
+        b = read_limited(&mut resp, MAX_EMBEDDINGS_BODY) => b,
+    };
+    let answer = match body.map(|b| serde_json::from_slice::<Answer>(&b)) {
+        Ok(Ok(a)) => a,
+        Ok(Err(_)) | Err(_) => {
+            let message = "engine sent an unreadable embeddings answer".to_owned();
+            return ctx.finish(id, (0, 0), "error", Some(message)).await;
+        }
+    };
+    let prompt = answer.usage.as_ref().map_or(0, |u| u.prompt_tokens);
+    let Some(delta) = RawJson::parse(&format!(r#"{{"data":{}}}"#, answer.data.get())) else {
+        let message = "engine sent an unreadable embeddings answer".to_owned();
+        return ctx.finish(id, (prompt, 0), "error", Some(message)).await;
+    };
+    let chunk = NodeFrame::Chunk {
+        request_id: id.request_id.clone(),
+        attempt: id.attempt,
+        seq: 0,
+        delta: WireDelta::Object(delta),
+        logprobs: None,
+    };
+    if !ctx.send(chunk).await {
+        return ctx.finish(id, (prompt, 0), "abort", None).await;
+    }
+    ctx.finish(id, (prompt, 0), "stop", None).await;
 }
 
 /// Identity of the attempt, repeated in every frame.
@@ -153,7 +214,7 @@ async fn stream(id: &Id, ctx: &AssignCtx, mut resp: reqwest::Response) {
     // Closing the response closes the engine request: vLLM aborts the sequence at once and
     // frees its KV blocks.
     drop(resp);
-    let usage = relay.usage();
+    let usage = relay.counts();
     match end {
         End::Completed => {
             let reason = relay.finish_reason.as_deref().unwrap_or("stop");
@@ -194,14 +255,15 @@ async fn relay_events(
             Err(e) => return End::Broken("oversized event", format!("engine sent a {e}")),
         };
         for data in events.drain(..) {
-            match relay.event(&data) {
+            match relay.event(&data, ctx.protocol) {
                 Event::Nothing => {}
-                Event::Text(delta) => {
+                Event::Piece(delta, logprobs) => {
                     let frame = NodeFrame::Chunk {
                         request_id: id.request_id.clone(),
                         attempt: id.attempt,
                         seq: relay.seq,
                         delta,
+                        logprobs,
                     };
                     relay.seq += 1;
                     if !ctx.send(frame).await {
@@ -242,15 +304,22 @@ impl AssignCtx {
     async fn finish(
         &self,
         id: &Id,
-        (prompt, completion): (u64, u64),
+        counts: impl Into<Counts>,
         reason: &str,
         error: Option<String>,
     ) {
+        let Counts {
+            prompt,
+            completion,
+            cached,
+        } = counts.into();
         let done = Done {
             request_id: id.request_id.clone(),
             attempt: id.attempt,
             prompt_tokens: prompt,
             completion_tokens: completion,
+            // Version 1 servers know no such field; they would ignore it, but say nothing.
+            cached_tokens: cached.filter(|_| self.protocol >= 2),
             // The server believes only a short word; an engine that says something else
             // failed to say how it ended.
             finish_reason: if is_finish_reason(reason) {
@@ -288,11 +357,31 @@ fn error_frame(id: &Id, code: &str, message: String) -> NodeFrame {
     }
 }
 
+/// A `done`'s counts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Counts {
+    prompt: u64,
+    completion: u64,
+    /// Prompt tokens served from the engine's prefix cache, when it said.
+    cached: Option<u64>,
+}
+
+impl From<(u64, u64)> for Counts {
+    fn from((prompt, completion): (u64, u64)) -> Self {
+        Self {
+            prompt,
+            completion,
+            cached: None,
+        }
+    }
+}
+
 /// What one engine event means for the relay.
 #[derive(Debug, PartialEq)]
 enum Event {
     Nothing,
-    Text(String),
+    /// A delta to relay, and its logprobs.
+    Piece(WireDelta, Option<RawJson>),
     Done,
     Broken(&'static str, String),
 }
@@ -304,9 +393,11 @@ struct Relay {
     seq: u64,
     /// Latest running usage `(prompt, completion)` the engine reported.
     usage: Option<(u64, u64)>,
+    /// `usage.prompt_tokens_details.cached_tokens`, when the engine reported it.
+    cached: Option<u64>,
     /// `finish_reason` of the finish chunk.
     finish_reason: Option<String>,
-    /// Content chunks relayed, the completion count of last resort.
+    /// Pieces relayed, the completion count of last resort.
     content_chunks: u64,
 }
 
@@ -326,18 +417,17 @@ struct EngineChunk {
     message: Option<String>,
 }
 
+/// A choice of a chat chunk (`delta`) or of a legacy completion chunk (`text`).
 #[derive(Deserialize)]
 struct EngineChoice {
     #[serde(default)]
-    delta: Option<EngineDelta>,
+    delta: Option<RawJson>,
+    #[serde(default)]
+    text: Option<String>,
+    #[serde(default)]
+    logprobs: Option<RawJson>,
     #[serde(default)]
     finish_reason: Option<String>,
-}
-
-#[derive(Deserialize)]
-struct EngineDelta {
-    #[serde(default)]
-    content: Option<String>,
 }
 
 #[derive(Deserialize)]
@@ -346,6 +436,42 @@ struct EngineUsage {
     prompt_tokens: u64,
     #[serde(default)]
     completion_tokens: u64,
+    #[serde(default)]
+    prompt_tokens_details: Option<PromptDetails>,
+}
+
+#[derive(Deserialize)]
+struct PromptDetails {
+    #[serde(default)]
+    cached_tokens: Option<u64>,
+}
+
+/// Whether a delta carries nothing: every field null, empty, or the role. vLLM opens with
+/// `{"role":"assistant","content":""}` and sends empty deltas now and then; the gateway
+/// writes the role itself.
+fn is_empty_delta(delta: &RawJson) -> bool {
+    let Ok(fields) = serde_json::from_str::<Map<String, Value>>(delta.get()) else {
+        return false;
+    };
+    fields.iter().all(|(k, v)| match v {
+        Value::Null => true,
+        Value::String(s) => s.is_empty() || k == "role",
+        Value::Array(a) => a.is_empty(),
+        Value::Object(o) => o.is_empty(),
+        _ => false,
+    })
+}
+
+/// A delta's `content`, for a version 1 server (text only).
+fn delta_text(delta: &RawJson) -> Option<String> {
+    #[derive(Deserialize)]
+    struct Content {
+        #[serde(default)]
+        content: Option<String>,
+    }
+    serde_json::from_str::<Content>(delta.get())
+        .ok()
+        .and_then(|c| c.content)
 }
 
 #[derive(Deserialize)]
@@ -355,7 +481,8 @@ struct EngineError {
 }
 
 impl Relay {
-    fn event(&mut self, data: &[u8]) -> Event {
+    /// Reads one engine event; `protocol` is the server's (1: text only).
+    fn event(&mut self, data: &[u8], protocol: u32) -> Event {
         let data = data.trim_ascii();
         if data == b"[DONE]" {
             return Event::Done;
@@ -379,6 +506,9 @@ impl Relay {
         }
         if let Some(u) = chunk.usage {
             self.usage = Some((u.prompt_tokens, u.completion_tokens));
+            if let Some(c) = u.prompt_tokens_details.and_then(|d| d.cached_tokens) {
+                self.cached = Some(c);
+            }
         }
         let Some(choice) = chunk.choices.into_iter().next() else {
             return Event::Nothing;
@@ -386,19 +516,45 @@ impl Relay {
         if let Some(reason) = choice.finish_reason {
             self.finish_reason = Some(reason);
         }
-        match choice.delta.and_then(|d| d.content) {
-            Some(text) if !text.is_empty() => {
-                self.content_chunks += 1;
-                Event::Text(text)
+        let logprobs = choice.logprobs.filter(|l| l.get() != "null");
+        let delta = match (choice.delta, choice.text) {
+            (Some(delta), _) if !is_empty_delta(&delta) || logprobs.is_some() => delta,
+            // A legacy completion: its text is the delta.
+            (None, Some(text)) if !text.is_empty() || logprobs.is_some() => {
+                match RawJson::from_value(&serde_json::json!({ "text": text })) {
+                    Some(d) => d,
+                    None => return Event::Nothing,
+                }
             }
-            _ => Event::Nothing,
+            _ => return Event::Nothing,
+        };
+        if protocol < 2 {
+            return match delta_text(&delta) {
+                Some(text) if !text.is_empty() => {
+                    self.content_chunks += 1;
+                    Event::Piece(WireDelta::Text(text), None)
+                }
+                _ => Event::Nothing,
+            };
         }
+        self.content_chunks += 1;
+        Event::Piece(WireDelta::Object(delta), logprobs)
     }
 
     /// Exact usage when the engine reported any; else 0 prompt tokens and one completion
-    /// token per relayed content chunk.
+    /// token per relayed piece.
     fn usage(&self) -> (u64, u64) {
         self.usage.unwrap_or((0, self.content_chunks))
+    }
+
+    /// [`Relay::usage`] with the cached prompt tokens.
+    fn counts(&self) -> Counts {
+        let (prompt, completion) = self.usage();
+        Counts {
+            prompt,
+            completion,
+            cached: self.cached,
+        }
     }
 }
 
@@ -413,40 +569,94 @@ mod tests {
             "model": "small", "messages": [], "stream": false,
             "stream_options": {"include_usage": false, "other": 1}, "max_tokens": 3
         });
-        let b = engine_body(body, "llama").unwrap();
+        let b = engine_body(body, "llama", Api::Chat).unwrap();
         assert_eq!(b["model"], "llama");
         assert_eq!(b["stream"], true);
         assert_eq!(b["stream_options"]["include_usage"], true);
         assert_eq!(b["stream_options"]["continuous_usage_stats"], true);
         assert_eq!(b["stream_options"]["other"], 1);
         assert_eq!(b["max_tokens"], 3);
-        assert!(engine_body(serde_json::json!([1]), "m").is_err());
+        assert!(engine_body(serde_json::json!([1]), "m", Api::Chat).is_err());
     }
 
     #[test]
     fn relay_reads_vllm_chunks() {
         let mut r = Relay::default();
         let role = br#"{"id":"c","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}],"usage":{"prompt_tokens":30,"total_tokens":30,"completion_tokens":0}}"#;
-        assert_eq!(r.event(role), Event::Nothing);
+        assert_eq!(r.event(role, 1), Event::Nothing);
         assert_eq!(r.usage(), (30, 0));
         let text = br#"{"choices":[{"index":0,"delta":{"content":"AR"},"finish_reason":null}],"usage":{"prompt_tokens":30,"total_tokens":31,"completion_tokens":1}}"#;
-        assert_eq!(r.event(text), Event::Text("AR".into()));
+        assert_eq!(
+            r.event(text, 1),
+            Event::Piece(WireDelta::Text("AR".into()), None)
+        );
         let fin = br#"{"choices":[{"index":0,"delta":{"content":""},"finish_reason":"length","stop_reason":null}],"usage":{"prompt_tokens":30,"total_tokens":32,"completion_tokens":2}}"#;
-        assert_eq!(r.event(fin), Event::Nothing);
+        assert_eq!(r.event(fin, 1), Event::Nothing);
         let usage = br#"{"choices":[],"usage":{"prompt_tokens":30,"total_tokens":32,"completion_tokens":2}}"#;
-        assert_eq!(r.event(usage), Event::Nothing);
-        assert_eq!(r.event(b"[DONE]"), Event::Done);
+        assert_eq!(r.event(usage, 1), Event::Nothing);
+        assert_eq!(r.event(b"[DONE]", 1), Event::Done);
         assert_eq!(r.usage(), (30, 2));
         assert_eq!(r.finish_reason.as_deref(), Some("length"));
+    }
+
+    #[test]
+    fn version_two_relays_the_engines_delta_bytes_with_tool_calls_and_logprobs() {
+        let mut r = Relay::default();
+        let role = br#"{"choices":[{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]}"#;
+        assert_eq!(r.event(role, 2), Event::Nothing);
+        let call = r#"{"tool_calls":[{"index":0,"id":"chatcmpl-tool-1","type":"function","function":{"name":"get_weather","arguments":""}}]}"#;
+        let chunk = format!(
+            r#"{{"choices":[{{"index":0,"delta":{call},"logprobs":null,"finish_reason":null}}]}}"#
+        );
+        let Event::Piece(WireDelta::Object(raw), None) = r.event(chunk.as_bytes(), 2) else {
+            panic!("tool call not relayed");
+        };
+        assert_eq!(raw.get(), call, "the engine's bytes, not a re-encoding");
+        let lp = r#"{"content":[{"token":"a","logprob":-0.5,"bytes":[97],"top_logprobs":[]}]}"#;
+        let chunk = format!(
+            r#"{{"choices":[{{"index":0,"delta":{{"content":"a"}},"logprobs":{lp},"finish_reason":"tool_calls"}}],"usage":{{"prompt_tokens":9,"completion_tokens":2,"prompt_tokens_details":{{"cached_tokens":4}}}}}}"#
+        );
+        let Event::Piece(_, Some(logprobs)) = r.event(chunk.as_bytes(), 2) else {
+            panic!("logprobs not relayed");
+        };
+        assert_eq!(logprobs.get(), lp);
+        assert_eq!(r.finish_reason.as_deref(), Some("tool_calls"));
+        assert_eq!(
+            r.counts(),
+            Counts {
+                prompt: 9,
+                completion: 2,
+                cached: Some(4)
+            }
+        );
+        // A legacy completion's text becomes a `text` delta.
+        let text =
+            br#"{"choices":[{"index":0,"text":" hi","logprobs":null,"finish_reason":null}]}"#;
+        let Event::Piece(WireDelta::Object(raw), None) = r.event(text, 2) else {
+            panic!("completion text not relayed");
+        };
+        assert_eq!(raw.get(), r#"{"text":" hi"}"#);
+        // To a version 1 server, only text travels.
+        assert_eq!(
+            r.event(chunk.as_bytes(), 1),
+            Event::Piece(WireDelta::Text("a".into()), None)
+        );
+        assert_eq!(
+            Relay::default().event(
+                format!(r#"{{"choices":[{{"delta":{call}}}]}}"#).as_bytes(),
+                1
+            ),
+            Event::Nothing
+        );
     }
 
     #[test]
     fn without_usage_the_content_chunks_are_counted() {
         let mut r = Relay::default();
         for _ in 0..3 {
-            r.event(br#"{"choices":[{"delta":{"content":"x"}}]}"#);
+            r.event(br#"{"choices":[{"delta":{"content":"x"}}]}"#, 1);
         }
-        r.event(br#"{"choices":[{"delta":{"content":""}}]}"#);
+        r.event(br#"{"choices":[{"delta":{"content":""}}]}"#, 1);
         assert_eq!(r.usage(), (0, 3));
     }
 
@@ -454,14 +664,14 @@ mod tests {
     fn error_events_and_garbage_break_the_stream() {
         let mut r = Relay::default();
         assert!(matches!(
-            r.event(br#"{"error":{"message":"boom","type":"InternalServerError","code":500}}"#),
+            r.event(br#"{"error":{"message":"boom","type":"InternalServerError","code":500}}"#, 1),
             Event::Broken(_, m) if m.contains("boom")
         ));
         assert!(matches!(
-            r.event(br#"{"object":"error","message":"old"}"#),
+            r.event(br#"{"object":"error","message":"old"}"#, 1),
             Event::Broken(..)
         ));
-        assert!(matches!(r.event(b"{not json"), Event::Broken(..)));
-        assert!(matches!(r.event(b"\xff\xfe"), Event::Broken(..)));
+        assert!(matches!(r.event(b"{not json", 1), Event::Broken(..)));
+        assert!(matches!(r.event(b"\xff\xfe", 1), Event::Broken(..)));
     }
 }

@@ -4,7 +4,7 @@
 use std::fmt;
 use std::time::Duration;
 
-use switchyard_actors::protocol::{Gpu, Location};
+use switchyard_actors::protocol::{Gpu, Location, PROTOCOL_VERSION};
 
 use super::faults::AgentFaults;
 
@@ -34,6 +34,9 @@ pub struct AgentConfig {
     pub backoff_max: Duration,
     /// Agent version sent at registration.
     pub version: String,
+    /// The newest node protocol version the agent speaks ([`PROTOCOL_VERSION`]; lower only
+    /// to act as an older agent, in compatibility tests).
+    pub protocol: u32,
     /// How often `/health` is polled while the engine loads (1 s).
     pub health_poll_interval: Duration,
     /// Seed of the backoff jitter; `None` draws one from the OS (tests and simulations pass one).
@@ -62,6 +65,7 @@ impl AgentConfig {
             backoff_min: Duration::from_secs(1),
             backoff_max: Duration::from_secs(60),
             version: env!("CARGO_PKG_VERSION").to_owned(),
+            protocol: PROTOCOL_VERSION,
             health_poll_interval: Duration::from_secs(1),
             seed: None,
             faults: AgentFaults::default(),
@@ -100,6 +104,7 @@ impl fmt::Debug for AgentConfig {
             .field("backoff_min", &self.backoff_min)
             .field("backoff_max", &self.backoff_max)
             .field("version", &self.version)
+            .field("protocol", &self.protocol)
             .field("health_poll_interval", &self.health_poll_interval)
             .field("seed", &self.seed)
             .field("faults", &self.faults)

@@ -5,6 +5,7 @@
 use std::time::Duration;
 
 use serde::Deserialize;
+use switchyard_actors::protocol::Api;
 
 use super::config::{AgentError, engine_base};
 use super::metrics::{Load, parse_load};
@@ -111,17 +112,24 @@ impl EngineClient {
         read_limited(&mut resp, MAX_BODY).await
     }
 
-    /// `POST /v1/chat/completions`; the response is streamed by the caller. No overall timeout:
-    /// a generation lasts as long as it lasts, and the server cancels what runs too long.
-    pub(crate) async fn chat(
+    /// `POST` of an assignment to the engine's `api` route, with the client's request id
+    /// and trace context; the response is read by the caller. No overall timeout: a
+    /// generation lasts as long as it lasts, and the server cancels what runs too long.
+    pub(crate) async fn post(
         &self,
+        api: Api,
         body: &serde_json::Value,
+        x_request_id: Option<&str>,
+        traceparent: Option<&str>,
     ) -> Result<reqwest::Response, reqwest::Error> {
-        self.http
-            .post(self.url("/v1/chat/completions"))
-            .json(body)
-            .send()
-            .await
+        let mut req = self.http.post(self.url(api.path())).json(body);
+        if let Some(id) = x_request_id {
+            req = req.header("x-request-id", id);
+        }
+        if let Some(tp) = traceparent {
+            req = req.header("traceparent", tp);
+        }
+        req.send().await
     }
 }
 

@@ -26,6 +26,8 @@ pub(crate) struct Done {
     pub prompt_tokens: u64,
     pub completion_tokens: u64,
     pub finish_reason: String,
+    /// Prompt tokens the engine served from its cache (protocol 2).
+    pub cached_tokens: Option<u64>,
 }
 
 impl Done {
@@ -40,6 +42,7 @@ impl Done {
             prompt_tokens: self.prompt_tokens,
             completion_tokens: self.completion_tokens,
             finish_reason: self.finish_reason.clone(),
+            cached_tokens: self.cached_tokens,
         }
     }
 }
@@ -142,6 +145,7 @@ mod tests {
             prompt_tokens: 3,
             completion_tokens: 4,
             finish_reason: "stop".into(),
+            cached_tokens: None,
         }
     }
 

@@ -86,16 +86,20 @@ pub(crate) async fn serve(
         let ws = connect(sh, &models).await?;
         registration(ws).await
     };
-    let ws = tokio::select! {
+    let (ws, protocol) = tokio::select! {
         () = shutdown.cancelled() => return Outcome { registered: false, end: SessionEnd::Shutdown },
         r = registering => match r {
-            Ok(ws) => ws,
+            Ok(registered) => registered,
             Err(end) => return Outcome { registered: false, end },
         },
     };
+    // An older server says no version (1): the agent speaks down to it.
+    let protocol = protocol.unwrap_or(1).min(sh.cfg.protocol);
     sh.stats.registered();
-    tracing::info!(models = ?models, "registered");
-    let end = Session::start(sh, ws, models).run(draining, shutdown).await;
+    tracing::info!(models = ?models, protocol, "registered");
+    let end = Session::start(sh, ws, models, protocol)
+        .run(draining, shutdown)
+        .await;
     Outcome {
         registered: true,
         end,
@@ -111,6 +115,7 @@ async fn connect(sh: &Shared, models: &[String]) -> Result<Ws, SessionEnd> {
         models: models.to_vec(),
         version: sh.cfg.version.clone(),
         location: sh.cfg.location,
+        protocol: sh.cfg.protocol,
     };
     let text = serde_json::to_string(&register).map_err(|e| lost("register frame", e))?;
     let attempt = async {
@@ -128,8 +133,8 @@ async fn connect(sh: &Shared, models: &[String]) -> Result<Ws, SessionEnd> {
         .unwrap_or_else(|_| Err(SessionEnd::Lost("connect timed out".into())))
 }
 
-/// Waits for `registered` or `rejected`.
-async fn registration(mut ws: Ws) -> Result<Ws, SessionEnd> {
+/// Waits for `registered` (with the version the server asks for) or `rejected`.
+async fn registration(mut ws: Ws) -> Result<(Ws, Option<u32>), SessionEnd> {
     let deadline = Instant::now() + REGISTER_TIMEOUT;
     loop {
         let msg = match timeout_at(deadline, ws.next()).await {
@@ -144,7 +149,7 @@ async fn registration(mut ws: Ws) -> Result<Ws, SessionEnd> {
             _ => continue,
         };
         match parse_frame(text.as_str()) {
-            Some(ServerFrame::Registered {}) => return Ok(ws),
+            Some(ServerFrame::Registered { protocol }) => return Ok((ws, protocol)),
             Some(ServerFrame::Rejected {
                 reason,
                 retry_after_ms,
@@ -212,6 +217,8 @@ struct Session<'a> {
     idle_timeout: Duration,
     /// Leases of the leased assignments in flight, renewed by anything the server sends.
     leases: Leases,
+    /// The protocol version spoken on this connection.
+    protocol: u32,
 }
 
 enum Flow {
@@ -220,7 +227,7 @@ enum Flow {
 }
 
 impl<'a> Session<'a> {
-    fn start(sh: &'a Shared, ws: Ws, models: Vec<String>) -> Self {
+    fn start(sh: &'a Shared, ws: Ws, models: Vec<String>, protocol: u32) -> Self {
         let (sink, stream) = ws.split();
         // Unacked dones go first, before any heartbeat or new frame: they are queued before
         // anything else can send, in a channel made large enough to take them all.
@@ -258,6 +265,7 @@ impl<'a> Session<'a> {
             task_keys: BTreeMap::new(),
             cancel_all: CancellationToken::new(),
             idle_timeout,
+            protocol,
             leases: Leases::new(Instant::now()),
         }
     }
@@ -357,6 +365,9 @@ impl<'a> Session<'a> {
                 attempt,
                 model,
                 body,
+                api,
+                x_request_id,
+                traceparent,
                 lease_ms,
             } => {
                 self.on_assign(
@@ -365,6 +376,9 @@ impl<'a> Session<'a> {
                         attempt,
                         model,
                         body,
+                        api,
+                        x_request_id,
+                        traceparent,
                     },
                     lease_ms.map(Duration::from_millis),
                     *draining,
@@ -400,7 +414,7 @@ impl<'a> Session<'a> {
                 // (another pod or node), which the platform schedules, not the agent.
                 tracing::info!(model = %name, "load_model ignored: the engine serves one model");
             }
-            ServerFrame::Registered {} => {}
+            ServerFrame::Registered { .. } => {}
             ServerFrame::Rejected {
                 reason,
                 retry_after_ms,
@@ -437,6 +451,7 @@ impl<'a> Session<'a> {
             ledger: self.sh.ledger.clone(),
             cancel: cancel.clone(),
             faults: self.sh.cfg.faults.clone(),
+            protocol: self.protocol,
         };
         let handle = self.tasks.spawn(assignment::run(a, ctx));
         self.task_keys.insert(handle.id(), key.clone());

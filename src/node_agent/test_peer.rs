@@ -88,7 +88,9 @@ impl Peer {
             matches!(register, NodeFrame::Register { .. }),
             "{register:?}"
         );
-        conn.send(ServerFrame::Registered {});
+        conn.send(ServerFrame::Registered {
+            protocol: Some(switchyard_actors::protocol::PROTOCOL_VERSION),
+        });
         (conn, register)
     }
 }
@@ -191,8 +193,9 @@ async fn serve_conn(socket: WebSocket, conns: mpsc::UnboundedSender<Conn>) {
         while let Some(Ok(msg)) = stream.next().await {
             match msg {
                 Message::Text(text) => {
-                    let frame: NodeFrame = serde_json::from_str(text.as_str())
-                        .unwrap_or_else(|e| panic!("agent sent a bad frame ({e}): {text}"));
+                    let frame: NodeFrame =
+                        switchyard_actors::protocol::decode_node_frame(text.as_str())
+                            .unwrap_or_else(|e| panic!("agent sent a bad frame ({e:?}): {text}"));
                     if frames_tx.send(frame).is_err() {
                         return;
                     }

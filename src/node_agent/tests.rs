@@ -89,6 +89,9 @@ fn assign_model(request_id: &str, model: &str, max_tokens: u32) -> ServerFrame {
             "max_tokens": max_tokens,
             "stream": false,
         }),
+        api: switchyard_actors::protocol::Api::Chat,
+        x_request_id: None,
+        traceparent: None,
         lease_ms: None,
     }
 }
@@ -152,7 +155,9 @@ async fn relayed(conn: &mut Conn, id: &str, error_ends: bool) -> Relayed {
                 ..
             } if request_id == id => {
                 r.seqs.push(seq);
-                r.text.push_str(&delta);
+                let piece = switchyard_actors::output::Piece::from_wire(delta, None)
+                    .expect("a well-formed delta");
+                r.text.push_str(&piece.text);
             }
             NodeFrame::Error {
                 request_id,
@@ -205,6 +210,7 @@ async fn registers_with_the_engines_models_then_heartbeats() {
             models: vec!["tiny".into()],
             version: cfg.version.clone(),
             location: Location::Cloud,
+            protocol: switchyard_actors::protocol::PROTOCOL_VERSION,
         }
     );
     match conn.recv().await {
@@ -387,6 +393,9 @@ async fn engine_refusals_map_to_error_codes_without_done() {
         attempt: 1,
         model: "tiny".into(),
         body: serde_json::json!(["not", "an", "object"]),
+        api: switchyard_actors::protocol::Api::Chat,
+        x_request_id: None,
+        traceparent: None,
         lease_ms: None,
     });
     let (code, _) = relayed(&mut conn, "r-body", true).await.error.unwrap();

@@ -18,7 +18,8 @@ use crate::metric_names::{
     ACTIVE_STREAMS, QUEUE_WAIT_SECONDS, REQUESTS_TOTAL, SLOW_READERS_TOTAL, STALE_FRAMES_TOTAL,
     TTFT_SECONDS,
 };
-use crate::node::{NodeHandle, Violation};
+use crate::node::{NodeHandle, Violation, Work};
+use crate::output::Piece;
 use crate::ports::LedgerError;
 use crate::tasks::TaskGuard;
 
@@ -190,6 +191,7 @@ impl Actor for GenerationActor {
                 attempt,
                 prompt_tokens,
                 completion_tokens,
+                cached_tokens,
                 finish_reason,
                 from,
             } => {
@@ -197,6 +199,7 @@ impl Actor for GenerationActor {
                     let claim = Claim {
                         prompt_tokens,
                         completion_tokens,
+                        cached_tokens,
                         finish_reason,
                     };
                     state.done(&myself, attempt, claim, &from).await;
@@ -422,7 +425,13 @@ impl GenerationState {
         }
         let queue = self.args.queue.clone();
         if let Err(failure) = queue
-            .enqueue(&self.args.request_id, myself.clone(), false, None)
+            .enqueue(
+                &self.args.request_id,
+                myself.clone(),
+                false,
+                None,
+                self.args.api,
+            )
             .await
         {
             self.cancel_row().await;
@@ -501,13 +510,18 @@ impl GenerationState {
                 .record(waited.as_secs_f64());
         }
         self.dispatched_at = Some(now);
-        let body = self.args.body.clone();
+        let work = Work {
+            model: self.args.model.clone(),
+            body: self.args.body.clone(),
+            api: self.args.api,
+            x_request_id: self.args.x_request_id.clone(),
+            traceparent: self.args.traceparent.clone(),
+        };
         let lease_ms = u64::try_from(self.args.timeouts.lease.as_millis()).ok();
         if !node.assign(
             &self.args.request_id,
             self.attempt,
-            &self.args.model,
-            body,
+            work,
             lease_ms,
             myself.clone(),
         ) {
@@ -564,7 +578,7 @@ impl GenerationState {
         myself: &ActorRef<GenerationMsg>,
         attempt: u64,
         seq: u64,
-        delta: String,
+        delta: Piece,
         from: &NodeHandle,
     ) {
         if !self.frame_is_current(attempt) {
@@ -590,8 +604,8 @@ impl GenerationState {
         }
         self.last_token_at = Some(now);
         if self.args.lifecycle.is_some() && !self.output_full {
-            if self.output.len() + delta.len() <= MAX_RETAINED_OUTPUT {
-                self.output.push_str(&delta);
+            if self.output.len() + delta.text.len() <= MAX_RETAINED_OUTPUT {
+                self.output.push_str(&delta.text);
             } else {
                 // A retained result is a prefix of the answer, never one with a hole.
                 self.output_full = true;

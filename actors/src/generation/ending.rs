@@ -34,6 +34,7 @@ pub(super) enum Settled {
 pub(super) struct Claim {
     pub prompt_tokens: u64,
     pub completion_tokens: u64,
+    pub cached_tokens: Option<u64>,
     pub finish_reason: String,
 }
 
@@ -102,6 +103,8 @@ impl GenerationState {
                     prompt_tokens,
                     completion_tokens,
                     finish_reason: claim.finish_reason,
+                    // A part of what was billed, never more.
+                    cached_tokens: claim.cached_tokens.map(|c| c.min(prompt_tokens)),
                 };
                 (usage, None)
             }
@@ -174,6 +177,7 @@ impl GenerationState {
             prompt_tokens: 0,
             completion_tokens: 0,
             finish_reason,
+            cached_tokens: None,
         }
     }
 
@@ -291,7 +295,13 @@ impl GenerationState {
         // Not back to the node that just failed it, while another one serves the model.
         let failed = self.holders.get(&self.attempt).cloned();
         if let Err(failure) = queue
-            .enqueue(&self.args.request_id, myself.clone(), true, failed)
+            .enqueue(
+                &self.args.request_id,
+                myself.clone(),
+                true,
+                failed,
+                self.args.api,
+            )
             .await
         {
             self.finish_without_work(myself, failure).await;
@@ -434,6 +444,7 @@ impl GenerationState {
             prompt_tokens: billed.prompt_tokens,
             completion_tokens: billed.completion_tokens,
             finish_reason: "abort".into(),
+            cached_tokens: None,
         }
     }
 
@@ -468,6 +479,7 @@ impl GenerationState {
                         prompt_tokens,
                         completion_tokens,
                         finish_reason: estimate.finish_reason,
+                        cached_tokens: None,
                     },
                     Settled::Unbilled | Settled::Unreachable => {
                         self.nothing_billed(estimate.finish_reason)

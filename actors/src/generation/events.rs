@@ -102,7 +102,7 @@ impl EventSender {
         }
         let bytes = EVENT_OVERHEAD
             + match &event {
-                GenEvent::Delta(text) => text.len(),
+                GenEvent::Delta(piece) => piece.size(),
                 _ => 0,
             };
         let seq = self.next;
@@ -155,7 +155,10 @@ mod tests {
         let (mut tx, mut rx) = channel(bound);
         let now = Instant::now();
         let mut sent = 0;
-        while tx.send(GenEvent::Delta("x".repeat(100)), now).is_ok() {
+        while tx
+            .send(GenEvent::Delta("x".repeat(100).into()), now)
+            .is_ok()
+        {
             sent += 1;
         }
         // 164 bytes each: the seventh pushes past 1000, the eighth is refused.

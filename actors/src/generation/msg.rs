@@ -10,7 +10,9 @@ use crate::error::Failure;
 use crate::lifecycle::GenerationStore;
 use crate::model_queue::ModelQueueHandle;
 use crate::node::NodeHandle;
+use crate::output::Piece;
 use crate::ports::{Clock, Coordinator, Ledger, Reservation};
+use crate::protocol::Api;
 
 /// Deadlines of one generation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -52,15 +54,18 @@ pub struct Usage {
     pub prompt_tokens: u64,
     /// Completion tokens billed.
     pub completion_tokens: u64,
-    /// `stop` or `length`.
+    /// The engine's finish reason (`stop`, `length`, `tool_calls`, …).
     pub finish_reason: String,
+    /// Prompt tokens the engine served from its prefix cache, when it said (never more than
+    /// `prompt_tokens`).
+    pub cached_tokens: Option<u64>,
 }
 
 /// What the HTTP layer receives, in order: deltas, then exactly one terminal event.
 #[derive(Debug, Clone, PartialEq)]
 pub enum GenEvent {
-    /// Incremental text.
-    Delta(String),
+    /// A piece of output.
+    Delta(Piece),
     /// The generation completed; its row is settled with this usage.
     Finished(Usage),
     /// The generation was cancelled and the node confirmed the stop (or was fenced); the
@@ -116,6 +121,12 @@ pub struct GenerationArgs {
     pub model: String,
     /// The OpenAI body to forward (model already resolved).
     pub body: serde_json::Value,
+    /// The engine API it runs on.
+    pub api: Api,
+    /// The client's request id, passed to the engine.
+    pub x_request_id: Option<String>,
+    /// The W3C trace context, passed to the engine.
+    pub traceparent: Option<String>,
     /// The ledger row to open at admission (its `request_id` keys the row).
     pub reservation: Reservation,
     /// The model's queue.
@@ -180,8 +191,8 @@ pub enum GenerationMsg {
         attempt: u64,
         /// Position within the attempt.
         seq: u64,
-        /// Text.
-        delta: String,
+        /// The output, read and checked by the node's actor.
+        delta: Piece,
         /// The connection it came on.
         from: NodeHandle,
     },
@@ -193,7 +204,9 @@ pub enum GenerationMsg {
         prompt_tokens: u64,
         /// Completion tokens.
         completion_tokens: u64,
-        /// `stop`, `length`, `abort` or `error`.
+        /// Prompt tokens served from the engine's cache, when it said.
+        cached_tokens: Option<u64>,
+        /// `stop`, `length`, `tool_calls`, `abort`, `error`, …
         finish_reason: String,
         /// The connection it came on, to ack it.
         from: NodeHandle,

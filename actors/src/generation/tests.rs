@@ -148,6 +148,7 @@ async fn connect(h: &Harness, id: &str) -> (NodeHandle, mpsc::Receiver<ServerFra
         heartbeat_timeout: Duration::from_secs(15),
         clock: Arc::new(SystemClock),
         trust: crate::node::NodeTrust::default(),
+        protocol: crate::protocol::PROTOCOL_VERSION,
     };
     let node = NodeActor::start(args).await.unwrap();
     tokio::time::sleep(Duration::from_millis(1)).await; // let the queue see it
@@ -216,6 +217,9 @@ async fn start_timed(
         request_id: request_id.into(),
         model: MODEL.into(),
         body: serde_json::json!({"model": MODEL, "messages": []}),
+        api: crate::protocol::Api::Chat,
+        x_request_id: None,
+        traceparent: None,
         reservation: Reservation {
             request_id: request_id.into(),
             team_id: 1,
@@ -260,7 +264,8 @@ fn chunk(id: &str, attempt: u64, seq: u64, delta: &str) -> NodeFrame {
         request_id: id.into(),
         attempt,
         seq,
-        delta: delta.into(),
+        delta: crate::output::WireDelta::Text(delta.into()),
+        logprobs: None,
     }
 }
 
@@ -271,6 +276,7 @@ fn done(id: &str, attempt: u64, p: u64, c: u64, reason: &str) -> NodeFrame {
         prompt_tokens: p,
         completion_tokens: c,
         finish_reason: reason.into(),
+        cached_tokens: None,
     }
 }
 

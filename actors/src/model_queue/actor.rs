@@ -14,6 +14,7 @@ use crate::generation::GenerationMsg;
 use crate::metric_names::QUEUE_DEPTH;
 use crate::node::{NodeHandle, NodeLoad};
 use crate::ports::Clock;
+use crate::protocol::Api;
 use crate::tasks::TaskGuard;
 
 /// How often deadlines are checked.
@@ -52,6 +53,8 @@ struct Waiting {
     deadline: Instant,
     /// A retry's failed node: another one is preferred.
     avoid: Option<String>,
+    /// The engine API it needs.
+    api: Api,
 }
 
 #[derive(Debug)]
@@ -132,9 +135,10 @@ impl Actor for ModelQueueActor {
                 generation,
                 front,
                 avoid,
+                api,
                 reply,
             } => {
-                let verdict = state.admit(request_id, generation, front, avoid);
+                let verdict = state.admit(request_id, generation, front, avoid, api);
                 let _ = reply.send(verdict);
                 state.dispatch();
             }
@@ -226,12 +230,24 @@ impl QueueState {
         generation: ActorRef<GenerationMsg>,
         front: bool,
         avoid: Option<String>,
+        api: Api,
     ) -> Result<(), Failure> {
         let model = &self.args.model;
         if self.live_nodes() == 0 {
             return Err(Failure::new(
                 ErrorCode::NoHealthyNode,
                 format!("No healthy node serves {model} right now."),
+            )
+            .retry_after(5));
+        }
+        if !self.nodes.values().any(|n| n.handle.speaks(api)) {
+            // Mid-upgrade: only older agents serve the model, and they cannot run this API.
+            return Err(Failure::new(
+                ErrorCode::NoHealthyNode,
+                format!(
+                    "No node serving {model} runs an agent that supports {} yet.",
+                    api.path()
+                ),
             )
             .retry_after(5));
         }
@@ -249,6 +265,7 @@ impl QueueState {
             generation,
             deadline,
             avoid,
+            api,
         };
         if front {
             self.waiting.push_front(entry);
@@ -294,6 +311,7 @@ impl QueueState {
         while i < self.waiting.len() {
             let capacity = self.args.config.node_capacity;
             let avoid = self.waiting[i].avoid.as_deref();
+            let api = self.waiting[i].api;
             // The failed node is avoided only while another routable node serves the model.
             let avoid = avoid.filter(|a| {
                 self.nodes
@@ -304,7 +322,10 @@ impl QueueState {
                 .nodes
                 .iter()
                 .filter(|(id, n)| {
-                    n.routable() && n.in_flight < capacity && Some(id.as_str()) != avoid
+                    n.routable()
+                        && n.in_flight < capacity
+                        && Some(id.as_str()) != avoid
+                        && n.handle.speaks(api)
                 })
                 .map(|(id, n)| NodeView {
                     node_id: id,

@@ -5,6 +5,7 @@ use ractor::{ActorRef, RpcReplyPort};
 use crate::error::Failure;
 use crate::generation::GenerationMsg;
 use crate::node::{NodeHandle, NodeLoad};
+use crate::protocol::Api;
 
 /// A snapshot for operators and tests.
 #[derive(Debug, Clone, PartialEq)]
@@ -32,6 +33,8 @@ pub enum QueueMsg {
         front: bool,
         /// A retry avoids the node that failed it, unless no other node serves the model.
         avoid: Option<String>,
+        /// The engine API it needs: only nodes whose agent speaks it are chosen.
+        api: Api,
         /// Admitted or refused.
         reply: RpcReplyPort<Result<(), Failure>>,
     },
@@ -78,6 +81,7 @@ impl ModelQueueHandle {
         generation: ActorRef<GenerationMsg>,
         front: bool,
         avoid: Option<String>,
+        api: Api,
     ) -> Result<(), Failure> {
         let result = self
             .actor
@@ -87,6 +91,7 @@ impl ModelQueueHandle {
                     generation,
                     front,
                     avoid,
+                    api,
                     reply,
                 },
                 Some(std::time::Duration::from_secs(5)),

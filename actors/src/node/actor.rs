@@ -7,7 +7,7 @@ use std::time::Duration;
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 use tokio::sync::mpsc;
 
-use super::msg::{NodeHandle, NodeLoad, NodeMsg, Violation};
+use super::msg::{NodeHandle, NodeLoad, NodeMsg, Violation, Work};
 use crate::attempts::{self, Holder};
 use crate::generation::{Directory, GenerationMsg};
 use crate::lifecycle::{AttemptState, Event, GenerationStore, Outcome};
@@ -15,6 +15,7 @@ use crate::metric_names::{
     NODE_KV_CACHE_USAGE, NODE_PROTOCOL_VIOLATIONS_TOTAL, STALE_FRAMES_TOTAL,
 };
 use crate::model_queue::ModelQueueHandle;
+use crate::output::Piece;
 use crate::ports::{
     Clock, Coordinator, EntryStatus, Ledger, LedgerEntry, MAX_TOKEN_COUNT, ReviewReason,
     SettleOutcome, Settlement,
@@ -72,6 +73,8 @@ pub struct NodeArgs {
     pub clock: Arc<dyn Clock>,
     /// Violations tolerated before the node is disconnected.
     pub trust: NodeTrust,
+    /// The protocol version agreed at registration.
+    pub protocol: u32,
 }
 
 /// One assignment the node is carrying.
@@ -116,8 +119,13 @@ impl NodeActor {
     /// Starts the actor for a registered connection and returns its handle.
     pub async fn start(args: NodeArgs) -> Result<NodeHandle, ractor::SpawnErr> {
         let node_id = args.node_id.clone();
+        let protocol = args.protocol;
         let (actor, _) = Actor::spawn(None, NodeActor, args).await?;
-        Ok(NodeHandle { node_id, actor })
+        Ok(NodeHandle {
+            node_id,
+            actor,
+            protocol,
+        })
     }
 }
 
@@ -134,6 +142,7 @@ impl Actor for NodeActor {
         let handle = NodeHandle {
             node_id: args.node_id.clone(),
             actor: myself.clone(),
+            protocol: args.protocol,
         };
         for queue in args.queues.values() {
             queue.node_up(handle.clone(), NodeLoad::default());
@@ -165,8 +174,7 @@ impl Actor for NodeActor {
             NodeMsg::Assign {
                 request_id,
                 attempt,
-                model,
-                body,
+                work,
                 lease_ms,
                 generation,
             } => {
@@ -183,11 +191,21 @@ impl Actor for NodeActor {
                     not_sent(&generation, "the node is draining");
                     return Ok(());
                 }
+                let Work {
+                    model,
+                    body,
+                    api,
+                    x_request_id,
+                    traceparent,
+                } = work;
                 let frame = ServerFrame::Assign {
                     request_id: request_id.clone(),
                     attempt,
                     model: model.clone(),
                     body,
+                    api,
+                    x_request_id,
+                    traceparent,
                     lease_ms,
                 };
                 if state.args.outbound.try_send(frame).is_err() {
@@ -377,7 +395,17 @@ async fn on_frame(state: &mut NodeState, myself: &ActorRef<NodeMsg>, frame: Node
             attempt,
             seq,
             delta,
+            logprobs,
         } => {
+            // Structured output is read once, here: a node's delta that no engine would
+            // send never reaches a client.
+            let delta = match Piece::from_wire(delta, logprobs) {
+                Ok(piece) => piece,
+                Err(_) => {
+                    violation(state, myself, Violation::MalformedFrame, Some(&request_id)).await;
+                    return;
+                }
+            };
             let from = state.handle.clone();
             route(
                 state,
@@ -427,6 +455,7 @@ async fn on_frame(state: &mut NodeState, myself: &ActorRef<NodeMsg>, frame: Node
             prompt_tokens,
             completion_tokens,
             finish_reason,
+            cached_tokens,
         } => {
             // Engines name the reason in a short word; anything else (control characters,
             // NUL, kilobytes) would reach the client and the generation's record.
@@ -447,6 +476,7 @@ async fn on_frame(state: &mut NodeState, myself: &ActorRef<NodeMsg>, frame: Node
                 attempt,
                 prompt_tokens,
                 completion_tokens,
+                cached_tokens,
                 finish_reason: finish_reason.clone(),
                 from: state.handle.clone(),
             };

@@ -8,4 +8,4 @@ mod actor;
 mod msg;
 
 pub use actor::{NodeActor, NodeArgs, NodeTrust, VIOLATIONS_KEPT, violations_key};
-pub use msg::{NodeHandle, NodeLoad, NodeMsg, Violation};
+pub use msg::{NodeHandle, NodeLoad, NodeMsg, Violation, Work};

@@ -3,7 +3,7 @@
 use ractor::ActorRef;
 
 use crate::generation::GenerationMsg;
-use crate::protocol::NodeFrame;
+use crate::protocol::{Api, NodeFrame};
 
 /// A node's load as its last heartbeat reported it.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
@@ -56,10 +56,8 @@ pub enum NodeMsg {
         request_id: String,
         /// The attempt epoch; frames of other epochs are fenced by the generation.
         attempt: u64,
-        /// Engine model name.
-        model: String,
-        /// The OpenAI body to forward.
-        body: serde_json::Value,
+        /// What the engine is asked to do.
+        work: Work,
         /// The attempt's lease, sent to the node.
         lease_ms: Option<u64>,
         /// Where this assignment's frames go.
@@ -104,12 +102,39 @@ pub enum NodeMsg {
 pub struct NodeHandle {
     pub(crate) node_id: String,
     pub(crate) actor: ActorRef<NodeMsg>,
+    /// The protocol version spoken on this connection.
+    pub(crate) protocol: u32,
+}
+
+/// What an assignment asks the node's engine to do.
+#[derive(Debug, Clone)]
+pub struct Work {
+    /// Engine model name.
+    pub model: String,
+    /// The OpenAI body to forward.
+    pub body: serde_json::Value,
+    /// Which engine API.
+    pub api: Api,
+    /// The client's request id, for the engine's logs.
+    pub x_request_id: Option<String>,
+    /// The W3C trace context to continue.
+    pub traceparent: Option<String>,
 }
 
 impl NodeHandle {
     /// The node's id.
     pub fn node_id(&self) -> &str {
         &self.node_id
+    }
+
+    /// The protocol version spoken on this connection.
+    pub fn protocol(&self) -> u32 {
+        self.protocol
+    }
+
+    /// Whether this connection can run `api` (an older agent runs chat only).
+    pub fn speaks(&self, api: Api) -> bool {
+        self.protocol >= api.min_protocol()
     }
 
     /// Sends a frame read from the node's socket to the actor; false if the actor is gone.
@@ -141,8 +166,7 @@ impl NodeHandle {
         &self,
         request_id: &str,
         attempt: u64,
-        model: &str,
-        body: serde_json::Value,
+        work: Work,
         lease_ms: Option<u64>,
         generation: ActorRef<GenerationMsg>,
     ) -> bool {
@@ -150,8 +174,7 @@ impl NodeHandle {
             .cast(NodeMsg::Assign {
                 request_id: request_id.to_owned(),
                 attempt,
-                model: model.to_owned(),
-                body,
+                work,
                 lease_ms,
                 generation,
             })

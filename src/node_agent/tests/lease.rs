@@ -13,12 +13,16 @@ fn leased(request_id: &str, max_tokens: u32, lease_ms: u64) -> ServerFrame {
             attempt,
             model,
             body,
+            api,
             ..
         } => ServerFrame::Assign {
             request_id,
             attempt,
             model,
             body,
+            api,
+            x_request_id: None,
+            traceparent: None,
             lease_ms: Some(lease_ms),
         },
         other => unreachable!("{other:?}"),

@@ -158,6 +158,7 @@ async fn run(ops: Vec<Op>) {
         heartbeat_timeout: Duration::from_secs(15),
         clock: Arc::new(SystemClock),
         trust: crate::node::NodeTrust::default(),
+        protocol: crate::protocol::PROTOCOL_VERSION,
     })
     .await
     .unwrap();
@@ -192,7 +193,8 @@ async fn run(ops: Vec<Op>) {
                         ..
                     } = &mut f
                     {
-                        *delta = format!("[n{from}:{attempt}:{seq}]");
+                        *delta =
+                            crate::output::WireDelta::Text(format!("[n{from}:{attempt}:{seq}]"));
                     }
                     n.deliver(f);
                 }
@@ -263,7 +265,7 @@ async fn run(ops: Vec<Op>) {
                 "the generation crashed"
             );
         }
-        if let GenEvent::Delta(text) = e {
+        if let GenEvent::Delta(crate::output::Piece { text, .. }) = e {
             // `[n{from}:{attempt}:{seq}]`: only the holder of that attempt is believed.
             let inner = text.trim_start_matches('[').trim_end_matches(']');
             let mut parts = inner.split(':');

@@ -1,0 +1,424 @@
+//! What an engine produces, as it travels from the node to the client: the engine's choice
+//! delta kept as the bytes it sent (relayed into chat chunks without re-encoding), read once
+//! on arrival for what the gateway itself needs (text for the stream bound and the retained
+//! result, tool calls for the non-streamed message and the Generations API's events), and
+//! checked there, because a node is not trusted to send well-formed output.
+
+use std::fmt;
+
+use serde::de::Error as _;
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+use serde_json::value::RawValue;
+
+/// JSON kept as the bytes it arrived as.
+#[derive(Clone)]
+pub struct RawJson(Box<RawValue>);
+
+impl RawJson {
+    /// The JSON text.
+    pub fn get(&self) -> &str {
+        self.0.get()
+    }
+
+    /// Encodes `value` (for the agent, which builds some deltas itself).
+    pub fn from_value<T: Serialize>(value: &T) -> Option<Self> {
+        serde_json::value::to_raw_value(value).ok().map(Self)
+    }
+
+    /// Parses `text` as one JSON value, keeping its bytes.
+    pub fn parse(text: &str) -> Option<Self> {
+        serde_json::from_str::<Box<RawValue>>(text).ok().map(Self)
+    }
+
+    fn is_null(&self) -> bool {
+        self.get() == "null"
+    }
+}
+
+impl fmt::Debug for RawJson {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // Output text never reaches a log through a Debug impl: only its size.
+        write!(f, "RawJson({} bytes)", self.get().len())
+    }
+}
+
+impl PartialEq for RawJson {
+    fn eq(&self, other: &Self) -> bool {
+        self.get() == other.get()
+    }
+}
+
+impl Serialize for RawJson {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        self.0.serialize(s)
+    }
+}
+
+impl<'de> Deserialize<'de> for RawJson {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        Box::<RawValue>::deserialize(d).map(Self)
+    }
+}
+
+/// The `chunk` frame's `delta`: text in protocol 1, the engine's structured delta from
+/// protocol 2 (an object: `content`, `tool_calls`, `reasoning_content`, … as the engine
+/// wrote them; `text` for a legacy completion; `data` for embeddings).
+#[derive(Debug, Clone, PartialEq)]
+pub enum WireDelta {
+    /// Protocol 1: incremental text.
+    Text(String),
+    /// Protocol 2: the engine's delta object, verbatim.
+    Object(RawJson),
+}
+
+impl Serialize for WireDelta {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        match self {
+            Self::Text(t) => t.serialize(s),
+            Self::Object(raw) => raw.serialize(s),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for WireDelta {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let raw = RawJson::deserialize(d)?;
+        match raw.get().as_bytes().first() {
+            Some(b'"') => serde_json::from_str(raw.get())
+                .map(Self::Text)
+                .map_err(D::Error::custom),
+            Some(b'{') => Ok(Self::Object(raw)),
+            _ => Err(D::Error::custom("delta must be a string or an object")),
+        }
+    }
+}
+
+/// One tool call fragment of a streamed delta (OpenAI's `choices[].delta.tool_calls[]`): the
+/// first fragment of a call names it (`id`, `type`, `function.name`), the following ones
+/// carry pieces of `function.arguments`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ToolCallDelta {
+    /// Which call of the message this fragment belongs to.
+    pub index: u32,
+    /// The call's id (first fragment).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub id: Option<String>,
+    /// `function` (first fragment).
+    #[serde(default, rename = "type", skip_serializing_if = "Option::is_none")]
+    pub kind: Option<String>,
+    /// Name and argument fragment.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub function: Option<FunctionDelta>,
+}
+
+/// The function part of a [`ToolCallDelta`].
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct FunctionDelta {
+    /// The function's name (first fragment).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    /// A piece of the JSON arguments.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub arguments: Option<String>,
+}
+
+/// The fields of a structured delta the gateway reads; every other field is relayed as is.
+#[derive(Deserialize)]
+struct Fields {
+    #[serde(default)]
+    content: Option<String>,
+    #[serde(default)]
+    text: Option<String>,
+    #[serde(default)]
+    reasoning_content: Option<String>,
+    #[serde(default)]
+    tool_calls: Option<Vec<ToolCallDelta>>,
+    #[serde(default)]
+    data: Option<Vec<serde::de::IgnoredAny>>,
+}
+
+/// Most tool calls one message may make, and the index bound of a fragment.
+pub const MAX_TOOL_CALLS: u32 = 128;
+
+/// Why a node's delta was refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum BadDelta {
+    /// Not an object, or a known field of the wrong type.
+    #[error("delta fields of the wrong type")]
+    Shape,
+    /// A tool call index beyond [`MAX_TOOL_CALLS`].
+    #[error("tool call index out of range")]
+    ToolIndex,
+    /// `logprobs` that are neither null nor an object.
+    #[error("logprobs of the wrong type")]
+    Logprobs,
+}
+
+/// One piece of output, as the generation hands it to the response.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Piece {
+    /// Text: the delta's `content` (chat) or `text` (legacy completion).
+    pub text: String,
+    /// `reasoning_content`.
+    pub reasoning: String,
+    /// Tool call fragments.
+    pub tool_calls: Vec<ToolCallDelta>,
+    /// Whether this is an embeddings result (`data`).
+    pub embeddings: bool,
+    /// The engine's delta object verbatim (protocol 2); `None` for protocol 1's text.
+    pub raw: Option<RawJson>,
+    /// The engine's `logprobs` for this piece, verbatim.
+    pub logprobs: Option<RawJson>,
+}
+
+impl Piece {
+    /// Plain text (protocol 1, retained results, tests).
+    pub fn text(text: impl Into<String>) -> Self {
+        Self {
+            text: text.into(),
+            reasoning: String::new(),
+            tool_calls: Vec::new(),
+            embeddings: false,
+            raw: None,
+            logprobs: None,
+        }
+    }
+
+    /// Reads a node's `delta` and `logprobs`, refusing what no engine sends.
+    pub fn from_wire(delta: WireDelta, logprobs: Option<RawJson>) -> Result<Self, BadDelta> {
+        let logprobs = match logprobs {
+            Some(l) if l.is_null() => None,
+            Some(l) if l.get().starts_with('{') => Some(l),
+            Some(_) => return Err(BadDelta::Logprobs),
+            None => None,
+        };
+        let raw = match delta {
+            WireDelta::Text(text) => {
+                return Ok(Self {
+                    logprobs,
+                    ..Self::text(text)
+                });
+            }
+            WireDelta::Object(raw) => raw,
+        };
+        let fields: Fields = serde_json::from_str(raw.get()).map_err(|_| BadDelta::Shape)?;
+        let tool_calls = fields.tool_calls.unwrap_or_default();
+        if tool_calls.iter().any(|c| c.index >= MAX_TOOL_CALLS) {
+            return Err(BadDelta::ToolIndex);
+        }
+        let mut text = fields.content.unwrap_or_default();
+        if let Some(t) = fields.text {
+            text.push_str(&t);
+        }
+        Ok(Self {
+            text,
+            reasoning: fields.reasoning_content.unwrap_or_default(),
+            tool_calls,
+            embeddings: fields.data.is_some(),
+            raw: Some(raw),
+            logprobs,
+        })
+    }
+
+    /// Bytes this piece takes in a client's stream, for the stream's bound.
+    pub fn size(&self) -> usize {
+        match &self.raw {
+            Some(raw) => raw.get().len() + self.logprobs.as_ref().map_or(0, |l| l.get().len()),
+            None => self.text.len(),
+        }
+    }
+}
+
+impl From<String> for Piece {
+    fn from(text: String) -> Self {
+        Self::text(text)
+    }
+}
+
+impl From<&str> for Piece {
+    fn from(text: &str) -> Self {
+        Self::text(text)
+    }
+}
+
+/// A tool call assembled from its fragments.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct ToolCall {
+    /// The call's id.
+    pub id: String,
+    /// Always `function` today.
+    #[serde(rename = "type")]
+    pub kind: String,
+    /// Name and whole arguments.
+    pub function: Function,
+}
+
+/// The function of a [`ToolCall`].
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct Function {
+    /// The function's name.
+    pub name: String,
+    /// The arguments, a JSON text as the model wrote it.
+    pub arguments: String,
+}
+
+/// A message assembled from pieces (a non-streamed answer, a retained result).
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct Assembled {
+    /// All text.
+    pub content: String,
+    /// All reasoning.
+    pub reasoning: String,
+    /// Tool calls, by index.
+    pub tool_calls: Vec<ToolCall>,
+    /// The logprobs' arrays, appended per key in order of first appearance (`content` for
+    /// chat; `tokens`, `token_logprobs`, … for a legacy completion).
+    pub logprobs: Vec<(String, Vec<serde_json::Value>)>,
+}
+
+impl Assembled {
+    /// Adds one piece.
+    pub fn push(&mut self, piece: &Piece) {
+        self.content.push_str(&piece.text);
+        self.reasoning.push_str(&piece.reasoning);
+        for fragment in &piece.tool_calls {
+            let i = fragment.index as usize;
+            if self.tool_calls.len() <= i {
+                self.tool_calls.resize_with(i + 1, ToolCall::default);
+            }
+            let call = &mut self.tool_calls[i];
+            if let Some(id) = &fragment.id {
+                call.id.clone_from(id);
+            }
+            if let Some(kind) = &fragment.kind {
+                call.kind.clone_from(kind);
+            }
+            if let Some(f) = &fragment.function {
+                if let Some(name) = &f.name {
+                    call.function.name.push_str(name);
+                }
+                if let Some(args) = &f.arguments {
+                    call.function.arguments.push_str(args);
+                }
+            }
+        }
+        if let Some(l) = &piece.logprobs {
+            // Chat's `{"content": [...]}` and a legacy completion's parallel arrays (`tokens`,
+            // `token_logprobs`, `top_logprobs`, `text_offset`) alike: each array is appended.
+            if let Ok(fields) =
+                serde_json::from_str::<serde_json::Map<String, serde_json::Value>>(l.get())
+            {
+                for (key, value) in fields {
+                    let serde_json::Value::Array(items) = value else {
+                        continue;
+                    };
+                    let at = match self.logprobs.iter().position(|(k, _)| *k == key) {
+                        Some(i) => i,
+                        None => {
+                            self.logprobs.push((key, Vec::new()));
+                            self.logprobs.len() - 1
+                        }
+                    };
+                    self.logprobs[at].1.extend(items);
+                }
+            }
+        }
+    }
+
+    /// The assembled `logprobs` object, `None` when the engine sent none.
+    pub fn logprobs(&self) -> Option<serde_json::Value> {
+        if self.logprobs.is_empty() {
+            return None;
+        }
+        let map: serde_json::Map<String, serde_json::Value> = self
+            .logprobs
+            .iter()
+            .map(|(k, v)| (k.clone(), serde_json::Value::Array(v.clone())))
+            .collect();
+        Some(serde_json::Value::Object(map))
+    }
+
+    /// Tool calls with a `type` (`function` when the engine named none).
+    pub fn tool_calls(&self) -> Vec<ToolCall> {
+        self.tool_calls
+            .iter()
+            .cloned()
+            .map(|mut c| {
+                if c.kind.is_empty() {
+                    c.kind = "function".into();
+                }
+                c
+            })
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::panic)]
+    use super::*;
+
+    fn wire(json: &str) -> WireDelta {
+        serde_json::from_str(json).unwrap()
+    }
+
+    #[test]
+    fn deltas_are_text_or_objects_and_objects_keep_their_bytes() {
+        assert_eq!(wire(r#""hi""#), WireDelta::Text("hi".into()));
+        let text = r#"{"content":"a\u00e9","x":[1, 2]}"#;
+        let WireDelta::Object(raw) = wire(text) else {
+            panic!("not an object")
+        };
+        assert_eq!(raw.get(), text);
+        assert!(serde_json::from_str::<WireDelta>("[1]").is_err());
+        assert!(serde_json::from_str::<WireDelta>("7").is_err());
+        assert_eq!(
+            serde_json::to_string(&WireDelta::Object(raw)).unwrap(),
+            text
+        );
+    }
+
+    #[test]
+    fn a_piece_reads_what_the_gateway_needs_and_refuses_wrong_types() {
+        let p = Piece::from_wire(
+            wire(r#"{"tool_calls":[{"index":0,"id":"call_1","type":"function","function":{"name":"f","arguments":""}}]}"#),
+            Some(RawJson::parse("null").unwrap()),
+        )
+        .unwrap();
+        assert_eq!(p.tool_calls[0].id.as_deref(), Some("call_1"));
+        assert_eq!(p.logprobs, None);
+        for bad in [
+            r#"{"content":5}"#,
+            r#"{"tool_calls":{}}"#,
+            r#"{"tool_calls":[{"index":-1}]}"#,
+            r#"{"tool_calls":[{"index":4000000000}]}"#,
+            r#"{"reasoning_content":[]}"#,
+        ] {
+            assert!(Piece::from_wire(wire(bad), None).is_err(), "{bad}");
+        }
+        assert_eq!(
+            Piece::from_wire(wire("{}"), RawJson::parse("[1]")),
+            Err(BadDelta::Logprobs)
+        );
+    }
+
+    #[test]
+    fn fragments_assemble_into_calls() {
+        let mut a = Assembled::default();
+        for d in [
+            r#"{"role":"assistant","content":""}"#,
+            r#"{"tool_calls":[{"index":0,"id":"c0","type":"function","function":{"name":"get_weather"}}]}"#,
+            r#"{"tool_calls":[{"index":0,"function":{"arguments":"{\"city\":"}}]}"#,
+            r#"{"tool_calls":[{"index":1,"id":"c1","function":{"name":"g","arguments":"{}"}}]}"#,
+            r#"{"tool_calls":[{"index":0,"function":{"arguments":"\"Oslo\"}"}}]}"#,
+        ] {
+            a.push(&Piece::from_wire(wire(d), None).unwrap());
+        }
+        let calls = a.tool_calls();
+        assert_eq!(calls.len(), 2);
+        assert_eq!(calls[0].function.name, "get_weather");
+        assert_eq!(calls[0].function.arguments, r#"{"city":"Oslo"}"#);
+        assert_eq!(calls[1].kind, "function");
+        assert_eq!(a.content, "");
+    }
+}
