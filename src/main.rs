@@ -138,6 +138,12 @@ struct SimArgs {
     /// Fault: exit the process (status 137) after this many engine milliseconds.
     #[arg(long)]
     fault_exit_after_ms: Option<u64>,
+    /// Also serve this embedding model on /v1/embeddings.
+    #[arg(long)]
+    embedding_model: Option<String>,
+    /// Report prompt_tokens_details.cached_tokens in usage (vLLM's flag of the same name).
+    #[arg(long)]
+    enable_prompt_tokens_details: bool,
 }
 
 impl SimArgs {
@@ -161,6 +167,8 @@ impl SimArgs {
                 exit_after_ms: self.fault_exit_after_ms,
             },
             exit_mode: ExitMode::Process,
+            embedding_model: self.embedding_model.clone(),
+            enable_prompt_tokens_details: self.enable_prompt_tokens_details,
         }
     }
 }

@@ -17,7 +17,7 @@ use tokio::time::Instant;
 use super::SimError;
 use super::metrics::{EngineStats, FinishedReason};
 use super::profile::ProfileSpec;
-use super::tokenizer::{Generator, Stop};
+use super::tokenizer::{Generator, Stop, TokenLogprobs};
 
 /// Bounds on how far behind schedule the engine may run before it re-anchors to now instead
 /// of catching up (four steps, within these limits).
@@ -89,6 +89,8 @@ pub enum SeqEvent {
         generated: u32,
         /// Set on the final token.
         finish: Option<Finish>,
+        /// The token's log-probabilities, when the request asked for them.
+        logprobs: Option<TokenLogprobs>,
     },
     /// The engine died under this sequence: the connection must be cut.
     Crashed,
@@ -464,10 +466,12 @@ impl Engine {
         let eos = seq.params.eos_at == Some(seq.generated + 1);
         let (mut delta, stop) = if eos {
             // The end-of-sequence token has no text; what was held back goes out with it.
+            seq.params.generator.emit_eos();
             (seq.params.generator.flush(), None)
         } else {
             seq.params.generator.next_token()
         };
+        let logprobs = seq.params.generator.take_logprobs();
         seq.generated += 1;
         stats.generation_tokens += 1;
         if seq.generated == 1 {
@@ -518,6 +522,7 @@ impl Engine {
                 delta,
                 generated,
                 finish,
+                logprobs,
             })
             .is_err()
             || over

@@ -4,12 +4,19 @@
 //! on one port, backed by a continuous-batching [`engine`] whose timing and KV capacity come
 //! from a [`Profile`]. Faults for drills are set by flag or through `/sim/faults`.
 
+mod chat;
+mod completions;
+mod embeddings;
 mod engine;
 mod faults;
+mod generate;
 mod http;
+mod logprobs;
 mod metrics;
 mod profile;
+mod schema;
 mod tokenizer;
+mod tools;
 mod wire;
 
 use std::net::SocketAddr;
@@ -90,6 +97,11 @@ pub struct SimConfig {
     pub faults: FaultSpec,
     /// What the exit fault does.
     pub exit_mode: ExitMode,
+    /// Also serve this embedding model on `/v1/embeddings` (`--embedding-model`).
+    pub embedding_model: Option<String>,
+    /// Report `prompt_tokens_details.cached_tokens` from a prefix-cache model, as vLLM does
+    /// with `--enable-prompt-tokens-details`.
+    pub enable_prompt_tokens_details: bool,
 }
 
 impl Default for SimConfig {
@@ -106,6 +118,8 @@ impl Default for SimConfig {
             natural_output_tokens: 256,
             faults: FaultSpec::default(),
             exit_mode: ExitMode::Embedded,
+            embedding_model: None,
+            enable_prompt_tokens_details: false,
         }
     }
 }
@@ -219,6 +233,10 @@ impl SimServer {
             cache_info,
             exit_mode: config.exit_mode,
             shutdown: shutdown.clone(),
+            embedding_model: config.embedding_model.clone(),
+            prefix_cache: config
+                .enable_prompt_tokens_details
+                .then(|| Mutex::new(generate::PrefixCache::default())),
         });
         if let Some(ms) = config.faults.exit_after_ms {
             http::schedule_exit(state.clone(), ms);

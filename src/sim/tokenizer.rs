@@ -15,6 +15,10 @@ use rand_chacha::ChaCha8Rng;
 
 /// Ids below this are the special tokens (`<unk>`, `<s>`, `</s>`, role markers): never sampled.
 const FIRST_TEXT_TOKEN: u32 = 7;
+/// The end-of-sequence token `</s>`.
+pub const EOS_TOKEN: u32 = 2;
+/// vLLM's cap on `top_logprobs` / `logprobs` (`--max-logprobs` default).
+pub const MAX_LOGPROBS: u32 = 20;
 
 /// The built-in tokenizer and chat template (shared with the gateway's prompt counter), and
 /// the per-token byte table used to detokenize output.
@@ -71,7 +75,16 @@ impl SimTokenizer {
         self.chat.tokenizer().id_to_token(id)
     }
 
-    fn vocab_size(&self) -> u32 {
+    /// A token as vLLM shows it in logprobs: its text decoded alone (bytes that are not UTF-8
+    /// on their own become U+FFFD), special tokens by name.
+    pub fn token_text(&self, id: u32) -> String {
+        match self.token_bytes.get(id as usize) {
+            Some(b) if !b.is_empty() => String::from_utf8_lossy(b).into_owned(),
+            _ => self.token_str(id).unwrap_or_default(),
+        }
+    }
+
+    pub fn vocab_size(&self) -> u32 {
         u32::try_from(self.token_bytes.len()).unwrap_or(u32::MAX)
     }
 }
@@ -117,6 +130,24 @@ pub struct Generator {
     emitted: usize,
     stops: Vec<String>,
     holdback: usize,
+    /// Tokens to emit instead of sampling (a forced tool call's arguments).
+    script: Option<std::collections::VecDeque<u32>>,
+    /// `k` and a sampler of log-probabilities, when the request asked for them; its own RNG,
+    /// so asking for logprobs does not change the text.
+    logprobs: Option<(u32, ChaCha8Rng)>,
+    /// Log-probabilities of the token just emitted.
+    last: Option<TokenLogprobs>,
+}
+
+/// One generated token's log-probabilities.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenLogprobs {
+    /// The token sampled.
+    pub id: u32,
+    /// Its log-probability.
+    pub logprob: f32,
+    /// The `k` most likely tokens in rank order (the sampled one among them if it ranks so).
+    pub top: Vec<(u32, f32)>,
 }
 
 impl Generator {
@@ -132,15 +163,99 @@ impl Generator {
             emitted: 0,
             stops,
             holdback,
+            script: None,
+            logprobs: None,
+            last: None,
         }
+    }
+
+    /// A generator that emits exactly `ids`, then nothing more to say.
+    pub fn scripted(tok: Arc<SimTokenizer>, seed: u64, ids: Vec<u32>) -> Self {
+        let mut g = Self::new(tok, seed, Vec::new());
+        g.script = Some(ids.into());
+        g
+    }
+
+    /// Also report log-probabilities with the `k` most likely tokens.
+    pub fn with_logprobs(mut self, k: u32, seed: u64) -> Self {
+        self.logprobs = Some((
+            k.min(MAX_LOGPROBS),
+            ChaCha8Rng::seed_from_u64(seed ^ 0x4C4F_4750_524F_4253),
+        ));
+        self
+    }
+
+    /// The log-probabilities of the last token emitted, if asked for.
+    pub fn take_logprobs(&mut self) -> Option<TokenLogprobs> {
+        self.last.take()
+    }
+
+    /// Marks the end-of-sequence token as emitted (for its log-probabilities).
+    pub fn emit_eos(&mut self) {
+        self.last = self.draw_logprobs(EOS_TOKEN);
+    }
+
+    /// A plausible distribution around the sampled token: it ranks first most of the time,
+    /// log-probabilities fall with rank, and the sampled one is the same number wherever it
+    /// appears.
+    fn draw_logprobs(&mut self, id: u32) -> Option<TokenLogprobs> {
+        let vocab = self.tok.vocab_size().max(FIRST_TEXT_TOKEN + 2);
+        let (k, rng) = self.logprobs.as_mut()?;
+        let k = *k;
+        let rank = match rng.random_range(0..100u32) {
+            0..60 => 0,
+            60..85 => 1,
+            _ => rng.random_range(2..k.max(2) + 4),
+        };
+        let mut lp = -rng.random_range(0.001f32..1.5);
+        let mut top = Vec::with_capacity(k as usize);
+        let mut used = vec![id];
+        let mut sampled = lp;
+        for r in 0..=rank.max(k) {
+            if r > 0 {
+                lp -= rng.random_range(0.05f32..1.5);
+            }
+            let tid = if r == rank {
+                sampled = lp;
+                id
+            } else {
+                // Another token than every one named so far (probing a few steps at most:
+                // ranks are few, the vocabulary is large).
+                let mut t = rng.random_range(FIRST_TEXT_TOKEN..vocab);
+                for _ in 0..vocab {
+                    if !used.contains(&t) {
+                        break;
+                    }
+                    t = if t + 1 >= vocab {
+                        FIRST_TEXT_TOKEN
+                    } else {
+                        t + 1
+                    };
+                }
+                used.push(t);
+                t
+            };
+            if r < k {
+                top.push((tid, lp));
+            }
+        }
+        Some(TokenLogprobs {
+            id,
+            logprob: sampled,
+            top,
+        })
     }
 
     /// Samples the next token and returns the text that may be sent now, and the stop string
     /// if one matched (then the returned delta ends right before it).
     pub fn next_token(&mut self) -> (String, Option<Stop>) {
-        let id = self
-            .rng
-            .random_range(FIRST_TEXT_TOKEN..self.tok.vocab_size().max(FIRST_TEXT_TOKEN + 1));
+        let id = match self.script.as_mut() {
+            Some(script) => script.pop_front().unwrap_or(EOS_TOKEN),
+            None => self
+                .rng
+                .random_range(FIRST_TEXT_TOKEN..self.tok.vocab_size().max(FIRST_TEXT_TOKEN + 1)),
+        };
+        self.last = self.draw_logprobs(id);
         if let Some(bytes) = self.tok.token_bytes.get(id as usize) {
             self.pending.extend_from_slice(bytes);
         }

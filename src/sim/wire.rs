@@ -34,7 +34,7 @@ pub struct Chunk<'a> {
 pub struct ChunkChoice<'a> {
     pub index: u32,
     pub delta: Delta<'a>,
-    pub logprobs: Option<()>,
+    pub logprobs: Option<serde_json::Value>,
     pub finish_reason: Option<&'static str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub stop_reason: Option<Option<&'a str>>,
@@ -42,12 +42,15 @@ pub struct ChunkChoice<'a> {
     pub token_ids: Option<Option<()>>,
 }
 
-/// Incremental message text; the first chunk also names the role.
+/// Incremental message text or tool-call fragments; the first chunk also names the role.
 #[derive(Debug, Serialize)]
 pub struct Delta<'a> {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub role: Option<&'static str>,
-    pub content: &'a str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub content: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<serde_json::Value>,
 }
 
 /// Usage as streamed: key order prompt, total, completion; no `*_details`.
@@ -56,6 +59,9 @@ pub struct StreamUsage {
     pub prompt_tokens: u32,
     pub total_tokens: u32,
     pub completion_tokens: u32,
+    /// Only with prompt-token details on.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prompt_tokens_details: Option<serde_json::Value>,
 }
 
 impl StreamUsage {
@@ -64,6 +70,7 @@ impl StreamUsage {
             prompt_tokens,
             total_tokens: prompt_tokens + completion_tokens,
             completion_tokens,
+            prompt_tokens_details: None,
         }
     }
 }
@@ -97,7 +104,8 @@ impl<'a> ChunkHead<'a> {
             index: 0,
             delta: Delta {
                 role: Some("assistant"),
-                content: "",
+                content: Some(""),
+                tool_calls: None,
             },
             logprobs: None,
             finish_reason: None,
@@ -111,18 +119,34 @@ impl<'a> ChunkHead<'a> {
 
     /// A content chunk; with `finish` it is the last one and names why generation ended.
     /// `fingerprint` is set on the finish chunk when no usage chunk follows.
+    #[cfg(test)]
     pub fn content(
         self,
         content: &'a str,
         finish: Option<(&'static str, Option<&'a str>)>,
         fingerprint: bool,
     ) -> Chunk<'a> {
+        self.delta(
+            Delta {
+                role: None,
+                content: Some(content),
+                tool_calls: None,
+            },
+            finish,
+            fingerprint,
+        )
+    }
+
+    /// A chunk with any delta (text or tool-call fragments); see [`ChunkHead::content`].
+    pub fn delta(
+        self,
+        delta: Delta<'a>,
+        finish: Option<(&'static str, Option<&'a str>)>,
+        fingerprint: bool,
+    ) -> Chunk<'a> {
         let mut c = self.chunk(vec![ChunkChoice {
             index: 0,
-            delta: Delta {
-                role: None,
-                content,
-            },
+            delta,
             logprobs: None,
             finish_reason: finish.map(|f| f.0),
             stop_reason: finish.map(|f| f.1),
@@ -143,15 +167,42 @@ impl<'a> ChunkHead<'a> {
     }
 }
 
+/// What a non-streamed chat answer says, beyond its finish.
+#[derive(Debug, Default)]
+pub struct Answer<'a> {
+    /// The text (`""` beside tool calls).
+    pub content: &'a str,
+    /// `message.tool_calls`, present only for a forced tool call.
+    pub tool_calls: Option<serde_json::Value>,
+    /// `choice.logprobs` (`{"content": [...]}`) when asked for.
+    pub logprobs: Option<serde_json::Value>,
+    /// `usage.prompt_tokens_details` (null unless prompt-token details are enabled).
+    pub prompt_details: Option<serde_json::Value>,
+}
+
 /// A whole non-streamed `chat.completion`, with vLLM's extra keys.
 pub fn completion(
     head: ChunkHead<'_>,
-    content: &str,
+    answer: Answer<'_>,
     finish_reason: &str,
     stop_reason: Option<&str>,
     prompt_tokens: u32,
     completion_tokens: u32,
 ) -> serde_json::Value {
+    let mut message = serde_json::json!({
+        "role": "assistant",
+        "content": answer.content,
+        "refusal": null,
+        "annotations": null,
+        "audio": null,
+        "function_call": null,
+    });
+    if let (Some(obj), Some(calls)) = (message.as_object_mut(), answer.tool_calls) {
+        obj.insert("tool_calls".into(), calls);
+    }
+    if let Some(obj) = message.as_object_mut() {
+        obj.insert("reasoning".into(), serde_json::Value::Null);
+    }
     serde_json::json!({
         "id": head.id,
         "object": "chat.completion",
@@ -159,16 +210,8 @@ pub fn completion(
         "model": head.model,
         "choices": [{
             "index": 0,
-            "message": {
-                "role": "assistant",
-                "content": content,
-                "refusal": null,
-                "annotations": null,
-                "audio": null,
-                "function_call": null,
-                "reasoning": null
-            },
-            "logprobs": null,
+            "message": message,
+            "logprobs": answer.logprobs,
             "finish_reason": finish_reason,
             "stop_reason": stop_reason,
             "token_ids": null,
@@ -176,19 +219,28 @@ pub fn completion(
         }],
         "service_tier": null,
         "system_fingerprint": SYSTEM_FINGERPRINT,
-        "usage": {
-            "prompt_tokens": prompt_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "completion_tokens": completion_tokens,
-            "prompt_tokens_details": null,
-            "completion_tokens_details": null
-        },
+        "usage": full_usage(prompt_tokens, completion_tokens, answer.prompt_details),
         "prompt_logprobs": null,
         "prompt_token_ids": null,
         "prompt_text": null,
         "kv_transfer_params": null,
         "ec_transfer_params": null,
         "metrics": null
+    })
+}
+
+/// Usage of a non-streamed answer: the `*_details` keys are there, null by default.
+pub fn full_usage(
+    prompt_tokens: u32,
+    completion_tokens: u32,
+    prompt_details: Option<serde_json::Value>,
+) -> serde_json::Value {
+    serde_json::json!({
+        "prompt_tokens": prompt_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "completion_tokens": completion_tokens,
+        "prompt_tokens_details": prompt_details,
+        "completion_tokens_details": null
     })
 }
 
