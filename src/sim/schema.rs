@@ -12,6 +12,9 @@ use serde_json::{Map, Number, Value};
 
 /// Deepest nesting generated; below it every value is `null`.
 const MAX_DEPTH: usize = 8;
+/// Most values generated in all: arrays repeat their item schema, so without a total bound a
+/// nested schema of modest size could ask for millions of values.
+const MAX_VALUES: u32 = 2_000;
 /// Most array items and most properties generated per object.
 const MAX_ITEMS: u64 = 4;
 const MAX_PROPERTIES: usize = 32;
@@ -22,10 +25,15 @@ const WORDS: &[&str] = &[
 
 /// A value valid for `schema`, reproducible from `rng`'s state.
 pub fn generate(schema: &Value, rng: &mut ChaCha8Rng) -> Value {
-    value(schema, rng, 0)
+    let mut budget = MAX_VALUES;
+    value(schema, rng, 0, &mut budget)
 }
 
-fn value(schema: &Value, rng: &mut ChaCha8Rng, depth: usize) -> Value {
+fn value(schema: &Value, rng: &mut ChaCha8Rng, depth: usize, budget: &mut u32) -> Value {
+    if *budget == 0 {
+        return Value::Null;
+    }
+    *budget -= 1;
     let Some(obj) = schema.as_object() else {
         // `true` or a missing schema allows anything: a string is the least surprising.
         return if schema.as_bool() == Some(false) || depth >= MAX_DEPTH {
@@ -53,7 +61,7 @@ fn value(schema: &Value, rng: &mut ChaCha8Rng, depth: usize) -> Value {
             .and_then(Value::as_array)
             .filter(|a| !a.is_empty())
         {
-            return value(pick(alts, rng), rng, depth + 1);
+            return value(pick(alts, rng), rng, depth + 1, budget);
         }
     }
     if let Some([only]) = obj
@@ -61,7 +69,7 @@ fn value(schema: &Value, rng: &mut ChaCha8Rng, depth: usize) -> Value {
         .and_then(Value::as_array)
         .map(Vec::as_slice)
     {
-        return value(only, rng, depth + 1);
+        return value(only, rng, depth + 1, budget);
     }
     let kind = match obj.get("type") {
         Some(Value::String(t)) => Some(t.as_str()),
@@ -79,8 +87,8 @@ fn value(schema: &Value, rng: &mut ChaCha8Rng, depth: usize) -> Value {
         _ => None,
     };
     match kind {
-        Some("object") => object(obj, rng, depth),
-        Some("array") => array(obj, rng, depth),
+        Some("object") => object(obj, rng, depth, budget),
+        Some("array") => array(obj, rng, depth, budget),
         Some("string") => string(obj, rng),
         Some("integer") => integer(obj, rng),
         Some("number") => number(obj, rng),
@@ -98,7 +106,7 @@ fn word(rng: &mut ChaCha8Rng) -> Value {
 }
 
 /// Every required property, and each optional one with even odds.
-fn object(obj: &Map<String, Value>, rng: &mut ChaCha8Rng, depth: usize) -> Value {
+fn object(obj: &Map<String, Value>, rng: &mut ChaCha8Rng, depth: usize, budget: &mut u32) -> Value {
     let required: Vec<&str> = obj
         .get("required")
         .and_then(Value::as_array)
@@ -114,7 +122,7 @@ fn object(obj: &Map<String, Value>, rng: &mut ChaCha8Rng, depth: usize) -> Value
     };
     for (name, sub) in props.iter().take(MAX_PROPERTIES) {
         if required.contains(&name.as_str()) || rng.random_bool(0.5) {
-            out.insert(name.clone(), value(sub, rng, depth + 1));
+            out.insert(name.clone(), value(sub, rng, depth + 1, budget));
         }
     }
     for name in required.into_iter().take(MAX_PROPERTIES) {
@@ -125,7 +133,7 @@ fn object(obj: &Map<String, Value>, rng: &mut ChaCha8Rng, depth: usize) -> Value
     Value::Object(out)
 }
 
-fn array(obj: &Map<String, Value>, rng: &mut ChaCha8Rng, depth: usize) -> Value {
+fn array(obj: &Map<String, Value>, rng: &mut ChaCha8Rng, depth: usize, budget: &mut u32) -> Value {
     let min = obj.get("minItems").and_then(Value::as_u64).unwrap_or(1);
     let max = obj
         .get("maxItems")
@@ -137,7 +145,11 @@ fn array(obj: &Map<String, Value>, rng: &mut ChaCha8Rng, depth: usize) -> Value 
     );
     let n = rng.random_range(lo..=hi);
     let items = obj.get("items").cloned().unwrap_or(Value::Bool(true));
-    Value::Array((0..n).map(|_| value(&items, rng, depth + 1)).collect())
+    Value::Array(
+        (0..n)
+            .map(|_| value(&items, rng, depth + 1, budget))
+            .collect(),
+    )
 }
 
 fn string(obj: &Map<String, Value>, rng: &mut ChaCha8Rng) -> Value {
@@ -253,6 +265,7 @@ mod tests {
             serde_json::json!({"type": "number", "minimum": f64::MAX}),
             serde_json::json!({"type": "array", "minItems": u64::MAX, "items": {"type": "array"}}),
             serde_json::json!({"enum": []}),
+            serde_json::json!({"type": "array", "minItems": 4, "items": {"type": "array", "minItems": 4, "items": {"type": "array", "minItems": 4, "items": {"type": "array", "minItems": 4, "items": {"type": "array", "minItems": 4, "items": {"type": "array", "minItems": 4, "items": {"type": "array", "minItems": 4, "items": {"type": "string"}}}}}}}}),
             serde_json::json!("nonsense"),
             serde_json::json!({"type": "string", "maxLength": 0}),
         ] {
