@@ -4,7 +4,7 @@
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use serde::Deserialize;
@@ -210,6 +210,11 @@ pub struct ListenerSettings {
     pub max_header_bytes: usize,
     /// Longest request target (path and query) in bytes; above it 414.
     pub max_uri_bytes: usize,
+    /// PEM certificate chain (leaf first) to terminate TLS with; set together with
+    /// `tls_key`. Unset: plain HTTP (TLS ends at a proxy in front, if anywhere).
+    pub tls_cert: Option<PathBuf>,
+    /// PEM private key of `tls_cert`.
+    pub tls_key: Option<PathBuf>,
 }
 
 impl Default for ListenerSettings {
@@ -221,6 +226,8 @@ impl Default for ListenerSettings {
             max_connections_per_client: 1024,
             max_header_bytes: 32 * 1024,
             max_uri_bytes: 8 * 1024,
+            tls_cert: None,
+            tls_key: None,
         }
     }
 }
@@ -263,6 +270,8 @@ pub struct Config {
     pub database_url: String,
     /// Redis; absent means in-process coordination (one replica).
     pub redis_url: Option<String>,
+    /// PEM CA file a `rediss://` Redis must be signed by (instead of the web PKI roots).
+    pub redis_ca_file: Option<PathBuf>,
     /// This replica's id; random when absent.
     pub replica_id: Option<String>,
     /// Bootstrap admin token.
@@ -306,6 +315,7 @@ impl Default for Config {
             listen: SocketAddr::from(([127, 0, 0, 1], 8080)),
             database_url: "sqlite://.switchyard/switchyard.db?mode=rwc".into(),
             redis_url: None,
+            redis_ca_file: None,
             replica_id: None,
             admin_token: None,
             jwks_url: None,
@@ -381,6 +391,15 @@ impl Config {
         }
         if let Some(v) = get(env_names::REDIS_URL) {
             self.redis_url = Some(v);
+        }
+        if let Some(v) = get(env_names::REDIS_CA_FILE) {
+            self.redis_ca_file = Some(v.into());
+        }
+        if let Some(v) = get(env_names::TLS_CERT) {
+            self.listener.tls_cert = Some(v.into());
+        }
+        if let Some(v) = get(env_names::TLS_KEY) {
+            self.listener.tls_key = Some(v.into());
         }
         if let Some(v) = get(env_names::REPLICA_ID) {
             self.replica_id = Some(v);
@@ -471,6 +490,17 @@ impl Config {
                     .into(),
             );
         }
+        if l.tls_cert.is_some() != l.tls_key.is_some() {
+            return invalid("listener.tls_cert and listener.tls_key must be set together".into());
+        }
+        if self.redis_ca_file.is_some()
+            && !self
+                .redis_url
+                .as_deref()
+                .is_some_and(|u| u.starts_with("rediss://"))
+        {
+            return invalid("redis_ca_file needs a rediss:// redis_url".into());
+        }
         if self.trust.max_violations == 0 || self.trust.violation_window_secs == 0 {
             return invalid("trust.max_violations and violation_window_secs must be > 0".into());
         }
@@ -554,6 +584,21 @@ mod tests {
             c.apply_env(|n| (n == env_names::ROUTING).then(|| "random".to_string()))
                 .is_err()
         );
+    }
+
+    #[test]
+    fn tls_settings_come_from_file_and_env_and_pair_up() {
+        let mut c: Config =
+            toml::from_str("[listener]\ntls_cert = \"/etc/sy/cert.pem\"\n").unwrap();
+        assert!(c.validate().is_err(), "a certificate without its key");
+        c.apply_env(|n| (n == env_names::TLS_KEY).then(|| "/etc/sy/key.pem".to_string()))
+            .unwrap();
+        c.validate().unwrap();
+        assert_eq!(c.listener.tls_key, Some(PathBuf::from("/etc/sy/key.pem")));
+        c.redis_ca_file = Some("/etc/sy/redis-ca.pem".into());
+        assert!(c.validate().is_err(), "a Redis CA without rediss://");
+        c.redis_url = Some("rediss://redis.internal:6380".into());
+        c.validate().unwrap();
     }
 
     #[test]

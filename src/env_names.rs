@@ -24,3 +24,11 @@ pub const QUEUE_MAX_WAITING: &str = "SWITCHYARD_QUEUE_MAX_WAITING";
 pub const QUEUE_DEADLINE_SECS: &str = "SWITCHYARD_QUEUE_DEADLINE_SECS";
 /// `json` for JSON logs.
 pub const LOG_FORMAT: &str = "SWITCHYARD_LOG_FORMAT";
+/// PEM certificate chain the listener serves TLS with (`listener.tls_cert`).
+pub const TLS_CERT: &str = "SWITCHYARD_TLS_CERT";
+/// PEM private key of that certificate (`listener.tls_key`).
+pub const TLS_KEY: &str = "SWITCHYARD_TLS_KEY";
+/// PEM CA file a `rediss://` Redis is verified with, instead of the web PKI roots.
+pub const REDIS_CA_FILE: &str = "SWITCHYARD_REDIS_CA_FILE";
+/// `switchyard node --ca-file`: extra CAs the agent trusts for a `wss://` server.
+pub const NODE_CA_FILE: &str = "SWITCHYARD_NODE_CA_FILE";

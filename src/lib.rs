@@ -3,8 +3,9 @@
 //! The binary (`src/main.rs`) is a thin CLI over these modules: the server replica
 //! ([`server`], [`http`], [`auth`], [`config`]), storage and coordination ([`store`],
 //! [`coord`]), the node agent ([`node_agent`]), the vLLM simulator ([`sim`]) and the embedded
-//! demo fleet ([`demo`]), and prompt token counting shared by the gateway and the simulator
-//! ([`tokens`]). The actors live in the `switchyard-actors` crate.
+//! demo fleet ([`demo`]), prompt token counting shared by the gateway and the simulator
+//! ([`tokens`]), and the TLS every edge shares ([`tls`]: crypto provider, roots, PEM files).
+//! The actors live in the `switchyard-actors` crate.
 
 pub mod auth;
 pub mod config;
@@ -20,4 +21,5 @@ pub mod sim;
 pub mod store;
 pub mod sweeper;
 pub mod telemetry;
+pub mod tls;
 pub mod tokens;

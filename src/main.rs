@@ -78,6 +78,9 @@ struct NodeArgs {
     /// Where the node runs.
     #[arg(long, default_value = "onprem", value_parser = parse_location)]
     location: Location,
+    /// PEM file of CAs trusted for an https:// server besides the web PKI roots.
+    #[arg(long, env = switchyard::env_names::NODE_CA_FILE)]
+    ca_file: Option<PathBuf>,
 }
 
 fn parse_location(s: &str) -> Result<Location, String> {
@@ -241,6 +244,7 @@ async fn migrate(args: MigrateArgs) -> anyhow::Result<()> {
 async fn node(args: NodeArgs) -> anyhow::Result<()> {
     let mut config = AgentConfig::new(args.server, args.node_id, args.token, args.engine);
     config.location = args.location;
+    config.ca_file = args.ca_file;
     let stop = CancellationToken::new();
     let mut agent = tokio::spawn(node_agent::run(config, stop.clone()));
     tokio::select! {
@@ -302,6 +306,8 @@ fn init_tracing() {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
+    // Before anything can open a TLS connection: aws-lc-rs, whatever else is compiled in.
+    switchyard::tls::install_provider();
     init_tracing();
     match Cli::parse().command {
         Command::Demo(args) => demo(args).await,

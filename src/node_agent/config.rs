@@ -2,6 +2,7 @@
 //! only errors that make [`super::run`] give up (everything else is retried).
 
 use std::fmt;
+use std::path::PathBuf;
 use std::time::Duration;
 
 use switchyard_actors::protocol::{Gpu, Location, PROTOCOL_VERSION};
@@ -20,6 +21,9 @@ pub struct AgentConfig {
     pub node_id: String,
     /// The per-node secret; never logged (the `Debug` output redacts it).
     pub token: String,
+    /// PEM file of CAs trusted for a `wss://` server besides the web PKI roots (`--ca-file`):
+    /// an on-premises server's own CA.
+    pub ca_file: Option<PathBuf>,
     /// Base URL of the local engine, e.g. `http://127.0.0.1:8000`.
     pub engine: String,
     /// On premises or cloud.
@@ -58,6 +62,7 @@ impl AgentConfig {
             server: server.into(),
             node_id: node_id.into(),
             token: token.into(),
+            ca_file: None,
             engine: engine.into(),
             location: Location::Onprem,
             gpus: Vec::new(),
@@ -97,6 +102,7 @@ impl fmt::Debug for AgentConfig {
             .field("server", &self.server)
             .field("node_id", &self.node_id)
             .field("token", &"<redacted>")
+            .field("ca_file", &self.ca_file)
             .field("engine", &self.engine)
             .field("location", &self.location)
             .field("gpus", &self.gpus)
@@ -121,11 +127,12 @@ pub enum AgentError {
     /// `--engine` is not an `http://` URL with a host.
     #[error("invalid engine URL: {0}")]
     EngineUrl(String),
-    /// `https://` servers need `wss://`, and this build has no TLS support in its dialer.
-    #[error(
-        "wss:// needs TLS support, which this build lacks (enable a TLS feature of tokio-tungstenite)"
-    )]
+    /// `https://` servers need `wss://`, and the dialer given to [`super::run_with`] has no TLS.
+    #[error("wss:// needs TLS support, which this dialer lacks")]
     TlsUnsupported,
+    /// The `--ca-file` could not be loaded.
+    #[error("TLS: {0}")]
+    Tls(#[from] crate::tls::TlsError),
     /// A setting is out of range.
     #[error("invalid configuration: {0}")]
     Config(String),

@@ -68,7 +68,7 @@ use session::{SessionEnd, Shared};
 
 /// Runs the agent until `shutdown` is cancelled or the server drains the node (both `Ok`).
 /// Connection and engine failures are retried forever; `Err` means the configuration is
-/// unusable (a bad URL, `https://` without TLS support, out-of-range settings).
+/// unusable (a bad URL, an unreadable `--ca-file`, out-of-range settings).
 pub async fn run(cfg: AgentConfig, shutdown: CancellationToken) -> Result<(), AgentError> {
     run_with_stats(cfg, shutdown, Arc::new(AgentStats::default())).await
 }
@@ -79,7 +79,8 @@ pub async fn run_with_stats(
     shutdown: CancellationToken,
     stats: Arc<AgentStats>,
 ) -> Result<(), AgentError> {
-    run_with(cfg, shutdown, stats, Arc::new(TcpDialer)).await
+    let dialer = TcpDialer::new(cfg.ca_file.as_deref())?;
+    run_with(cfg, shutdown, stats, Arc::new(dialer)).await
 }
 
 /// [`run_with_stats`] over a caller's transport (an in-memory or simulated network).

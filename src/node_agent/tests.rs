@@ -672,9 +672,13 @@ async fn unusable_configuration_is_an_error_at_once() {
         (AgentConfig::new("ftp://x", "n", "t", engine), |e| {
             matches!(e, AgentError::ServerUrl(_))
         }),
-        (AgentConfig::new("https://x", "n", "t", engine), |e| {
-            matches!(e, AgentError::TlsUnsupported)
-        }),
+        (
+            AgentConfig {
+                ca_file: Some("/nonexistent/ca.pem".into()),
+                ..AgentConfig::new("https://x", "n", "t", engine)
+            },
+            |e| matches!(e, AgentError::Tls(_)),
+        ),
         (AgentConfig::new("http://x", "n", "t", "nope"), |e| {
             matches!(e, AgentError::EngineUrl(_))
         }),

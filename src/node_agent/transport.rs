@@ -3,13 +3,17 @@
 //! WebSocket framing runs on top of whatever it returns.
 
 use std::io;
+use std::path::Path;
+use std::sync::Arc;
 
 use futures::future::BoxFuture;
+use rustls_pki_types::ServerName;
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpStream;
 use tokio_tungstenite::WebSocketStream;
 
 use super::config::{Endpoint, Scheme};
+use crate::tls::TlsError;
 
 /// A byte stream the WebSocket can run over.
 pub trait Io: AsyncRead + AsyncWrite + Unpin + Send + 'static {}
@@ -32,25 +36,80 @@ pub trait Dialer: Send + Sync + std::fmt::Debug + 'static {
     }
 }
 
-/// Production dialer: TCP with `TCP_NODELAY` (each frame is small and latency-bound).
-#[derive(Debug, Clone, Copy, Default)]
-pub struct TcpDialer;
+/// Production dialer: TCP with `TCP_NODELAY` (each frame is small and latency-bound), and for
+/// `wss://` TLS verified against Mozilla's roots plus the agent's `--ca-file`.
+#[derive(Clone)]
+pub struct TcpDialer {
+    /// `None`: plain `ws://` only (see [`Dialer::supports_tls`]).
+    tls: Option<tokio_rustls::TlsConnector>,
+}
+
+impl TcpDialer {
+    /// A dialer for `ws://` and `wss://`; `extra_ca` is a PEM file of CAs trusted besides
+    /// the web PKI roots (an on-premises server's own CA).
+    pub fn new(extra_ca: Option<&Path>) -> Result<Self, TlsError> {
+        let mut config = crate::tls::client_config(extra_ca)?;
+        // The control plane is an HTTP/1.1 upgrade; a proxy must not pick h2.
+        config.alpn_protocols = vec![crate::tls::ALPN_HTTP11.to_vec()];
+        Ok(Self {
+            tls: Some(tokio_rustls::TlsConnector::from(Arc::new(config))),
+        })
+    }
+
+    /// A dialer for `ws://` only.
+    pub fn plain() -> Self {
+        Self { tls: None }
+    }
+}
+
+impl std::fmt::Debug for TcpDialer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TcpDialer")
+            .field("tls", &self.tls.is_some())
+            .finish()
+    }
+}
 
 impl Dialer for TcpDialer {
     fn dial<'a>(&'a self, endpoint: &'a Endpoint) -> BoxFuture<'a, io::Result<BoxIo>> {
         Box::pin(async move {
             let tcp = TcpStream::connect((endpoint.host.as_str(), endpoint.port)).await?;
             tcp.set_nodelay(true)?;
-            match endpoint.scheme {
-                Scheme::Ws => Ok(Box::new(tcp) as BoxIo),
-                // With a TLS feature this wraps `tcp` in a TLS client stream (server name =
-                // `endpoint.host`); nothing above this line or below the handshake changes.
-                Scheme::Wss => Err(io::Error::new(
+            match (endpoint.scheme, &self.tls) {
+                (Scheme::Ws, _) => Ok(Box::new(tcp) as BoxIo),
+                (Scheme::Wss, Some(connector)) => {
+                    let name = ServerName::try_from(endpoint.host.clone()).map_err(|_| {
+                        io::Error::new(
+                            io::ErrorKind::InvalidInput,
+                            format!("{:?} is not a valid TLS server name", endpoint.host),
+                        )
+                    })?;
+                    let tls = connector.connect(name, tcp).await.map_err(|e| {
+                        let hint = if crate::tls::is_certificate_error(&e) {
+                            " (server certificate refused: its CA is neither a web PKI root nor in --ca-file, or it does not name this host)"
+                        } else {
+                            ""
+                        };
+                        io::Error::new(
+                            e.kind(),
+                            format!(
+                                "TLS handshake with {}:{} failed: {e}{hint}",
+                                endpoint.host, endpoint.port
+                            ),
+                        )
+                    })?;
+                    Ok(Box::new(tls) as BoxIo)
+                }
+                (Scheme::Wss, None) => Err(io::Error::new(
                     io::ErrorKind::Unsupported,
-                    "wss:// needs TLS support, which this build lacks",
+                    "wss:// needs a dialer with TLS",
                 )),
             }
         })
+    }
+
+    fn supports_tls(&self) -> bool {
+        self.tls.is_some()
     }
 }
 
