@@ -3,11 +3,13 @@
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
 use clap::{Args, Parser, Subcommand};
 use switchyard::config::Config;
+use switchyard::coord::{Coordinator, RedisCoordinator, RedisCoordinatorOptions};
 use switchyard::demo::{self, Fleet, FleetConfig};
 use switchyard::node_agent::{self, AgentConfig};
 use switchyard::server::Server;
@@ -210,6 +212,7 @@ async fn demo(args: DemoArgs) -> anyhow::Result<()> {
 }
 
 async fn serve(args: ServeArgs) -> anyhow::Result<()> {
+    const PREFIX: &str = "switchyard:";
     let mut config = Config::load(args.config.as_deref())?;
     if let Some(listen) = args.listen {
         config.listen = listen;
@@ -218,8 +221,18 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     if !args.no_migrate {
         store.migrate().await?;
     }
-    let coordinator =
-        coord::connect_coordinator(config.redis_url.as_deref(), "switchyard:").await?;
+    let coordinator: Arc<dyn Coordinator> = match (&config.redis_url, &config.redis_ca_file) {
+        (Some(url), Some(ca)) => Arc::new(
+            RedisCoordinator::connect_tls(
+                url,
+                PREFIX,
+                RedisCoordinatorOptions::default(),
+                Some(ca),
+            )
+            .await?,
+        ),
+        (url, _) => coord::connect_coordinator(url.as_deref(), PREFIX).await?,
+    };
     if config.redis_url.is_some() {
         tracing::warn!(
             "REDIS_URL is set: heartbeats and coordination state go to Redis, but request routing across replicas is not in this build; run one replica"

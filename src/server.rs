@@ -70,6 +70,9 @@ pub enum StartError {
     /// A model's tokenizer could not be loaded.
     #[error("{0}")]
     Tokenizer(#[from] crate::tokens::TokenizerError),
+    /// The listener's certificate or key could not be loaded, or the JWKS client built.
+    #[error("tls: {0}")]
+    Tls(#[from] crate::tls::TlsError),
 }
 
 /// The process-wide Prometheus recorder (one per process, however many replicas a test runs).
@@ -106,18 +109,23 @@ fn metrics_handle() -> PrometheusHandle {
 }
 
 /// The JWT verifier, when the JWKS URL, audience and issuer are all configured.
-fn jwt_verifier(config: &Config, clock: &Arc<dyn Clock>) -> Option<crate::jwt::JwtVerifier> {
-    let (url, aud, iss) = (
-        config.jwks_url.as_ref()?,
-        config.jwt_audience.as_ref()?,
-        config.jwt_issuer.as_ref()?,
-    );
+fn jwt_verifier(
+    config: &Config,
+    clock: &Arc<dyn Clock>,
+) -> Result<Option<crate::jwt::JwtVerifier>, StartError> {
+    let (Some(url), Some(aud), Some(iss)) = (
+        config.jwks_url.as_ref(),
+        config.jwt_audience.as_ref(),
+        config.jwt_issuer.as_ref(),
+    ) else {
+        return Ok(None);
+    };
     let cfg = crate::jwt::JwtConfig::new(url.clone(), aud.clone(), iss.clone());
-    Some(crate::jwt::JwtVerifier::with_clock(
+    Ok(Some(crate::jwt::JwtVerifier::with_clock(
         cfg,
-        reqwest::Client::new(),
+        crate::jwt::http_client()?,
         clock.clone(),
-    ))
+    )))
 }
 
 /// Relays cancels published by other replicas to the generations running here. A lost
@@ -178,6 +186,8 @@ impl Server {
         coordinator: Arc<dyn Coordinator>,
         listener: TcpListener,
     ) -> Result<Self, StartError> {
+        // First: a bad certificate file must stop the start before anything runs.
+        let tls = crate::http::listener::acceptor(&config.listener)?;
         let clock: Arc<dyn Clock> = Arc::new(SystemClock);
         let replica_id = config
             .replica_id
@@ -215,7 +225,7 @@ impl Server {
             auth: Authenticator::new(
                 store.clone(),
                 clock.clone(),
-                jwt_verifier(&config, &clock),
+                jwt_verifier(&config, &clock)?,
                 crate::auth::Defaults {
                     rpm: config.default_rpm,
                     tokens_per_day: config.default_tokens_per_day,
@@ -256,6 +266,7 @@ impl Server {
             app,
             state.config.listener.clone(),
             send_buffer,
+            tls,
             shutdown,
         ));
         tracing::info!(%addr, replica_id = %state.replica_id, "switchyard listening");
@@ -277,9 +288,13 @@ impl Server {
         self.addr
     }
 
-    /// `http://ADDR`.
+    /// `http://ADDR`, or `https://ADDR` when the listener terminates TLS.
     pub fn base_url(&self) -> String {
-        format!("http://{}", self.addr)
+        let scheme = match self.state.config.listener.tls_cert {
+            Some(_) => "https",
+            None => "http",
+        };
+        format!("{scheme}://{}", self.addr)
     }
 
     /// Shared state (for tests and the demo).

@@ -166,6 +166,15 @@ impl KeySet {
     }
 }
 
+/// The HTTP client for JWKS fetches: `https://` verified against the web PKI roots, the same
+/// trust as every other edge (not the host's store, which a container may not have).
+pub fn http_client() -> Result<reqwest::Client, crate::tls::TlsError> {
+    reqwest::Client::builder()
+        .tls_backend_preconfigured(crate::tls::client_config(None)?)
+        .build()
+        .map_err(|e| crate::tls::TlsError::Config(format!("JWKS HTTP client: {e}")))
+}
+
 /// Fetches the JWKS body. The error is a short description safe to show a client: no URL
 /// (it may carry credentials in its query) and no upstream body.
 pub(super) async fn fetch(http: &reqwest::Client, url: &str) -> Result<Vec<u8>, String> {
@@ -204,12 +213,18 @@ pub(super) async fn fetch(http: &reqwest::Client, url: &str) -> Result<Vec<u8>, 
 }
 
 fn describe(e: &reqwest::Error) -> String {
-    // A reqwest built without TLS refuses https:// at connect time; say so, since
-    // "unreachable" would send an operator chasing the network.
+    // A refused certificate or an unknown scheme is not "unreachable": say which, so an
+    // operator does not chase the network.
     let mut source = std::error::Error::source(e);
     while let Some(cause) = source {
         if cause.to_string().contains("scheme is not http") {
             return "JWKS URL scheme not supported by this build".to_owned();
+        }
+        if cause
+            .downcast_ref::<rustls::Error>()
+            .is_some_and(|c| matches!(c, rustls::Error::InvalidCertificate(_)))
+        {
+            return "JWKS endpoint's TLS certificate not trusted".to_owned();
         }
         source = cause.source();
     }

@@ -7,6 +7,8 @@
 mod keys;
 mod token;
 
+pub use keys::http_client;
+
 use std::str::FromStr;
 use std::sync::{Arc, PoisonError, RwLock};
 use std::time::Duration;

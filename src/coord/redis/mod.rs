@@ -17,6 +17,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::future::Future;
+use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
@@ -24,7 +25,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use futures::StreamExt;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig, PubSubSink, PubSubStream};
-use redis::{Client, Msg, RedisError, RedisResult};
+use redis::{Client, Msg, RedisError, RedisResult, TlsCertificates};
 use tokio::sync::mpsc::{self, UnboundedReceiver, UnboundedSender};
 use tokio_util::sync::CancellationToken;
 
@@ -103,6 +104,29 @@ impl Drop for RedisCoordinator {
     }
 }
 
+/// The redis client for `url`; TLS (`rediss://`) uses the process's rustls provider.
+fn client(url: &str, ca_file: Option<&Path>) -> Result<Client, CoordError> {
+    // The redis crate asks rustls for the process default provider.
+    crate::tls::install_provider();
+    let invalid = |e: RedisError| CoordError::Unavailable(format!("invalid redis url: {e}"));
+    let Some(path) = ca_file else {
+        return Client::open(url).map_err(invalid);
+    };
+    if !url.starts_with("rediss://") {
+        return Err(CoordError::Unavailable(
+            "a Redis CA file needs a rediss:// url".to_owned(),
+        ));
+    }
+    let root_cert = std::fs::read(path).map_err(|e| {
+        CoordError::Unavailable(format!("reading redis CA file {}: {e}", path.display()))
+    })?;
+    let certificates = TlsCertificates {
+        client_tls: None,
+        root_cert: Some(root_cert),
+    };
+    Client::build_with_tls(url, certificates).map_err(invalid)
+}
+
 fn unavailable(what: &str, err: &RedisError) -> CoordError {
     CoordError::Unavailable(format!("redis {what}: {err}"))
 }
@@ -139,14 +163,25 @@ impl RedisCoordinator {
         Self::connect_with(url, key_prefix, RedisCoordinatorOptions::default()).await
     }
 
-    /// Connects the command and pub/sub connections, each within `command_timeout`.
+    /// Connects the command and pub/sub connections, each within `command_timeout`. A
+    /// `rediss://` URL is verified against the web PKI roots.
     pub async fn connect_with(
         url: &str,
         key_prefix: &str,
         options: RedisCoordinatorOptions,
     ) -> Result<Self, CoordError> {
-        let client = Client::open(url)
-            .map_err(|e| CoordError::Unavailable(format!("invalid redis url: {e}")))?;
+        Self::connect_tls(url, key_prefix, options, None).await
+    }
+
+    /// [`Self::connect_with`], with a `rediss://` server verified against the CAs of the PEM
+    /// file `ca_file` instead of the web PKI roots (a private Redis with its own CA).
+    pub async fn connect_tls(
+        url: &str,
+        key_prefix: &str,
+        options: RedisCoordinatorOptions,
+        ca_file: Option<&Path>,
+    ) -> Result<Self, CoordError> {
+        let client = client(url, ca_file)?;
         let timeout = options.command_timeout;
         let manager_config = ConnectionManagerConfig::new()
             .set_connection_timeout(Some(timeout))

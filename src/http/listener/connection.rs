@@ -11,12 +11,12 @@ use std::time::Duration;
 
 use bytes::{Buf, Bytes};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
-use tokio::net::TcpStream;
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
 use super::clients::Permit;
 use super::refusal::{Reason, Rewrites};
+use super::stream::Stream;
 
 /// Where a connection is in its request cycle.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -185,13 +185,13 @@ impl Drop for RequestGuard {
     }
 }
 
-/// The client socket as hyper sees it. It tells the phase what it observes (bytes in, a
+/// The client socket as hyper sees it (after TLS, when the listener terminates it). It tells the phase what it observes (bytes in, a
 /// completed flush) and, while no request is being served, rewrites hyper's own bodiless
 /// refusal into the enveloped one. It owns the connection's permit, so an upgraded
 /// WebSocket keeps its place under the per-client cap for as long as it lives.
 #[derive(Debug)]
 pub(super) struct ConnIo {
-    tcp: TcpStream,
+    tcp: Stream,
     conn: Arc<Connection>,
     rewrites: Arc<Rewrites>,
     peer: SocketAddr,
@@ -202,7 +202,7 @@ pub(super) struct ConnIo {
 
 impl ConnIo {
     pub(super) fn new(
-        tcp: TcpStream,
+        tcp: Stream,
         conn: Arc<Connection>,
         rewrites: Arc<Rewrites>,
         peer: SocketAddr,

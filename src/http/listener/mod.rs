@@ -1,12 +1,16 @@
 //! The public listener, in place of `axum::serve`: hyper's HTTP/1 per connection, with header,
 //! body and idle timeouts, a cap on connections per client address, and the error envelope on
-//! refusals made below the router. `clients.rs` the cap; `connection.rs` phases, deadlines and
-//! the socket that rewrites hyper's refusals; `service.rs` head limits and the body deadline.
+//! refusals made below the router, and TLS when configured. `clients.rs` the cap;
+//! `connection.rs` phases, deadlines and the socket that rewrites hyper's refusals;
+//! `service.rs` head limits and the body deadline; `stream.rs` plain TCP or TLS.
 
 mod clients;
 mod connection;
 mod refusal;
 mod service;
+mod stream;
+
+pub use stream::{Acceptor, acceptor};
 
 use std::net::SocketAddr;
 use std::pin::pin;
@@ -25,6 +29,7 @@ use clients::{Clients, Permit};
 use connection::{ConnIo, Connection, record_expiry};
 use refusal::Rewrites;
 use service::{ConnService, HeadLimits};
+use stream::Stream;
 
 /// What every connection of one listener shares.
 #[derive(Debug)]
@@ -37,18 +42,21 @@ struct Shared {
     idle_timeout: Duration,
     /// `SO_SNDBUF` of each client socket; `0` leaves the kernel's default.
     send_buffer_bytes: usize,
+    /// Terminates TLS on every connection when set (see [`acceptor`]).
+    tls: Option<Acceptor>,
 }
 
 /// Serves `app` on `listener` until `stop` is cancelled; then stops accepting, lets every
 /// connection finish its in-flight requests (streams included) and returns when they have.
 /// Connections still open when the caller aborts this future (after its grace) are closed
 /// with it; upgraded WebSockets are not connections of this loop any more and are left to
-/// their owners.
+/// their owners. With `tls`, every connection is TLS (no plain HTTP on the same port).
 pub async fn serve(
     listener: TcpListener,
     app: Router,
     settings: ListenerSettings,
     send_buffer_bytes: usize,
+    tls: Option<Acceptor>,
     stop: CancellationToken,
 ) {
     let mut http = http1::Builder::new();
@@ -73,6 +81,7 @@ pub async fn serve(
         header_timeout: Duration::from_secs(settings.header_timeout_secs),
         idle_timeout: Duration::from_secs(settings.idle_timeout_secs),
         send_buffer_bytes,
+        tls,
     });
     let clients = Clients::new(settings.max_connections_per_client);
     let mut connections = JoinSet::new();
@@ -143,6 +152,36 @@ fn configure(tcp: &TcpStream, send_buffer_bytes: usize) {
     }
 }
 
+/// The server side of the TLS handshake, within the connection's header deadline. `None`:
+/// the connection is over (timed out, failed, or the server is stopping).
+async fn handshake(
+    acceptor: &Acceptor,
+    tcp: TcpStream,
+    conn: &Connection,
+    peer: SocketAddr,
+    stop: &CancellationToken,
+) -> Option<Stream> {
+    let Some((deadline, expiry)) = conn.deadline() else {
+        return None; // a fresh connection always has its head deadline
+    };
+    tokio::select! {
+        done = tokio::time::timeout_at(deadline, acceptor.0.accept(tcp)) => match done {
+            Ok(Ok(tls)) => Some(Stream::Tls(Box::new(tls))),
+            Ok(Err(e)) => {
+                // Scanners and clients that distrust our certificate end here: not an error
+                // of ours.
+                tracing::debug!(client = %peer, error = %e, "TLS handshake failed");
+                None
+            }
+            Err(_) => {
+                record_expiry(expiry, peer);
+                None
+            }
+        },
+        () = stop.cancelled() => None,
+    }
+}
+
 /// One connection: hyper drives the protocol; this task enforces the deadline of the
 /// connection's current phase and passes on a graceful stop.
 async fn serve_connection(
@@ -153,8 +192,16 @@ async fn serve_connection(
     stop: CancellationToken,
 ) {
     configure(&tcp, shared.send_buffer_bytes);
+    // The head clock starts now, so the TLS handshake spends from the same header timeout.
     let conn = Connection::new(shared.header_timeout, shared.idle_timeout);
-    let io = ConnIo::new(tcp, conn.clone(), shared.rewrites.clone(), peer, permit);
+    let stream = match &shared.tls {
+        None => Stream::Plain(tcp),
+        Some(acceptor) => match handshake(acceptor, tcp, &conn, peer, &stop).await {
+            Some(tls) => tls,
+            None => return,
+        },
+    };
+    let io = ConnIo::new(stream, conn.clone(), shared.rewrites.clone(), peer, permit);
     let service = ConnService {
         app: shared.app.clone(),
         conn: conn.clone(),
