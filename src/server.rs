@@ -188,6 +188,16 @@ impl Server {
     ) -> Result<Self, StartError> {
         // First: a bad certificate file must stop the start before anything runs.
         let tls = crate::http::listener::acceptor(&config.listener)?;
+        Self::start_with_tls(config, store, coordinator, listener, tls).await
+    }
+
+    async fn start_with_tls(
+        config: Config,
+        store: Arc<dyn Store>,
+        coordinator: Arc<dyn Coordinator>,
+        listener: TcpListener,
+        tls: Option<crate::http::listener::Acceptor>,
+    ) -> Result<Self, StartError> {
         let clock: Arc<dyn Clock> = Arc::new(SystemClock);
         let replica_id = config
             .replica_id
@@ -279,8 +289,10 @@ impl Server {
         store: Arc<dyn Store>,
         coordinator: Arc<dyn Coordinator>,
     ) -> Result<Self, StartError> {
+        // The certificate is loaded before the port is taken: a bad file leaves it free.
+        let tls = crate::http::listener::acceptor(&config.listener)?;
         let listener = TcpListener::bind(config.listen).await?;
-        Self::start(config, store, coordinator, listener).await
+        Self::start_with_tls(config, store, coordinator, listener, tls).await
     }
 
     /// The address it listens on.
