@@ -337,7 +337,8 @@ impl Default for Config {
     }
 }
 
-/// SPEC section 1's three models. Prices are in microcredits per million tokens.
+/// SPEC section 1's three models, and one embedding model for retrieval pipelines (served
+/// beside the smallest chat model). Prices are in microcredits per million tokens.
 pub fn default_models() -> Vec<ModelConfig> {
     let model = |name: &str, alias: &str, input: i64, output: i64, concurrency: u32| ModelConfig {
         name: name.into(),
@@ -355,6 +356,11 @@ pub fn default_models() -> Vec<ModelConfig> {
         model("llama-3.1-8b-instruct", "small", 100_000, 200_000, 32),
         model("qwen2.5-32b-instruct", "medium", 400_000, 800_000, 16),
         model("llama-3.3-70b-instruct", "large", 1_200_000, 2_400_000, 8),
+        ModelConfig {
+            max_context_tokens: 8192,
+            embedding: true,
+            ..model("bge-m3", "embed", 20_000, 0, 64)
+        },
     ]
 }
 

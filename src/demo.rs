@@ -224,10 +224,20 @@ impl Fleet {
         node_id: &str,
         model: &str,
     ) -> Result<SimNode, FleetError> {
+        // The configured embedding model runs beside the first chat model, as a small
+        // embedding model shares a GPU node in production.
+        let models = &config.server.models;
+        let first_chat = models.iter().find(|m| !m.embedding).map(|m| m.name.as_str());
+        let embedding_model = config.sim.embedding_model.clone().or_else(|| {
+            (first_chat == Some(model))
+                .then(|| models.iter().find(|m| m.embedding).map(|m| m.name.clone()))
+                .flatten()
+        });
         let sim_config = SimConfig {
             model: model.to_owned(),
             profile: profile_for(model),
             time_scale: config.time_scale,
+            embedding_model,
             ..config.sim.clone()
         };
         let sim = SimServer::start(sim_config).await?;
