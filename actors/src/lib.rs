@@ -31,7 +31,8 @@
 //!
 //! The crate depends on no HTTP, SQL or Redis crate: it reaches the world only through
 //! [`ports`], so its tests run in-process on a paused clock. [`protocol`] holds the node ⇄
-//! server frames shared by the server and `switchyard node`.
+//! server frames shared by the server and `switchyard node`; [`sse`] the Server-Sent Events
+//! parser shared by the node agent and the load harness.
 
 pub mod attempts;
 pub mod error;
@@ -43,4 +44,5 @@ pub mod node;
 pub mod output;
 pub mod ports;
 pub mod protocol;
+pub mod sse;
 pub mod tasks;

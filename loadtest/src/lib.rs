@@ -7,7 +7,6 @@ pub mod prompt;
 pub mod report;
 mod request;
 pub mod run;
-pub mod sse;
 
 pub use config::{Limit, ModelWeight, RunConfig, assign_workers, parse_duration, parse_mix};
 pub use prompt::Calibration;
@@ -15,4 +14,8 @@ pub use report::{
     ConfigSummary, FORMULAS, Figures, ModelAssignment, Percentiles, Report, RequestRecord,
 };
 pub use run::run;
-pub use sse::{SseError, SseParser};
+/// The SSE parser, shared with the node agent; the harness allows events of up to 4 MiB.
+pub use switchyard_actors::sse::{SseError, SseParser};
+
+/// Largest event the harness accepts before calling a stream broken.
+pub const MAX_EVENT_BYTES: usize = 4 << 20;

@@ -9,7 +9,7 @@ use serde::de::{self, Deserializer, IgnoredAny, SeqAccess, Visitor};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use crate::sse::SseParser;
+use crate::{MAX_EVENT_BYTES, SseError, SseParser};
 
 /// Error bodies beyond this are not read further (only `error.code` is needed).
 const MAX_ERROR_BODY: usize = 64 << 10;
@@ -131,7 +131,7 @@ pub(crate) async fn stream_one(
             None => format!("{} -", status.as_u16()),
         };
     }
-    let mut parser = SseParser::default();
+    let mut parser = SseParser::new(MAX_EVENT_BYTES);
     let mut end: Option<End> = None;
     loop {
         let bytes = match resp.chunk().await {
@@ -151,9 +151,8 @@ pub(crate) async fn stream_one(
                 }
             }
         });
-        if let Err(e) = fed {
-            let what = e.to_string().replace(' ', "_");
-            return format!("protocol_error {what}");
+        if let Err(SseError::EventTooLarge { .. }) = fed {
+            return "protocol_error event_too_large".to_string();
         }
         match end.take() {
             None => {}
