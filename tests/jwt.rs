@@ -16,6 +16,7 @@ use axum::extract::State;
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
+use base64::Engine as _;
 use jsonwebtoken::{Algorithm, EncodingKey, Header};
 use serde_json::{Value, json};
 use switchyard::jwt::{Claims, JwtConfig, JwtError, JwtVerifier, Role};
@@ -186,36 +187,14 @@ fn raw_token(header: &Value, signature: &str) -> String {
     )
 }
 
-const STD: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
-const URL: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_";
-
 fn b64url(bytes: &[u8]) -> String {
-    let mut out = String::new();
-    for chunk in bytes.chunks(3) {
-        let n = chunk
-            .iter()
-            .enumerate()
-            .fold(0u32, |acc, (i, b)| acc | (u32::from(*b) << (16 - 8 * i)));
-        for i in 0..=chunk.len() {
-            out.push(URL[((n >> (18 - 6 * i)) & 63) as usize] as char);
-        }
-    }
-    out
+    base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(bytes)
 }
 
 fn b64_decode(s: &str) -> Vec<u8> {
-    let (mut out, mut acc, mut bits) = (Vec::new(), 0u32, 0);
-    for c in s.bytes().filter(|c| *c != b'=') {
-        let v = STD.iter().position(|x| *x == c).expect("base64 character") as u32;
-        acc = (acc << 6) | v;
-        bits += 6;
-        if bits >= 8 {
-            bits -= 8;
-            out.push(((acc >> bits) & 0xFF) as u8);
-            acc &= (1 << bits) - 1;
-        }
-    }
-    out
+    base64::engine::general_purpose::STANDARD
+        .decode(s)
+        .expect("base64")
 }
 
 fn verifier(cfg: JwtConfig) -> JwtVerifier {

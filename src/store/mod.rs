@@ -433,22 +433,10 @@ pub fn display_prefix(secret: &str) -> String {
 }
 
 /// Unpadded URL-safe base64 (RFC 4648 §5), so secrets survive headers, URLs and shells
-/// without quoting. Written out because it is a dozen lines and not worth a dependency.
+/// without quoting.
 fn base64url(bytes: &[u8], out: &mut String) {
-    const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_";
-    let sextet = |v: u32, shift: u32| char::from(ALPHABET[((v >> shift) & 0x3f) as usize]);
-    for chunk in bytes.chunks(3) {
-        let b = |i: usize| u32::from(chunk.get(i).copied().unwrap_or(0));
-        let v = (b(0) << 16) | (b(1) << 8) | b(2);
-        out.push(sextet(v, 18));
-        out.push(sextet(v, 12));
-        if chunk.len() > 1 {
-            out.push(sextet(v, 6));
-        }
-        if chunk.len() > 2 {
-            out.push(sextet(v, 0));
-        }
-    }
+    use base64::Engine as _;
+    base64::engine::general_purpose::URL_SAFE_NO_PAD.encode_string(bytes, out);
 }
 
 #[cfg(test)]

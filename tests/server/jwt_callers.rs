@@ -22,18 +22,8 @@ fn fixture(name: &str) -> String {
 
 /// Standard base64, for the DER inside the PEM fixture.
 fn b64(s: &str) -> Vec<u8> {
-    const STD: &[u8] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
-    let (mut out, mut acc, mut bits) = (Vec::new(), 0u32, 0);
-    for c in s.bytes().filter(|c| *c != b'=') {
-        acc = (acc << 6) | STD.iter().position(|x| *x == c).unwrap() as u32;
-        bits += 6;
-        if bits >= 8 {
-            bits -= 8;
-            out.push(((acc >> bits) & 0xFF) as u8);
-            acc &= (1 << bits) - 1;
-        }
-    }
-    out
+    use base64::Engine as _;
+    base64::engine::general_purpose::STANDARD.decode(s).unwrap()
 }
 
 fn token(claims: Value) -> String {
