@@ -170,6 +170,7 @@ impl Authenticator {
         if !key.is_usable(self.clock.wall()) {
             return Err(unauthorized("The API key is revoked or expired."));
         }
+        crate::http::access_log::record_principal(&format!("key:{}", key.id));
         Ok(Principal::from_key(key, &self.defaults))
     }
 
@@ -177,13 +178,10 @@ impl Authenticator {
     pub async fn admin_jwt(&self, headers: &HeaderMap) -> Option<Result<bool, ApiError>> {
         let token = bearer(headers).ok().filter(|t| looks_like_jwt(t))?;
         let verifier = self.jwt.as_ref()?;
-        Some(
-            verifier
-                .verify(token)
-                .await
-                .map(|c| c.role == Role::Admin)
-                .map_err(jwt_error),
-        )
+        Some(verifier.verify(token).await.map_err(jwt_error).map(|c| {
+            crate::http::access_log::record_principal(&format!("user:{}", c.sub));
+            c.role == Role::Admin
+        }))
     }
 
     async fn verify_jwt(&self, token: &str) -> Result<Principal, ApiError> {
@@ -192,6 +190,7 @@ impl Authenticator {
             .as_ref()
             .ok_or_else(|| ApiError::new(ErrorCode::Unauthorized, "JWTs are not accepted here."))?;
         let claims = verifier.verify(token).await.map_err(jwt_error)?;
+        crate::http::access_log::record_principal(&format!("user:{}", claims.sub));
         let team = claims
             .team
             .as_deref()

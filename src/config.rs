@@ -260,6 +260,15 @@ impl Default for TrustSettings {
     }
 }
 
+/// Observability beyond logs and metrics.
+#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TelemetrySettings {
+    /// OTLP/HTTP collector base URL (`http://collector:4318`); spans go to `{it}/v1/traces`.
+    /// Absent: no trace export, and no OpenTelemetry work per request.
+    pub otlp_endpoint: Option<String>,
+}
+
 /// Everything the server is told.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -305,6 +314,8 @@ pub struct Config {
     pub listener: ListenerSettings,
     /// Bounds on what nodes may claim.
     pub trust: TrustSettings,
+    /// Trace export.
+    pub telemetry: TelemetrySettings,
     /// The models.
     pub models: Vec<ModelConfig>,
 }
@@ -332,6 +343,7 @@ impl Default for Config {
             generations: GenerationSettings::default(),
             listener: ListenerSettings::default(),
             trust: TrustSettings::default(),
+            telemetry: TelemetrySettings::default(),
             models: default_models(),
         }
     }
@@ -433,6 +445,9 @@ impl Config {
             self.queue.max_waiting = v
                 .parse()
                 .map_err(|_| bad(env_names::QUEUE_MAX_WAITING, &v))?;
+        }
+        if let Some(v) = get(env_names::OTLP_ENDPOINT).filter(|v| !v.is_empty()) {
+            self.telemetry.otlp_endpoint = Some(v);
         }
         if let Some(v) = get(env_names::QUEUE_DEADLINE_SECS) {
             self.queue.deadline_secs = v

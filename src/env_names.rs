@@ -22,6 +22,8 @@ pub const ROUTING: &str = "SWITCHYARD_ROUTING";
 pub const QUEUE_MAX_WAITING: &str = "SWITCHYARD_QUEUE_MAX_WAITING";
 /// Seconds a request may wait for a node.
 pub const QUEUE_DEADLINE_SECS: &str = "SWITCHYARD_QUEUE_DEADLINE_SECS";
+/// OTLP/HTTP collector base URL for trace export (OpenTelemetry's standard variable).
+pub const OTLP_ENDPOINT: &str = "OTEL_EXPORTER_OTLP_ENDPOINT";
 /// `json` for JSON logs.
 pub const LOG_FORMAT: &str = "SWITCHYARD_LOG_FORMAT";
 /// PEM certificate chain the listener serves TLS with (`listener.tls_cert`).

@@ -303,17 +303,50 @@ async fn shutdown_signal() {
     }
 }
 
-fn init_tracing() {
+/// Logs to stderr (JSON with `SWITCHYARD_LOG_FORMAT=json`) and, with an OTLP endpoint,
+/// spans to the collector; the returned exporter is flushed at exit.
+fn init_tracing(
+    otlp_endpoint: Option<&str>,
+) -> anyhow::Result<Option<switchyard::telemetry::Otel>> {
+    use tracing_subscriber::Layer as _;
+    use tracing_subscriber::layer::SubscriberExt as _;
+    use tracing_subscriber::util::SubscriberInitExt as _;
     let filter = switchyard::telemetry::filter(&std::env::var("RUST_LOG").unwrap_or_default());
-    let json = std::env::var("SWITCHYARD_LOG_FORMAT").is_ok_and(|v| v == "json");
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
+    let json = std::env::var(switchyard::env_names::LOG_FORMAT).is_ok_and(|v| v == "json");
+    let fmt = tracing_subscriber::fmt::layer()
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()));
-    if json {
-        builder.json().init();
+    let fmt = if json {
+        fmt.json().boxed()
     } else {
-        builder.init();
+        fmt.boxed()
+    };
+    let (otel_layer, otel) = match otlp_endpoint {
+        Some(endpoint) => {
+            let (layer, otel) = switchyard::telemetry::otlp_layer(endpoint)?;
+            (Some(layer), Some(otel))
+        }
+        None => (None, None),
+    };
+    tracing_subscriber::registry()
+        .with(otel_layer)
+        .with(fmt)
+        .with(filter)
+        .init();
+    Ok(otel)
+}
+
+/// The OTLP endpoint: the server's configuration (file, then environment); for the other
+/// commands, the environment alone.
+fn otlp_endpoint(command: &Command) -> Option<String> {
+    match command {
+        // A configuration that does not load is reported by `serve` itself.
+        Command::Serve(args) => Config::load(args.config.as_deref())
+            .ok()
+            .and_then(|c| c.telemetry.otlp_endpoint),
+        _ => std::env::var(switchyard::env_names::OTLP_ENDPOINT)
+            .ok()
+            .filter(|v| !v.is_empty()),
     }
 }
 
@@ -321,12 +354,18 @@ fn init_tracing() {
 async fn main() -> anyhow::Result<()> {
     // Before anything can open a TLS connection: aws-lc-rs, whatever else is compiled in.
     switchyard::tls::install_provider();
-    init_tracing();
-    match Cli::parse().command {
+    let cli = Cli::parse();
+    let otel = init_tracing(otlp_endpoint(&cli.command).as_deref())?;
+    let result = match cli.command {
         Command::Demo(args) => demo(args).await,
         Command::Serve(args) => serve(args).await,
         Command::Node(args) => node(args).await,
         Command::Sim(args) => sim(args).await,
         Command::Migrate(args) => migrate(args).await,
+    };
+    if let Some(otel) = otel {
+        // Blocking: the exporter sends what is queued before the process ends.
+        let _ = tokio::task::spawn_blocking(move || otel.shutdown()).await;
     }
+    result
 }

@@ -23,8 +23,25 @@ const MINUTE: Duration = Duration::from_secs(60);
 pub struct RateHeaders {
     /// `(limit, remaining, reset in ms)` of the rpm window, when the key has one.
     pub requests: Option<(u32, u32, u64)>,
-    /// `(limit, remaining)` of tokens per day, when the key has one.
-    pub tokens: Option<(u64, u64)>,
+    /// `(limit, remaining, reset in ms)` of tokens per day (the reset: the next UTC midnight),
+    /// when the key has one.
+    pub tokens: Option<(u64, u64, u64)>,
+}
+
+/// A duration as OpenAI writes its `x-ratelimit-reset-*` headers: `20ms` under a second,
+/// otherwise whole seconds rounded up, with minutes and hours when there are any (`54s`,
+/// `6m0s`, `13h2m5s`).
+pub fn reset_duration(ms: u64) -> String {
+    if ms < 1000 {
+        return format!("{ms}ms");
+    }
+    let secs = ms.div_ceil(1000);
+    let (h, m, s) = (secs / 3600, secs / 60 % 60, secs % 60);
+    match (h, m) {
+        (0, 0) => format!("{s}s"),
+        (0, m) => format!("{m}m{s}s"),
+        (h, m) => format!("{h}h{m}m{s}s"),
+    }
 }
 
 impl RateHeaders {
@@ -38,14 +55,12 @@ impl RateHeaders {
         if let Some((limit, remaining, reset_ms)) = self.requests {
             put("x-ratelimit-limit-requests", limit.to_string());
             put("x-ratelimit-remaining-requests", remaining.to_string());
-            put(
-                "x-ratelimit-reset-requests",
-                format!("{}s", reset_ms.div_ceil(1000)),
-            );
+            put("x-ratelimit-reset-requests", reset_duration(reset_ms));
         }
-        if let Some((limit, remaining)) = self.tokens {
+        if let Some((limit, remaining, reset_ms)) = self.tokens {
             put("x-ratelimit-limit-tokens", limit.to_string());
             put("x-ratelimit-remaining-tokens", remaining.to_string());
+            put("x-ratelimit-reset-tokens", reset_duration(reset_ms));
         }
     }
 }
@@ -153,11 +168,14 @@ impl Limits {
                 Ok(n) => u64::try_from(n).unwrap_or(0),
                 Err(e) => return refuse(hook, unavailable("tokens_per_day", &e)),
             };
-            headers.tokens = Some((tpd, tpd.saturating_sub(used)));
+            let reset = (now.date_naive() + chrono::Days::new(1))
+                .and_hms_opt(0, 0, 0)
+                .map(|t| t.and_utc());
+            let reset_ms = reset.map_or(3_600_000, |r| {
+                (r - now).num_milliseconds().max(1).unsigned_abs()
+            });
+            headers.tokens = Some((tpd, tpd.saturating_sub(used), reset_ms));
             if used >= tpd {
-                let reset = (now.date_naive() + chrono::Days::new(1))
-                    .and_hms_opt(0, 0, 0)
-                    .map(|t| t.and_utc());
                 let wait = reset.map_or(3600, |r| (r - now).num_seconds().max(1).unsigned_abs());
                 let mut err = ApiError::from(
                     Failure::new(
@@ -204,3 +222,20 @@ impl Limits {
 
 /// `tpd:{principal}:{YYYY-MM-DD}` lives two days, past the UTC day it counts.
 const DAY_COUNTER_TTL: Duration = Duration::from_secs(2 * 24 * 3600);
+
+#[cfg(test)]
+mod tests {
+    use super::reset_duration;
+
+    #[test]
+    fn reset_durations_are_written_as_openai_writes_them() {
+        assert_eq!(reset_duration(0), "0ms");
+        assert_eq!(reset_duration(20), "20ms");
+        assert_eq!(reset_duration(999), "999ms");
+        assert_eq!(reset_duration(1000), "1s");
+        assert_eq!(reset_duration(1001), "2s");
+        assert_eq!(reset_duration(54_000), "54s");
+        assert_eq!(reset_duration(360_000), "6m0s");
+        assert_eq!(reset_duration(47_025_000), "13h3m45s");
+    }
+}

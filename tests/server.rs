@@ -23,6 +23,8 @@ mod limits;
 mod listener;
 #[path = "server/logs.rs"]
 mod logs;
+#[path = "server/ops.rs"]
+mod ops;
 #[path = "server/path.rs"]
 mod path;
 #[path = "server/production.rs"]

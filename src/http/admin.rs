@@ -53,7 +53,9 @@ const MAX_CREDIT_MICROCREDITS: i64 = 1_000_000_000_000_000;
 
 /// Proof that the caller presented an admin credential: the bootstrap admin token (compared
 /// in constant time) or a JWT with the admin role. Taking it as a handler argument, before
-/// any other extractor, is what makes a route admin-only.
+/// any other extractor, is what makes a route admin-only. A credential that is not valid at
+/// all (unknown, revoked, expired, a bad JWT) is 401 `unauthorized`, as on the API; a valid
+/// one without admin rights (an API key, a JWT without the admin role) is 403 `forbidden`.
 #[derive(Debug, Clone, Copy)]
 pub struct Admin;
 
@@ -67,7 +69,12 @@ impl FromRequestParts<Arc<AppState>> for Admin {
         // The same parsing as the API's: one header, `Bearer`, one space, visible ASCII.
         let presented = crate::auth::bearer(&parts.headers)?;
         let forbidden = || ApiError::new(ErrorCode::Forbidden, "Admin rights are required.");
-        // A JWT with the admin role, verified against the JWKS.
+        let expected = state.config.admin_token.as_deref().unwrap_or_default();
+        if !expected.is_empty() && bool::from(presented.as_bytes().ct_eq(expected.as_bytes())) {
+            super::access_log::record_principal("admin");
+            return Ok(Admin);
+        }
+        // A JWT, verified against the JWKS: admin role or not.
         if let Some(verdict) = state.auth.admin_jwt(&parts.headers).await {
             return if verdict? {
                 Ok(Admin)
@@ -75,12 +82,9 @@ impl FromRequestParts<Arc<AppState>> for Admin {
                 Err(forbidden())
             };
         }
-        let expected = state.config.admin_token.as_deref().unwrap_or_default();
-        if !expected.is_empty() && bool::from(presented.as_bytes().ct_eq(expected.as_bytes())) {
-            Ok(Admin)
-        } else {
-            Err(forbidden())
-        }
+        // Anything else must be a valid API key to earn a 403 rather than a 401.
+        state.auth.authenticate(&parts.headers).await?;
+        Err(forbidden())
     }
 }
 

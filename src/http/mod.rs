@@ -1,5 +1,8 @@
-//! The HTTP surface: the route table only. Handlers live in a file per endpoint group.
+//! The HTTP surface: the route table only. Handlers live in a file per endpoint group;
+//! `access_log.rs` is the layer every request passes first (request id, trace context,
+//! access log), `request_id.rs` the types it leaves in the request's extensions.
 
+pub mod access_log;
 mod admin;
 mod completions;
 mod embeddings;
@@ -12,6 +15,7 @@ pub mod listener;
 mod nodes_ws;
 mod openai;
 mod reports;
+pub mod request_id;
 pub mod sse;
 pub mod ssrf;
 mod usage;
@@ -32,6 +36,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/completions", post(completions::completions))
         .route("/v1/embeddings", post(embeddings::embeddings))
         .route("/v1/models", get(openai::models))
+        .route("/v1/models/{id}", get(openai::model))
         .route("/v1/generations", post(generations::create))
         .route("/v1/generations/{id}", get(generations::get))
         .route("/v1/generations/{id}/cancel", post(generations::cancel))
@@ -60,6 +65,9 @@ pub fn router(state: Arc<AppState>) -> Router {
         // Enforced by the body extractors, so an oversized body gets the error envelope
         // (413 `request_too_large`), not a bare status.
         .layer(DefaultBodyLimit::max(state.config.max_body_bytes))
+        // Outermost, and through `Router::layer` so it sees the matched route template; the
+        // fallbacks go through it too.
+        .layer(axum::middleware::from_fn(access_log::layer))
         .with_state(state)
 }
 

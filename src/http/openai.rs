@@ -280,6 +280,36 @@ pub async fn models(State(state): State<Arc<AppState>>, headers: HeaderMap) -> R
     axum::Json(serde_json::json!({ "object": "list", "data": data })).into_response()
 }
 
+/// Longest piece of a requested model id echoed in a 404.
+const ECHO_MODEL_CHARS: usize = 64;
+
+/// `GET /v1/models/{id}`: one model or alias the key may use, as OpenAI's model object (the
+/// same entry `GET /v1/models` lists). Any other id is 404 `model_not_found`, whether or not
+/// the model exists, so a key cannot probe for models outside its allowlist.
+pub async fn model(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    super::error::Path(id): super::error::Path<String>,
+) -> Result<axum::Json<Value>, ApiError> {
+    let principal = state.auth.authenticate(&headers).await?;
+    match state.config.resolve_model(&id) {
+        Some(m) if allowed(&state, &principal, m) => Ok(axum::Json(serde_json::json!({
+            "id": id,
+            "object": "model",
+            "created": state.clock.wall().timestamp(),
+            "owned_by": "switchyard",
+        }))),
+        _ => Err(ApiError::new(
+            ErrorCode::ModelNotFound,
+            format!(
+                "The model `{}` does not exist or this key may not use it.",
+                super::error::printable(&id, ECHO_MODEL_CHARS)
+            ),
+        )
+        .with_param("model")),
+    }
+}
+
 /// Whether the principal's allowlist admits `model`: an entry may name the model or any of
 /// its aliases, and admits the model under every name.
 pub(super) fn allowed(

@@ -34,6 +34,16 @@ pub fn sse_data(body: &str) -> Vec<String> {
         .collect()
 }
 
+/// The first chat completion id (`chatcmpl-…`) in a response's text: the id its generation
+/// and ledger row are keyed by (`x-request-id` names the HTTP request, not the completion).
+pub fn completion_id(text: &str) -> String {
+    let start = text.find("chatcmpl-").expect("a chat completion id");
+    text[start..]
+        .chars()
+        .take_while(|c| c.is_ascii_alphanumeric() || *c == '-')
+        .collect()
+}
+
 /// Starts a simulator serving `model` with the captures' context limit (1,024 tokens).
 pub async fn tiny_sim(time_scale: f64) -> SimServer {
     SimServer::start(SimConfig {

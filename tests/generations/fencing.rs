@@ -132,7 +132,7 @@ async fn a_done_without_its_actor_settles_the_current_admissions_row() {
     let f = pg_fleet(&[], 1.0, |_| {}).await;
     let first = f.submit("again", &body("hello", 50, false)).await;
     assert_eq!(first.status(), 503, "no node yet: rejected");
-    let id = first.json::<Value>().await.unwrap()["error"]["request_id"]
+    let id = first.json::<Value>().await.unwrap()["error"]["details"]["generation_id"]
         .as_str()
         .unwrap()
         .to_owned();

@@ -231,7 +231,10 @@ async fn a_rejected_admission_is_admitted_again_under_the_same_key() {
     assert_eq!(resp.status(), 503);
     let err: Value = resp.json().await.unwrap();
     assert_eq!(err["error"]["code"], "no_healthy_node");
-    let id = err["error"]["request_id"].as_str().unwrap().to_owned();
+    let id = err["error"]["details"]["generation_id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
     let (status, doc) = f.get(&id).await;
     assert_eq!((status, doc["status"].as_str()), (200, Some("rejected")));
     assert_eq!(doc["error"]["code"], "no_healthy_node");

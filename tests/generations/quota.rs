@@ -186,15 +186,11 @@ async fn chat_completions_share_the_message_quota() {
                 req = req.header("idempotency-key", k);
             }
             let resp = req.send().await.unwrap();
-            let id = resp
-                .headers()
-                .get("x-request-id")
-                .map(|v| v.to_str().unwrap().to_owned());
-            (
-                resp.status().as_u16(),
-                id,
-                resp.json::<Value>().await.unwrap(),
-            )
+            let status = resp.status().as_u16();
+            let body = resp.json::<Value>().await.unwrap();
+            // The completion's id (`x-request-id` names the HTTP request).
+            let id = body["id"].as_str().map(str::to_owned);
+            (status, id, body)
         }
     };
     let (s1, id1, _) = chat(metered.clone(), None).await;

@@ -94,15 +94,21 @@ async fn a_slow_reader_is_cancelled_at_its_bound_without_slowing_others() {
         payload.len()
     );
     slow.write_all(request.as_bytes()).await.unwrap();
-    let mut head = vec![0u8; 512];
-    let n = slow.read(&mut head).await.unwrap();
-    let head = String::from_utf8_lossy(&head[..n]).to_string();
-    let id = head
-        .lines()
-        .find_map(|l| l.strip_prefix("x-request-id: "))
-        .expect("the response headers")
-        .trim()
-        .to_owned();
+    // The head and the first event (`generation.created`, which names the generation).
+    let mut head = Vec::new();
+    let mut buf = [0u8; 512];
+    let id = loop {
+        let n = slow.read(&mut buf).await.unwrap();
+        assert!(n > 0 && head.len() < 4096, "the first event");
+        head.extend_from_slice(&buf[..n]);
+        let text = String::from_utf8_lossy(&head);
+        if let Some(at) = text.find("\"generation_id\":\"") {
+            let rest = &text[at + 17..];
+            if let Some(end) = rest.find('"') {
+                break rest[..end].to_owned();
+            }
+        }
+    };
 
     let during = chat_rates(&f, 20, 300).await;
     until(

@@ -90,6 +90,17 @@ async fn chat_on(
     (request, id)
 }
 
+/// The completion id in a chat stream's first event (the rest of the stream is left unread).
+async fn first_completion_id(resp: &mut reqwest::Response) -> String {
+    let mut text = String::new();
+    while !(text.contains("chatcmpl-") && text.ends_with("\n\n")) {
+        text.push_str(&String::from_utf8_lossy(
+            &resp.chunk().await.unwrap().unwrap(),
+        ));
+    }
+    crate::common::completion_id(&text)
+}
+
 async fn post_chat(f: &PgFleet, body: &Value) -> reqwest::Response {
     http()
         .post(f.url("/v1/chat/completions"))
@@ -106,9 +117,9 @@ async fn another_nodes_frames_are_refused_on_both_dialects_and_change_nothing() 
     let mut rogue = rogue(&f).await;
 
     // Chat completions: the rogue writes into the request while the real node streams it.
-    let resp = post_chat(&f, &chat(60, true)).await;
+    let mut resp = post_chat(&f, &chat(60, true)).await;
     assert_eq!(resp.status(), 200);
-    let id = resp.headers()["x-request-id"].to_str().unwrap().to_owned();
+    let id = first_completion_id(&mut resp).await;
     forge(&mut rogue, &id).await;
     let (events, done) = read_events(resp).await;
     assert!(done, "the real node's stream ended normally");
@@ -180,8 +191,8 @@ async fn a_node_that_keeps_violating_is_disconnected() {
     })
     .await;
     let mut rogue = rogue(&f).await;
-    let resp = post_chat(&f, &chat(60, true)).await;
-    let id = resp.headers()["x-request-id"].to_str().unwrap().to_owned();
+    let mut resp = post_chat(&f, &chat(60, true)).await;
+    let id = first_completion_id(&mut resp).await;
     for seq in 0..4 {
         send(
             &mut rogue,

@@ -1,5 +1,6 @@
 //! Logs never contain prompts, outputs, keys or tokens: a whole request path runs with every
-//! log level captured, and the capture is searched for what the requests carried.
+//! log level captured, and the capture is searched for what the requests carried. Each request
+//! leaves one access line naming its route, status, duration, request id and principal.
 
 use std::io::Write;
 use std::sync::{Arc, Mutex};
@@ -77,6 +78,7 @@ async fn logs_hold_no_prompt_output_key_or_token() {
         .await
         .unwrap();
     let (api_key, admin_token) = (fleet.api_key.clone(), fleet.admin_token.clone());
+    let fleet_key_id = fleet.store.api_keys(fleet.team_id).await.unwrap()[0].id;
     fleet.shutdown(Duration::from_secs(1)).await;
 
     let logs = String::from_utf8_lossy(&capture.0.lock().unwrap()).into_owned();
@@ -91,6 +93,59 @@ async fn logs_hold_no_prompt_output_key_or_token() {
     ] {
         let line = logs.lines().find(|l| l.contains(secret));
         assert!(line.is_none(), "logs contain {secret:?}: {line:?}");
+    }
+    // One access line per request, with what an operator needs and nothing more.
+    let access: Vec<Value> = logs
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter(|l| l["target"] == switchyard::http::access_log::TARGET)
+        .map(|l| l["fields"].clone())
+        .collect();
+    let key_principal = format!("key:{}", fleet_key_id);
+    let chats: Vec<&Value> = access
+        .iter()
+        .filter(|f| f["route"] == "/v1/chat/completions" && f["status"] == 200)
+        .collect();
+    assert_eq!(chats.len(), 2, "one line per chat request: {access:?}");
+    for f in &chats {
+        assert_eq!(f["method"], "POST");
+        assert_eq!(f["principal"], key_principal.as_str());
+        assert_eq!(f["outcome"], "complete");
+        assert!(
+            f["duration_ms"].is_u64() && f["bytes"].as_u64().unwrap() > 0,
+            "{f}"
+        );
+        assert!(f["request_id"].as_str().unwrap().starts_with("req_"), "{f}");
+    }
+    assert!(
+        access.iter().any(|f| f["route"] == "/v1/chat/completions"
+            && f["status"] == 401
+            && f["principal"] == "-"),
+        "the refused request: {access:?}"
+    );
+    assert!(
+        access.iter().any(|f| f["route"] == "/admin/teams"
+            && f["status"] == 200
+            && f["principal"] == "admin"),
+        "the admin call: {access:?}"
+    );
+    for f in &access {
+        let keys: Vec<&str> = f.as_object().unwrap().keys().map(String::as_str).collect();
+        assert_eq!(
+            keys,
+            [
+                "message",
+                "method",
+                "route",
+                "status",
+                "duration_ms",
+                "request_id",
+                "principal",
+                "bytes",
+                "outcome"
+            ],
+            "only these fields"
+        );
     }
     for out in outputs.iter().filter(|o| o.chars().count() >= 12) {
         assert!(

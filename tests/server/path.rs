@@ -35,8 +35,8 @@ async fn streaming_has_openai_shapes_exact_usage_and_one_settled_row() {
             .unwrap()
             .starts_with("text/event-stream")
     );
-    let request_id = resp.headers()["x-request-id"].to_str().unwrap().to_owned();
     let (events, done) = read_events(resp).await;
+    let request_id = events[0]["id"].as_str().unwrap().to_owned();
     assert!(done, "ends with [DONE]");
     assert_eq!(shape(&events[0]), shape(&openai_fixture("chunk_role.json")));
     for e in &events[1..events.len() - 2] {

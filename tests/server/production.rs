@@ -29,8 +29,8 @@ async fn a_stream_settles_in_postgresql_and_heartbeats_reach_redis() {
     let body = json!({"model": "small", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 9, "stream": true,
                       "stream_options": {"include_usage": true}});
     let resp = post_chat(&fleet, &body).await;
-    let id = resp.headers()["x-request-id"].to_str().unwrap().to_owned();
     let (events, done) = read_events(resp).await;
+    let id = events[0]["id"].as_str().unwrap().to_owned();
     assert!(done);
     assert_eq!(events.last().unwrap()["usage"]["completion_tokens"], 9);
     tokio::time::sleep(Duration::from_millis(300)).await;

@@ -14,12 +14,16 @@ use axum::response::{IntoResponse, Response};
 use serde_json::json;
 use switchyard_actors::error::{ErrorCode, Failure};
 
+/// How the Generations API's ids begin.
+const GENERATION_ID_PREFIX: &str = "gen_";
+
 /// A client-visible failure of a request.
 #[derive(Debug, Clone)]
 pub struct ApiError {
     /// What went wrong, classified.
     pub failure: Failure,
-    /// The request's id, echoed in the body.
+    /// An id the handler attached: shown as `request_id` only outside a request's scope
+    /// (inside one, the request's `RequestId` is); a generation's id is kept in the details.
     pub request_id: Option<String>,
     /// Extra machine-readable facts (limits, ids); boxed to keep results small.
     pub details: Option<Box<serde_json::Value>>,
@@ -102,20 +106,43 @@ impl ApiError {
         }
     }
 
-    /// The `{"error": {...}}` body.
+    /// The `{"error": {...}}` body. `request_id` is the request's [`RequestId`] (the
+    /// `x-request-id` header) whenever one is in scope, whatever the handler attached; an
+    /// attached generation id (`gen_…`) is kept as `details.generation_id`.
+    ///
+    /// [`RequestId`]: crate::http::request_id::RequestId
     pub fn body(&self) -> serde_json::Value {
         let code = self.failure.code;
         let (_, kind) = Self::status_and_type(code);
+        let scoped = crate::http::request_id::current();
+        let request_id = scoped
+            .as_ref()
+            .map(|id| id.as_str())
+            .or(self.request_id.as_deref());
+        let mut details = self.details.as_deref().cloned();
+        // A generation's id (`POST /v1/generations` names its record before admission) stays
+        // readable, so a client can look the generation up after a refusal.
+        if let Some(own) = self.request_id.as_deref()
+            && Some(own) != request_id
+            && own.starts_with(GENERATION_ID_PREFIX)
+        {
+            let d = details.get_or_insert_with(|| json!({}));
+            if let Some(obj) = d.as_object_mut()
+                && !obj.contains_key("generation_id")
+            {
+                obj.insert("generation_id".into(), own.into());
+            }
+        }
         let mut error = json!({
             "message": self.failure.message,
             "type": kind,
             "param": self.param,
             "code": code.as_str(),
             "retryable": code.retryable(),
-            "request_id": self.request_id,
+            "request_id": request_id,
         });
-        if let (Some(details), Some(obj)) = (&self.details, error.as_object_mut()) {
-            obj.insert("details".into(), details.as_ref().clone());
+        if let (Some(details), Some(obj)) = (details, error.as_object_mut()) {
+            obj.insert("details".into(), details);
         }
         json!({ "error": error })
     }
@@ -150,12 +177,13 @@ impl IntoResponse for ApiError {
         if !self.failure.code.retryable() || status == StatusCode::PAYMENT_REQUIRED {
             headers.insert("x-should-retry", HeaderValue::from_static("false"));
         }
+        // Outside a request scope (unit tests); inside one the request layer sets it.
         if let Some(id) = self
             .request_id
             .as_deref()
             .and_then(|id| HeaderValue::from_str(id).ok())
         {
-            headers.insert("x-request-id", id);
+            headers.insert(crate::http::request_id::HEADER, id);
         }
         if let Some(rate) = &self.rate {
             rate.apply(headers);
