@@ -167,7 +167,10 @@ impl SseParser {
         let (field, value) = match line.iter().position(|&b| b == b':') {
             Some(i) => {
                 let v = line.get(i + 1..).unwrap_or_default();
-                (line.get(..i).unwrap_or_default(), v.strip_prefix(b" ").unwrap_or(v))
+                (
+                    line.get(..i).unwrap_or_default(),
+                    v.strip_prefix(b" ").unwrap_or(v),
+                )
             }
             None => (line, &[][..]),
         };
@@ -234,7 +237,11 @@ mod tests {
             assert_eq!(parse_in_pieces(input, piece), whole, "piece size {piece}");
         }
         for cut in 0..input.len() {
-            assert_eq!(collect(&[&input[..cut], &input[cut..]]), whole, "cut at {cut}");
+            assert_eq!(
+                collect(&[&input[..cut], &input[cut..]]),
+                whole,
+                "cut at {cut}"
+            );
         }
     }
 
