@@ -227,7 +227,10 @@ impl Fleet {
         // The configured embedding model runs beside the first chat model, as a small
         // embedding model shares a GPU node in production.
         let models = &config.server.models;
-        let first_chat = models.iter().find(|m| !m.embedding).map(|m| m.name.as_str());
+        let first_chat = models
+            .iter()
+            .find(|m| !m.embedding)
+            .map(|m| m.name.as_str());
         let embedding_model = config.sim.embedding_model.clone().or_else(|| {
             (first_chat == Some(model))
                 .then(|| models.iter().find(|m| m.embedding).map(|m| m.name.clone()))

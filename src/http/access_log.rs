@@ -67,6 +67,19 @@ pub async fn layer(mut req: Request, next: Next) -> Response {
         principal = tracing::field::Empty,
     );
     let trace = crate::telemetry::continue_trace(&span, req.headers());
+    // As an intermediary does (W3C Trace Context): what the handlers pass downstream is the
+    // gateway's own position in the trace, or nothing when the caller's was not usable.
+    match trace
+        .traceparent()
+        .and_then(|t| HeaderValue::from_str(t).ok())
+    {
+        Some(v) => {
+            req.headers_mut().insert(request_id::TRACEPARENT, v);
+        }
+        None => {
+            req.headers_mut().remove(request_id::TRACEPARENT);
+        }
+    }
     req.extensions_mut().insert(id.clone());
     req.extensions_mut().insert(trace);
     let slot = PrincipalSlot::default();

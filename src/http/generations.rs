@@ -85,9 +85,6 @@ async fn submit(
             } else {
                 collect(generation, &id, &model).await?
             };
-            if let Ok(v) = HeaderValue::from_str(&id) {
-                response.headers_mut().insert("x-request-id", v);
-            }
             rate.apply(response.headers_mut());
             Ok(response)
         }
@@ -181,7 +178,7 @@ async fn prepare(
         max_tokens,
         idempotency: Some((key, fingerprint)),
         prompt: lifecycle::Prompt::Chat,
-        x_request_id: lifecycle::client_request_id(headers),
+        x_request_id: lifecycle::client_request_id(),
         traceparent: lifecycle::traceparent(headers),
     };
     Ok((plan, stream))

@@ -227,26 +227,17 @@ pub fn check_max_tokens(model: &ModelConfig, field: &str, n: u64) -> Result<u64,
     Ok(n)
 }
 
-/// The client's `x-request-id` when it is one the engine and the logs may carry: 1 to 128
-/// visible ASCII characters. Anything else is not passed on (the gateway's own id is).
-pub fn client_request_id(headers: &HeaderMap) -> Option<String> {
-    let v = headers.get("x-request-id")?.to_str().ok()?;
-    ((1..=128).contains(&v.len()) && v.bytes().all(|b| b.is_ascii_graphic())).then(|| v.to_owned())
+/// The request's id (the client's `x-request-id`, or the one minted for it), for the engine.
+pub fn client_request_id() -> Option<String> {
+    super::request_id::current().map(|id| id.as_str().to_owned())
 }
 
-/// A well-formed W3C `traceparent` (`00-` 32 hex `-` 16 hex `-` 2 hex), to continue the
-/// client's trace at the engine.
+/// The W3C `traceparent` to continue at the engine: the access layer leaves only a
+/// well-formed one on the request (the gateway's own span's when tracing is exported).
 pub fn traceparent(headers: &HeaderMap) -> Option<String> {
-    let v = headers.get("traceparent")?.to_str().ok()?;
-    let parts: Vec<&str> = v.split('-').collect();
-    let hex = |s: &str, n: usize| s.len() == n && s.bytes().all(|b| b.is_ascii_hexdigit());
-    (parts.len() == 4
-        && hex(parts[0], 2)
-        && parts[0] != "ff"
-        && hex(parts[1], 32)
-        && hex(parts[2], 16)
-        && hex(parts[3], 2))
-    .then(|| v.to_ascii_lowercase())
+    super::request_id::TraceContext::from_headers(headers)
+        .traceparent()
+        .map(str::to_owned)
 }
 
 /// The optional `Idempotency-Key` header: 1 to 255 visible ASCII characters, sent once.
@@ -537,7 +528,9 @@ async fn admit(state: &AppState, mut plan: Plan, id: &str) -> Result<Admission, 
         model: plan.model.name.clone(),
         body: plan.engine_body,
         api: plan.prompt.api(),
-        x_request_id: plan.x_request_id,
+        // Unique per generation: vLLM takes the header as its own request id, and two clients
+        // may send the same one; the client's id leads, so the engine's logs find it.
+        x_request_id: plan.x_request_id.map(|client| format!("{client}.{id}")),
         traceparent: plan.traceparent,
         reservation,
         queue,

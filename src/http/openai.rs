@@ -6,7 +6,7 @@
 use std::sync::Arc;
 
 use axum::extract::State;
-use axum::http::{HeaderMap, HeaderValue};
+use axum::http::HeaderMap;
 use axum::response::{IntoResponse, Response};
 use serde_json::{Map, Value};
 use switchyard_actors::error::ErrorCode;
@@ -81,9 +81,6 @@ pub(super) async fn run(
     } else {
         sse::collect(generation, render).await?
     };
-    if let Ok(v) = HeaderValue::from_str(&id) {
-        response.headers_mut().insert("x-request-id", v);
-    }
     rate.apply(response.headers_mut());
     Ok(response)
 }
@@ -151,7 +148,7 @@ pub(super) async fn prepare(
         max_tokens,
         idempotency: idempotency.zip(fingerprint),
         prompt: req.prompt,
-        x_request_id: lifecycle::client_request_id(headers),
+        x_request_id: lifecycle::client_request_id(),
         traceparent: lifecycle::traceparent(headers),
     };
     Ok((plan, req.stream, req.include_usage))
