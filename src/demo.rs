@@ -63,6 +63,8 @@ pub struct FleetConfig {
     pub credits: i64,
     /// Namespace of every Redis key and channel, when `server.redis_url` is set.
     pub redis_prefix: String,
+    /// The node protocol version the agents speak (older ones in upgrade tests).
+    pub agent_protocol: u32,
 }
 
 impl Default for FleetConfig {
@@ -80,6 +82,7 @@ impl Default for FleetConfig {
             heartbeat_interval: Duration::from_secs(5),
             credits: 1_000_000_000_000,
             redis_prefix: "switchyard:".into(),
+            agent_protocol: switchyard_actors::protocol::PROTOCOL_VERSION,
         }
     }
 }
@@ -133,7 +136,9 @@ impl SimNode {
     /// Stops the agent (the engine keeps running).
     pub async fn stop_agent(&mut self) {
         self.agent_stop.cancel();
-        let _ = tokio::time::timeout(Duration::from_secs(5), &mut self.agent_task).await;
+        if !self.agent_task.is_finished() {
+            let _ = tokio::time::timeout(Duration::from_secs(5), &mut self.agent_task).await;
+        }
     }
 }
 
@@ -253,6 +258,7 @@ impl Fleet {
         agent.location = Location::Onprem;
         agent.backoff_min = config.agent_backoff_min;
         agent.heartbeat_interval = config.heartbeat_interval;
+        agent.protocol = config.agent_protocol;
         let faults = agent.faults.clone();
         let stats = Arc::new(AgentStats::default());
         let stop = CancellationToken::new();

@@ -35,5 +35,7 @@ mod refusals;
 mod sdk;
 #[path = "server/trust.rs"]
 mod trust;
+#[path = "server/upgrade.rs"]
+mod upgrade;
 #[path = "server/usage.rs"]
 mod usage;

@@ -57,10 +57,16 @@ pub async fn tiny_sim(time_scale: f64) -> SimServer {
 }
 
 pub fn http() -> reqwest::Client {
-    reqwest::Client::builder()
-        .pool_max_idle_per_host(0)
-        .build()
-        .unwrap()
+    // One client, cloned: building one loads the platform's root certificates (tens of
+    // milliseconds of CPU), which hundreds of concurrent requests must not each pay. No
+    // pooled connections, so every request still opens its own.
+    static CLIENT: std::sync::LazyLock<reqwest::Client> = std::sync::LazyLock::new(|| {
+        reqwest::Client::builder()
+            .pool_max_idle_per_host(0)
+            .build()
+            .unwrap()
+    });
+    CLIENT.clone()
 }
 
 /// A chat request of `prompt` as the single user message.

@@ -141,7 +141,8 @@ async fn node_tokens_list_drain_and_revocation_closes_the_socket() {
         (node["node_id"].as_str(), node["health"].as_str()),
         (Some("small-1"), Some("ready"))
     );
-    assert_eq!(node["models"], json!(["llama-3.1-8b-instruct"]));
+    // The first chat model's nodes also serve the configured embedding model.
+    assert_eq!(node["models"], json!(["llama-3.1-8b-instruct", "bge-m3"]));
 
     let (s, issued) = admin(
         &fleet,
