@@ -22,7 +22,7 @@ PY=${PY:-${REAL_VLLM_HOME:-$HOME/.cache/switchyard-real-vllm}/venv/bin/python}
 ADMIN=adm-compare-$RANDOM$RANDOM
 MODEL=tiny
 mkdir -p "$WORK"
-rm -f "$WORK"/sy.db*
+rm -rf "$WORK"/sy.db* "$WORK/raw"
 pids=()
 cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; }
 trap cleanup EXIT
@@ -122,6 +122,10 @@ def call(side, path, body, headers=None):
     for line in r.iter_lines(decode_unicode=False):
         if line.startswith(b"data: "):
             events.append(line[6:].decode("utf-8"))
+    os.makedirs(os.environ["RAW"], exist_ok=True)
+    fn = re.sub(r"[^a-z0-9]+", "_", CURRENT.lower()).strip("_")
+    with open(os.path.join(os.environ["RAW"], "%s.%s.sse" % (fn, side)), "a") as f:
+        f.write("".join("data: %s\n\n" % e for e in events))
     usage = None
     for e in events:
         if e != "[DONE]":
@@ -266,7 +270,9 @@ if d and g:
 CURRENT = "5 cached_tokens"; print("\n== " + CURRENT)
 words = "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa".split()
 def long_prompt(seed):
-    return " ".join(words[(i * 7 + seed) % len(words)] + str(i % 10) for i in range(130))
+    # a nonce first, so a rerun against the same vLLM starts with an empty cache again
+    return NONCE + " " + " ".join(words[(i * 7 + seed) % len(words)] + str(i % 10) for i in range(130))
+NONCE = "run%d" % (int(time.time()) % 100000)
 res = {}
 for side, seed in (("direct", 1), ("gateway", 2)):
     b = dict(BASE, messages=[{"role": "user", "content": long_prompt(seed) + " " + side}], max_tokens=4)
@@ -278,8 +284,12 @@ for side, seed in (("direct", 1), ("gateway", 2)):
     _, j = call(side, "/v1/chat/completions", b)
     seen.append({"non-stream#3": j and {"prompt_tokens": j["usage"]["prompt_tokens"], "prompt_tokens_details": j["usage"].get("prompt_tokens_details")}})
     res[side] = seen
+# the two prompts differ (so neither side warms the other's cache): compare what is cached
 for i in range(3):
-    cmp("request %d usage" % (i + 1), res["direct"][i], res["gateway"][i])
+    (dk, dv), = res["direct"][i].items(); (gk, gv), = res["gateway"][i].items()
+    print("  %s prompt_tokens direct %s / gateway %s (different prompts)" % (dk, dv and dv["prompt_tokens"], gv and gv["prompt_tokens"]))
+    cmp("%s cached_tokens" % dk, dv and (dv["prompt_tokens_details"] or {}).get("cached_tokens"), gv and (gv["prompt_tokens_details"] or {}).get("cached_tokens"))
+    cmp("%s prompt_tokens_details keys" % dk, dv and sorted(dv["prompt_tokens_details"] or {}), gv and sorted(gv["prompt_tokens_details"] or {}))
 
 # 7. x-request-id
 CURRENT = "7 x-request-id"; print("\n== " + CURRENT)
@@ -299,7 +309,7 @@ PYEOF
 metric() { curl -s "http://127.0.0.1:$VLLM_PORT/metrics" | awk -v m="$1" '$1 ~ "^"m"({|$)" {s+=$2} END {printf "%d", s}'; }
 p0=$(metric vllm:prompt_tokens_total); g0=$(metric vllm:generation_tokens_total)
 r0=$(metric vllm:request_success_total)
-VLLM_PORT=$VLLM_PORT GW_PORT=$GW_PORT KEY=$KEY MODEL=$MODEL VLLM_LOG=$VLLM_LOG OUT=$WORK/result.json "$PY" "$WORK/compare.py"
+VLLM_PORT=$VLLM_PORT GW_PORT=$GW_PORT KEY=$KEY MODEL=$MODEL VLLM_LOG=$VLLM_LOG OUT=$WORK/result.json RAW=$WORK/raw "$PY" "$WORK/compare.py"
 sleep 2
 p1=$(metric vllm:prompt_tokens_total); g1=$(metric vllm:generation_tokens_total)
 r1=$(metric vllm:request_success_total)

@@ -15,6 +15,8 @@ mod fencing;
 mod harness;
 #[path = "generations/idempotency.rs"]
 mod idempotency;
+#[path = "generations/output.rs"]
+mod output;
 #[path = "generations/quota.rs"]
 mod quota;
 #[path = "generations/streams.rs"]

@@ -237,9 +237,11 @@ pub async fn fake_node_serving(f: &PgFleet, node_id: &str, token: &str, model: &
     let url = format!("ws://{}/v1/nodes/connect", f.server.addr());
     let (mut ws, _) = tokio_tungstenite::connect_async(url).await.unwrap();
     let register = json!({"type": "register", "node_id": node_id, "token": token, "gpus": [],
-        "models": [model], "version": "test", "location": "onprem"});
+        "models": [model], "version": "test", "location": "onprem", "protocol": 2});
     ws.send(Message::text(register.to_string())).await.unwrap();
-    assert_eq!(recv(&mut ws).await["type"], "registered");
+    let registered = recv(&mut ws).await;
+    assert_eq!(registered["type"], "registered");
+    assert_eq!(registered["protocol"], 2);
     ws
 }
 
