@@ -262,6 +262,15 @@ pub struct Function {
     pub arguments: String,
 }
 
+/// The JSON of [`Assembled::extra_json`].
+#[derive(Debug, Default, Serialize, Deserialize)]
+struct Extra {
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    reasoning: String,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    tool_calls: Vec<ToolCall>,
+}
+
 /// A message assembled from pieces (a non-streamed answer, a retained result).
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct Assembled {
@@ -336,6 +345,59 @@ impl Assembled {
             .map(|(k, v)| (k.clone(), serde_json::Value::Array(v.clone())))
             .collect();
         Some(serde_json::Value::Object(map))
+    }
+
+    /// What a retained result keeps beside its text (the record's `output_extra`): the
+    /// reasoning and the tool calls as JSON, `None` when there are neither.
+    pub fn extra_json(&self) -> Option<String> {
+        if self.reasoning.is_empty() && self.tool_calls.is_empty() {
+            return None;
+        }
+        let extra = Extra {
+            reasoning: self.reasoning.clone(),
+            tool_calls: self.tool_calls(),
+        };
+        serde_json::to_string(&extra).ok()
+    }
+
+    /// A retained result: its text and [`Assembled::extra_json`] (unreadable extra JSON, which
+    /// only a damaged row holds, is left out).
+    pub fn retained(text: &str, extra: Option<&str>) -> Self {
+        let extra: Extra = extra
+            .and_then(|e| serde_json::from_str(e).ok())
+            .unwrap_or_default();
+        Self {
+            content: text.to_owned(),
+            reasoning: extra.reasoning,
+            tool_calls: extra.tool_calls,
+            logprobs: Vec::new(),
+        }
+    }
+
+    /// The whole answer as one piece (a replay streams it as one chunk).
+    pub fn into_piece(self) -> Piece {
+        let tool_calls = self
+            .tool_calls()
+            .into_iter()
+            .enumerate()
+            .map(|(i, c)| ToolCallDelta {
+                index: u32::try_from(i).unwrap_or(u32::MAX),
+                id: Some(c.id),
+                kind: Some(c.kind),
+                function: Some(FunctionDelta {
+                    name: Some(c.function.name),
+                    arguments: Some(c.function.arguments),
+                }),
+            })
+            .collect();
+        Piece {
+            text: self.content,
+            reasoning: self.reasoning,
+            tool_calls,
+            embeddings: false,
+            raw: None,
+            logprobs: None,
+        }
     }
 
     /// Tool calls with a `type` (`function` when the engine named none).

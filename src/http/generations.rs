@@ -416,8 +416,8 @@ fn document(rec: &GenerationRecord, with_output: bool) -> Value {
             );
         }
         if with_output && rec.status.is_terminal() {
-            let text = rec.output.clone().unwrap_or_default();
-            obj.insert("output".into(), json!([{"type": "text", "text": text}]));
+            let out = lifecycle::retained_output(rec);
+            obj.insert("output".into(), output_items(&out));
         }
         if let Some(code) = &rec.error_code {
             obj.insert("error".into(), json!({ "code": code }));
@@ -428,7 +428,7 @@ fn document(rec: &GenerationRecord, with_output: bool) -> Value {
 
 /// A repeated key: the existing generation, never rerun.
 fn replay(state: &AppState, rec: &GenerationRecord, stream: bool) -> Result<Response, ApiError> {
-    let (text, end) = lifecycle::replayable(state, rec)?;
+    let (out, end) = lifecycle::replayable(state, rec)?;
     if !stream {
         return Ok(axum::Json(document(rec, true)).into_response());
     }
@@ -438,8 +438,8 @@ fn replay(state: &AppState, rec: &GenerationRecord, stream: bool) -> Result<Resp
         partial: false,
     };
     let mut events = vec![seq.created(rec.status.as_str())];
-    if !text.is_empty() {
-        events.extend(seq.render(Some(GenEvent::Delta(text.into()))).0);
+    if out != Assembled::default() {
+        events.extend(seq.render(Some(GenEvent::Delta(out.into_piece()))).0);
     }
     events.extend(seq.render(Some(end)).0);
     Ok(sse(futures::stream::iter(events)))

@@ -16,6 +16,7 @@ use switchyard_actors::lifecycle::{
     Decision, Event, GenerationRecord, MessagePolicy, NewGeneration, Status,
 };
 use switchyard_actors::metric_names::REQUESTS_TOTAL;
+use switchyard_actors::output::Assembled;
 use switchyard_actors::ports::{Reservation, UsageBounds, cost_of};
 use switchyard_actors::protocol::Api;
 
@@ -579,13 +580,14 @@ pub fn expired(rec: &GenerationRecord) -> ApiError {
     err
 }
 
-/// A repeated key's answer, in either dialect: the retained text and the generation's end
+/// A repeated key's answer, in either dialect: the retained output (text, reasoning, tool
+/// calls) and the generation's end
 /// (a failure as [`GenEvent::Failed`] with its recorded code); 409 while it still runs, 410
 /// once its result is gone.
 pub fn replayable(
     state: &AppState,
     rec: &GenerationRecord,
-) -> Result<(String, GenEvent), ApiError> {
+) -> Result<(Assembled, GenEvent), ApiError> {
     if !rec.status.is_terminal() {
         return Err(in_progress(rec));
     }
@@ -610,7 +612,15 @@ pub fn replayable(
             GenEvent::Failed(Failure::new(code, "This generation failed."))
         }
     };
-    Ok((rec.output.clone().unwrap_or_default(), end))
+    Ok((retained_output(rec), end))
+}
+
+/// A record's retained output, assembled.
+pub fn retained_output(rec: &GenerationRecord) -> Assembled {
+    Assembled::retained(
+        rec.output.as_deref().unwrap_or_default(),
+        rec.output_extra.as_deref(),
+    )
 }
 
 /// Whether a terminal record's result is still retained at `now_ms` (a record ended from a

@@ -94,7 +94,9 @@ async fn replay(
 ) -> Result<Response, ApiError> {
     match lifecycle::replayable(state, rec)? {
         (_, GenEvent::Failed(failure)) => Err(ApiError::from(failure)),
-        (text, end) => sse::replay(vec![GenEvent::Delta(text.into()), end], render, stream).await,
+        (out, end) => {
+            sse::replay(vec![GenEvent::Delta(out.into_piece()), end], render, stream).await
+        }
     }
 }
 

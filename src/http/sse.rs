@@ -101,10 +101,32 @@ impl Render {
                 r#"{{"index":0,"delta":{},"logprobs":{logprobs},"finish_reason":null}}"#,
                 raw.get()
             )),
-            (Dialect::Chat, None) => self.chunk(&format!(
-                r#"{{"index":0,"delta":{{"content":{}}},"logprobs":{logprobs},"finish_reason":null}}"#,
-                json_string(&piece.text)
-            )),
+            (Dialect::Chat, None) if piece.tool_calls.is_empty() && piece.reasoning.is_empty() => {
+                self.chunk(&format!(
+                    r#"{{"index":0,"delta":{{"content":{}}},"logprobs":{logprobs},"finish_reason":null}}"#,
+                    json_string(&piece.text)
+                ))
+            }
+            // A replayed answer: its text, reasoning and whole tool calls in one delta.
+            (Dialect::Chat, None) => {
+                let mut delta = serde_json::Map::new();
+                if !piece.text.is_empty() {
+                    delta.insert("content".into(), Value::String(piece.text.clone()));
+                }
+                if !piece.reasoning.is_empty() {
+                    delta.insert(
+                        "reasoning_content".into(),
+                        Value::String(piece.reasoning.clone()),
+                    );
+                }
+                if !piece.tool_calls.is_empty() {
+                    delta.insert("tool_calls".into(), json!(piece.tool_calls));
+                }
+                self.chunk(&format!(
+                    r#"{{"index":0,"delta":{},"logprobs":{logprobs},"finish_reason":null}}"#,
+                    Value::Object(delta)
+                ))
+            }
             (Dialect::Completions, _) => self.chunk(&format!(
                 r#"{{"index":0,"text":{},"logprobs":{logprobs},"finish_reason":null}}"#,
                 json_string(&piece.text)

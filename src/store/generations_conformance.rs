@@ -135,6 +135,7 @@ pub fn completed(attempt: u64, output: &str) -> Event {
         input_tokens: 3,
         output_tokens: 5,
         output: Some(output.to_owned()),
+        output_extra: None,
         finish_reason: Some("length".to_owned()),
     }
 }
@@ -222,6 +223,7 @@ pub async fn same_key_same_fingerprint_is_existing(
         input_tokens: 0,
         output_tokens: 0,
         output: None,
+        output_extra: None,
         error_code: None,
         finish_reason: None,
         created_ms: now,
@@ -465,6 +467,7 @@ pub async fn terminal_records_never_change(s: &dyn GenerationStore, prefix: &str
             input_tokens: 9,
             output_tokens: 9,
             output: None,
+            output_extra: None,
             finish_reason: None,
         },
         reject,
@@ -498,8 +501,33 @@ pub async fn outputs_keep_every_character(s: &dyn GenerationStore, prefix: &str)
     let new = request(prefix, "nul", "key", "fp", 0);
     let rec = admitted(s, CHECK, &new, &policy, now).await?;
     running(s, CHECK, &rec.id, now).await?;
-    let (ended, _) = applied(s, CHECK, &rec.id, &completed(1, OUTPUT), now + 1).await?;
+    // Tool calls and reasoning beside the text, as JSON (which escapes NUL).
+    const EXTRA: &str = r#"{"reasoning":"\u0000think","tool_calls":[{"id":"c","type":"function","function":{"name":"f","arguments":"{\"a\":\"\u0000é\"}"}}]}"#;
+    let finish = match completed(1, OUTPUT) {
+        Event::Finish {
+            attempt,
+            from_node,
+            outcome,
+            input_tokens,
+            output_tokens,
+            output,
+            finish_reason,
+            ..
+        } => Event::Finish {
+            attempt,
+            from_node,
+            outcome,
+            input_tokens,
+            output_tokens,
+            output,
+            output_extra: Some(EXTRA.to_owned()),
+            finish_reason,
+        },
+        other => other,
+    };
+    let (ended, _) = applied(s, CHECK, &rec.id, &finish, now + 1).await?;
     expect_eq(CHECK, "returned", ended.output.as_deref(), Some(OUTPUT))?;
+    expect_eq(CHECK, "extra", ended.output_extra.as_deref(), Some(EXTRA))?;
     let stored = s.get_generation(&rec.id).await?;
     expect_eq(
         CHECK,
@@ -659,6 +687,7 @@ pub async fn sweep_expires_and_forgets(s: &dyn GenerationStore, prefix: &str) ->
     )?;
     let forgotten = GenerationRecord {
         output: None,
+        output_extra: None,
         ..finished
     };
     expect_eq(

@@ -158,7 +158,8 @@ macro_rules! generation_columns {
     () => {
         "id, subject, idempotency_key, fingerprint, model, status, cancel_requested, attempt, \
          attempt_state, message, window_start_ms, slot_held, slot_expires_ms, input_tokens, \
-         output_tokens, output, error_code, created_ms, terminal_ms, ledger_id, finish_reason"
+         output_tokens, output, error_code, created_ms, terminal_ms, ledger_id, finish_reason, \
+         output_extra"
     };
 }
 
@@ -195,7 +196,7 @@ pub(super) const INSERT_GENERATION: &str = concat!(
     "INSERT INTO generations (",
     generation_columns!(),
     ") VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, \
-     $18, $19, $20, $21)"
+     $18, $19, $20, $21, $22)"
 );
 
 /// Overwrites record `$1` with everything [`apply`](switchyard_actors::lifecycle::apply)
@@ -205,7 +206,8 @@ pub(super) const UPDATE_GENERATION: &str = "UPDATE generations SET fingerprint =
      model = $5, status = $6, cancel_requested = $7, attempt = $8, attempt_state = $9, \
      message = $10, window_start_ms = $11, slot_held = $12, slot_expires_ms = $13, \
      input_tokens = $14, output_tokens = $15, output = $16, error_code = $17, \
-     created_ms = $18, terminal_ms = $19, ledger_id = $20, finish_reason = $21 \
+     created_ms = $18, terminal_ms = $19, ledger_id = $20, finish_reason = $21, \
+     output_extra = $22 \
      WHERE id = $1 AND subject = $2 \
      AND idempotency_key = $3";
 
@@ -251,7 +253,7 @@ pub(super) const SELECT_EXPIRED: &str = "SELECT id FROM generations \
      ORDER BY id LIMIT $3";
 
 /// Forgets outputs of generations that ended at or before `$1`.
-pub(super) const DROP_OUTPUTS: &str = "UPDATE generations SET output = NULL \
+pub(super) const DROP_OUTPUTS: &str = "UPDATE generations SET output = NULL, output_extra = NULL \
      WHERE output IS NOT NULL AND terminal_ms <= $1";
 
 /// Generations expired per sweeper page.
@@ -350,6 +352,7 @@ macro_rules! bind_record {
             .bind(p.rec.terminal_ms)
             .bind(p.rec.ledger_id.as_str())
             .bind(p.rec.finish_reason.as_deref())
+            .bind(p.rec.output_extra.as_deref())
     }};
 }
 pub(super) use bind_record;
@@ -453,6 +456,7 @@ where
         terminal_ms: gen_col(row, "terminal_ms")?,
         ledger_id: gen_col(row, "ledger_id")?,
         finish_reason: gen_col(row, "finish_reason")?,
+        output_extra: gen_col(row, "output_extra")?,
     })
 }
 

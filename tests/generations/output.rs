@@ -449,3 +449,73 @@ async fn a_delta_no_engine_would_send_is_refused_counted_and_never_relayed() {
     assert_eq!(after - before, 5.0);
     f.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retained_tool_call_is_replayed_and_shown_whole() {
+    let f = pg_fleet(&[], 1.0, |_| {}).await;
+    let mut node = scribe(&f, "scribe", SMALL).await;
+    let request = tool_request(false);
+    let first = post(
+        &f,
+        "/v1/chat/completions",
+        &request,
+        &[("idempotency-key", "calls-1")],
+    );
+    let (first, _) = tokio::join!(first, call_tool(&mut node, 0));
+    let first: Value = first.json().await.unwrap();
+    let id = first["id"].as_str().unwrap().to_owned();
+    let expected = json!([{"id": "chatcmpl-tool-9f", "type": "function",
+        "function": {"name": "get_weather", "arguments": "{\"city\":  \"Oslo\"}"}}]);
+    assert_eq!(first["choices"][0]["message"]["tool_calls"], expected);
+
+    // The same key again: the retained answer, tool call included, never a rerun.
+    for stream in [false, true] {
+        let mut again = request.clone();
+        again["stream"] = json!(stream);
+        let resp = post(
+            &f,
+            "/v1/chat/completions",
+            &again,
+            &[("idempotency-key", "calls-1")],
+        )
+        .await;
+        assert_eq!(resp.status(), 200);
+        if stream {
+            let body = resp.text().await.unwrap();
+            let calls: Vec<Value> = sse_data(&body)
+                .iter()
+                .filter_map(|e| serde_json::from_str::<Value>(e).ok())
+                .filter_map(|c| c["choices"][0]["delta"].get("tool_calls").cloned())
+                .collect();
+            assert_eq!(calls.len(), 1, "{body}");
+            assert_eq!(
+                calls[0][0]["function"]["arguments"],
+                "{\"city\":  \"Oslo\"}"
+            );
+            assert_eq!(calls[0][0]["id"], "chatcmpl-tool-9f");
+        } else {
+            let doc: Value = resp.json().await.unwrap();
+            assert_eq!(doc["id"], id.as_str());
+            assert_eq!(doc["choices"][0]["message"]["tool_calls"], expected);
+            assert_eq!(doc["choices"][0]["finish_reason"], "tool_calls");
+        }
+    }
+    let (status, doc) = f.get(&id).await;
+    assert_eq!(status, 200);
+    assert_eq!(
+        doc["output"],
+        json!([{"type": "tool_call", "id": "chatcmpl-tool-9f", "name": "get_weather",
+                "arguments": "{\"city\":  \"Oslo\"}"}]),
+        "{doc}"
+    );
+    assert_eq!(
+        recv_within_quiet(&mut node).await,
+        None,
+        "the replays ran nothing"
+    );
+    f.stop().await;
+}
+
+async fn recv_within_quiet(node: &mut Ws) -> Option<Value> {
+    crate::harness::recv_within(node, Duration::from_millis(300)).await
+}

@@ -19,7 +19,7 @@ use crate::metric_names::{
     TTFT_SECONDS,
 };
 use crate::node::{NodeHandle, Violation, Work};
-use crate::output::Piece;
+use crate::output::{Assembled, Piece};
 use crate::ports::LedgerError;
 use crate::tasks::TaskGuard;
 
@@ -74,6 +74,8 @@ pub struct GenerationState {
     pub(super) chunks: u64,
     /// The output so far, for a lifecycle generation's retained result.
     pub(super) output: String,
+    /// Reasoning and tool calls of the retained output.
+    pub(super) output_extra: Assembled,
     /// The retained output reached its cap; later text is not kept.
     pub(super) output_full: bool,
     pub(super) stop: Option<Stop>,
@@ -124,6 +126,7 @@ impl Actor for GenerationActor {
             next_seq: 0,
             chunks: 0,
             output: String::new(),
+            output_extra: Assembled::default(),
             output_full: false,
             stop: None,
             client_gone: false,
@@ -604,8 +607,16 @@ impl GenerationState {
         }
         self.last_token_at = Some(now);
         if self.args.lifecycle.is_some() && !self.output_full {
-            if self.output.len() + delta.text.len() <= MAX_RETAINED_OUTPUT {
+            if self.output.len() + delta.size() <= MAX_RETAINED_OUTPUT {
                 self.output.push_str(&delta.text);
+                if !delta.tool_calls.is_empty() || !delta.reasoning.is_empty() {
+                    self.output_extra.push(&Piece {
+                        text: String::new(),
+                        raw: None,
+                        logprobs: None,
+                        ..delta.clone()
+                    });
+                }
             } else {
                 // A retained result is a prefix of the answer, never one with a hole.
                 self.output_full = true;

@@ -189,6 +189,7 @@ impl GenerationState {
         }
         // Kept as streamed, NUL included: every store holds any text.
         let output = Some(std::mem::take(&mut self.output));
+        let output_extra = std::mem::take(&mut self.output_extra).extra_json();
         let attempt = self.attempt;
         self.record(Event::Finish {
             attempt,
@@ -197,6 +198,7 @@ impl GenerationState {
             input_tokens: usage.prompt_tokens,
             output_tokens: usage.completion_tokens,
             output,
+            output_extra,
             finish_reason: from_node.then(|| usage.finish_reason.clone()),
         })
         .await;

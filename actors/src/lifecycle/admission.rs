@@ -228,6 +228,7 @@ pub fn decide(
         input_tokens: 0,
         output_tokens: 0,
         output: None,
+        output_extra: None,
         error_code: None,
         finish_reason: None,
         created_ms,

@@ -174,6 +174,7 @@ impl GenerationStore for MemoryGenerations {
                 .is_some_and(|t| t.saturating_add(retention_ms) <= now_ms)
             {
                 r.output = None;
+                r.output_extra = None;
             }
         }
         Ok(expired)

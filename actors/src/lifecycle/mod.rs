@@ -215,6 +215,9 @@ pub struct GenerationRecord {
     pub output_tokens: u64,
     /// The output text while retained.
     pub output: Option<String>,
+    /// Beside the text while retained: reasoning and tool calls, as JSON (see
+    /// `crate::output::Assembled::extra_json`); `None` when the answer had neither.
+    pub output_extra: Option<String>,
     /// Why it failed or was rejected.
     pub error_code: Option<String>,
     /// The engine's finish reason (`stop`, `length`, `abort`, …) when the node reported one.
@@ -288,6 +291,8 @@ pub enum Event {
         output_tokens: u64,
         /// The output, when retained.
         output: Option<String>,
+        /// Reasoning and tool calls of the output, when retained and present.
+        output_extra: Option<String>,
         /// The engine's finish reason, when the node reported one.
         finish_reason: Option<String>,
     },
@@ -386,6 +391,7 @@ pub fn apply(
             input_tokens,
             output_tokens,
             output,
+            output_extra,
             finish_reason,
         } => {
             if *from_node {
@@ -417,6 +423,7 @@ pub fn apply(
             rec.input_tokens = *input_tokens;
             rec.output_tokens = *output_tokens;
             rec.output = output.clone();
+            rec.output_extra = output_extra.clone();
             rec.finish_reason = finish_reason.clone();
             end(rec, now_ms);
         }

@@ -363,6 +363,7 @@ impl World {
                     input_tokens: 10,
                     output_tokens: tokens,
                     output: Some("x".repeat(tokens as usize)),
+                    output_extra: None,
                     finish_reason: Some("stop".into()),
                 })
                 .await
@@ -375,6 +376,7 @@ impl World {
                     input_tokens: 0,
                     output_tokens: 0,
                     output: None,
+                    output_extra: None,
                     finish_reason: None,
                 })
                 .await
@@ -438,6 +440,7 @@ fn record() -> GenerationRecord {
         input_tokens: 0,
         output_tokens: 0,
         output: None,
+        output_extra: None,
         error_code: None,
         finish_reason: None,
         created_ms: 0,
@@ -453,6 +456,7 @@ fn done(attempt: u64, outcome: Outcome) -> Event {
         input_tokens: 3,
         output_tokens: 4,
         output: Some("text".into()),
+        output_extra: None,
         finish_reason: Some("stop".into()),
     }
 }
@@ -500,6 +504,7 @@ fn a_cancel_is_confirmed_by_fencing_when_the_node_is_silent() {
         input_tokens: 0,
         output_tokens: 0,
         output: None,
+        output_extra: None,
         finish_reason: None,
     };
     assert!(matches!(

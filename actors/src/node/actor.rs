@@ -720,6 +720,7 @@ async fn settle_orphan(
             input_tokens,
             output_tokens,
             output: None,
+            output_extra: None,
             finish_reason: Some(finish_reason),
         };
         let now = state.args.clock.wall().timestamp_millis();

@@ -66,6 +66,7 @@ pub async fn concurrency_limit(s: &dyn GenerationStore, prefix: &str) -> Outcome
         input_tokens: 0,
         output_tokens: 0,
         output: None,
+        output_extra: None,
         finish_reason: None,
     };
     applied(s, CHECK, &a.id, &cancel, now + 4).await?;
