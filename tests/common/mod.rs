@@ -270,6 +270,31 @@ pub async fn run_python(script: &str, args: &[&str]) -> String {
     stdout
 }
 
+/// Runs a Node script of `tests/node/` with the real `openai` npm package (installed by
+/// `scripts/test` with `npm ci`); panics with its output on failure.
+pub async fn run_node(script: &str, args: &[&str]) -> String {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/node");
+    assert!(
+        dir.join("node_modules/openai/package.json").exists(),
+        "{}/node_modules has no `openai` package: run scripts/test, or `npm ci` in tests/node",
+        dir.display()
+    );
+    let out = tokio::process::Command::new("node")
+        .arg(dir.join(script))
+        .args(args)
+        .current_dir(&dir)
+        .output()
+        .await
+        .unwrap_or_else(|e| panic!("could not run node (Node 20 or later is required): {e}"));
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "{script} failed\nstdout:\n{stdout}\nstderr:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    stdout
+}
+
 /// A fleet (server + simulated nodes with real agents) on port 0 over a fresh SQLite file.
 pub async fn fleet(
     nodes: &[(&str, u32)],
