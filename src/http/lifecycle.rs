@@ -99,7 +99,7 @@ pub enum Started {
         rate: RateHeaders,
     },
     /// The key names an existing generation with the same fingerprint; it is not rerun.
-    Existing(GenerationRecord),
+    Existing(Box<GenerationRecord>),
 }
 
 /// The model a body's `model` names (a version or an alias), for both dialects.
@@ -343,7 +343,7 @@ fn store_unavailable() -> ApiError {
 pub async fn start(state: &AppState, plan: Plan, id: &str) -> Result<Started, ApiError> {
     let (args, events, rate) = match admit(state, plan, id).await.inspect_err(count_refusal)? {
         Admission::Ready(args, events, rate) => (*args, events, rate),
-        Admission::Existing(rec) => return Ok(Started::Existing(*rec)),
+        Admission::Existing(rec) => return Ok(Started::Existing(rec)),
     };
     let id = args.request_id.clone();
     let recorded = args.lifecycle.is_some();
