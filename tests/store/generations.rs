@@ -210,7 +210,8 @@ async fn the_generation_schema_holds_its_rules(db: &Db) {
     const DUPLICATE: &str = "INSERT INTO generations SELECT 'gen-t', subject, idempotency_key, \
          fingerprint, model, status, cancel_requested, attempt, attempt_state, message, \
          window_start_ms, slot_held, slot_expires_ms, input_tokens, output_tokens, output, \
-         error_code, created_ms, terminal_ms, ledger_id, finish_reason FROM generations \
+         error_code, created_ms, terminal_ms, ledger_id, finish_reason, output_extra \
+         FROM generations \
          WHERE id = 'gen-s'";
     let err = execute(&raw, DUPLICATE).await.unwrap_err();
     assert!(
