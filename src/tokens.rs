@@ -303,6 +303,9 @@ impl PromptCounter {
                 extra: 0,
             }));
         }
+        // Engines may add special tokens to each input (BOS; an embedding model's CLS and
+        // SEP): part of the bound on what a node may bill, not of the estimate.
+        let specials = (texts.len() as u64 + 1).saturating_mul(2);
         let counted = tokio::task::spawn_blocking(move || {
             let mut total = token_ids;
             for t in &texts {
@@ -311,7 +314,7 @@ impl PromptCounter {
             Ok(PromptCount {
                 at_least: false,
                 messages: total,
-                extra: 0,
+                extra: specials,
             })
         })
         .await;

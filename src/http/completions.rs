@@ -22,14 +22,14 @@ use crate::server::AppState;
 const DEFAULT_MAX_TOKENS: u64 = 16;
 
 /// `POST /v1/completions`.
-#[instrument(skip_all, fields(request_id, team_id, model))]
+#[instrument(skip_all, fields(generation_id, team_id, model))]
 pub async fn completions(
     State(state): State<Arc<AppState>>,
     headers: HeaderMap,
     Json(body): Json<Value>,
 ) -> Response {
     let request_id = openai::new_request_id("cmpl-");
-    tracing::Span::current().record("request_id", request_id.as_str());
+    tracing::Span::current().record("generation_id", request_id.as_str());
     match openai::run(
         &state,
         &headers,

@@ -24,14 +24,14 @@ use crate::server::AppState;
 const MAX_INPUTS: usize = 2048;
 
 /// `POST /v1/embeddings`.
-#[instrument(skip_all, fields(request_id, team_id, model))]
+#[instrument(skip_all, fields(generation_id, team_id, model))]
 pub async fn embeddings(
     State(state): State<Arc<AppState>>,
     headers: HeaderMap,
     Json(body): Json<Value>,
 ) -> Response {
     let request_id = openai::new_request_id("embd-");
-    tracing::Span::current().record("request_id", request_id.as_str());
+    tracing::Span::current().record("generation_id", request_id.as_str());
     match run(&state, &headers, body, &request_id).await {
         Ok(response) => response,
         Err(e) => e.with_request_id(&request_id).into_response(),

@@ -36,14 +36,14 @@ pub(super) struct Validated {
 /// A route's own checks of its body.
 pub(super) type Validate = fn(&AppState, Value) -> Result<Validated, ApiError>;
 
-#[instrument(skip_all, fields(request_id, team_id, model))]
+#[instrument(skip_all, fields(generation_id, team_id, model))]
 pub async fn chat_completions(
     State(state): State<Arc<AppState>>,
     headers: HeaderMap,
     Json(body): Json<Value>,
 ) -> Response {
     let request_id = new_request_id("chatcmpl-");
-    tracing::Span::current().record("request_id", request_id.as_str());
+    tracing::Span::current().record("generation_id", request_id.as_str());
     match run(&state, &headers, body, &request_id, Dialect::Chat, validate).await {
         Ok(response) => response,
         Err(e) => e.with_request_id(&request_id).into_response(),

@@ -57,7 +57,14 @@ pub(crate) struct AssignCtx {
 /// Runs the assignment to its end; returns its key for the session's bookkeeping.
 pub(crate) async fn run(a: Assignment, ctx: AssignCtx) -> Key {
     let key = (a.request_id.clone(), a.attempt);
-    let span = tracing::info_span!("assignment", request_id = %a.request_id, attempt = a.attempt);
+    // Every line of the assignment names the generation and the client's request id (which
+    // the engine's own log shows too).
+    let span = tracing::info_span!(
+        "assignment",
+        request_id = %a.request_id,
+        attempt = a.attempt,
+        x_request_id = a.x_request_id.as_deref().unwrap_or("-"),
+    );
     execute(a, &ctx).instrument(span).await;
     key
 }
@@ -93,7 +100,7 @@ async fn execute(a: Assignment, ctx: &AssignCtx) {
         Ok(b) => b,
         Err(why) => return ctx.refuse(&id, "invalid_request", why.into()).await,
     };
-    tracing::debug!(model = %a.model, api = a.api.path(), x_request_id = a.x_request_id.as_deref(), "forwarding to the engine");
+    tracing::debug!(model = %a.model, api = a.api.path(), "forwarding to the engine");
     let sent = tokio::select! {
         biased;
         () = ctx.cancel.cancelled() => {

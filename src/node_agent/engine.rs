@@ -191,7 +191,62 @@ pub(crate) fn truncate_chars(s: &str, max: usize) -> String {
 
 #[cfg(test)]
 mod tests {
+    #![allow(clippy::unwrap_used)]
     use super::*;
+
+    #[tokio::test]
+    async fn assignments_reach_the_engine_route_of_their_api_with_the_request_id_and_trace() {
+        use axum::http::HeaderMap;
+        use axum::routing::post;
+        // A stand-in engine answering with the path and the two headers it received.
+        let echo = |path: &'static str| {
+            move |headers: HeaderMap| async move {
+                let h = |n: &str| {
+                    headers
+                        .get(n)
+                        .and_then(|v| v.to_str().ok())
+                        .map(str::to_owned)
+                };
+                axum::Json(serde_json::json!({
+                    "path": path, "x_request_id": h("x-request-id"), "traceparent": h("traceparent"),
+                }))
+            }
+        };
+        let app = axum::Router::new()
+            .route("/v1/chat/completions", post(echo("chat")))
+            .route("/v1/completions", post(echo("completions")))
+            .route("/v1/embeddings", post(echo("embeddings")));
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move { axum::serve(listener, app).await });
+        let engine = EngineClient::new(&format!("http://{addr}")).unwrap();
+        let tp = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01";
+        for (api, path) in [
+            (Api::Chat, "chat"),
+            (Api::Completions, "completions"),
+            (Api::Embeddings, "embeddings"),
+        ] {
+            let resp = engine
+                .post(
+                    api,
+                    &serde_json::json!({}),
+                    Some("trace-me.chatcmpl-1"),
+                    Some(tp),
+                )
+                .await
+                .unwrap();
+            let seen: serde_json::Value = resp.json().await.unwrap();
+            assert_eq!(seen["path"], path);
+            assert_eq!(seen["x_request_id"], "trace-me.chatcmpl-1");
+            assert_eq!(seen["traceparent"], tp);
+        }
+        let resp = engine
+            .post(Api::Chat, &serde_json::json!({}), None, None)
+            .await
+            .unwrap();
+        let seen: serde_json::Value = resp.json().await.unwrap();
+        assert_eq!(seen["x_request_id"], serde_json::Value::Null);
+    }
 
     #[test]
     fn statuses_map_to_protocol_codes() {
