@@ -192,6 +192,9 @@ pub struct PromptCount {
     /// calls and ids in messages, other non-text content): part of the bound on what an
     /// engine may report, not of the admission check.
     pub extra: u64,
+    /// The largest single input (an embeddings request's inputs are each held to the
+    /// context; a chat or completion prompt is one input: `messages`).
+    pub largest: u64,
 }
 
 /// The tokenizer of every configured model.
@@ -249,6 +252,7 @@ impl PromptCounter {
                 at_least: true,
                 messages: at_least,
                 extra: 0,
+                largest: at_least,
             }));
         }
         // Only what the template may render travels to the blocking pool.
@@ -266,9 +270,11 @@ impl PromptCounter {
                 })
                 .unwrap_or_default();
             let extra_text = extra_prompt_text(&extra, &messages);
+            let counted = tok.count_chat(&parsed)?;
             Ok(PromptCount {
                 at_least: false,
-                messages: tok.count_chat(&parsed)?,
+                messages: counted,
+                largest: counted,
                 extra: if extra_text.is_empty() {
                     0
                 } else {
@@ -283,38 +289,53 @@ impl PromptCounter {
 
 impl PromptCounter {
     /// Counts plain texts (a legacy completion's prompt, an embeddings request's inputs) for
-    /// `model`, plus `token_ids` already tokenized by the client, with the same bound as
-    /// [`PromptCounter::count_chat`]: texts that must hold `limit` tokens or more are not
-    /// tokenized.
+    /// `model`, plus inputs the client tokenized itself (`token_lists`, their lengths), with
+    /// the same bound as [`PromptCounter::count_chat`]: an input that must hold `limit` tokens
+    /// or more is not tokenized (with `each`, every input is held to the limit on its own;
+    /// otherwise their sum is).
     pub async fn count_texts(
         &self,
         model: &str,
         texts: Vec<String>,
-        token_ids: u64,
+        token_lists: Vec<u64>,
         limit: u64,
+        each: bool,
     ) -> Option<Result<PromptCount, TokenizerError>> {
         let tok = self.by_model.get(model)?.clone();
-        let bytes: u64 = texts.iter().map(|t| t.len() as u64).sum();
-        let at_least = (bytes / tok.max_token_bytes).saturating_add(token_ids);
+        let floors = texts
+            .iter()
+            .map(|t| t.len() as u64 / tok.max_token_bytes)
+            .chain(token_lists.iter().copied());
+        let at_least = if each {
+            floors.max().unwrap_or(0)
+        } else {
+            floors.fold(0u64, u64::saturating_add)
+        };
         if at_least >= limit {
             return Some(Ok(PromptCount {
                 at_least: true,
                 messages: at_least,
                 extra: 0,
+                largest: at_least,
             }));
         }
         // Engines may add special tokens to each input (BOS; an embedding model's CLS and
         // SEP): part of the bound on what a node may bill, not of the estimate.
-        let specials = (texts.len() as u64 + 1).saturating_mul(2);
+        let inputs = (texts.len() + token_lists.len()) as u64;
+        let specials = inputs.saturating_add(1).saturating_mul(2);
         let counted = tokio::task::spawn_blocking(move || {
-            let mut total = token_ids;
+            let mut total: u64 = token_lists.iter().copied().fold(0, u64::saturating_add);
+            let mut largest = token_lists.iter().copied().max().unwrap_or(0);
             for t in &texts {
-                total = total.saturating_add(tok.count_text(t)?);
+                let n = tok.count_text(t)?;
+                total = total.saturating_add(n);
+                largest = largest.max(n);
             }
             Ok(PromptCount {
                 at_least: false,
                 messages: total,
                 extra: specials,
+                largest,
             })
         })
         .await;

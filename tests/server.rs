@@ -7,6 +7,8 @@ mod common;
 
 #[path = "server/admin.rs"]
 mod admin;
+#[path = "server/embeddings.rs"]
+mod embeddings;
 #[path = "server/failures.rs"]
 mod failures;
 #[path = "server/fuzz.rs"]

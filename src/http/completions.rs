@@ -51,7 +51,7 @@ fn validate(state: &AppState, body: Value) -> Result<Validated, ApiError> {
         return Err(bad("The body must be a JSON object."));
     };
     let resolved = lifecycle::resolve_model(state, &obj)?;
-    let (texts, token_ids) = prompt(obj.get("prompt"))?;
+    let (texts, token_lists) = prompt(obj.get("prompt"))?;
     openai::one_choice(&obj, "n")?;
     openai::one_choice(&obj, "best_of")?;
     let (stream, include_usage) = openai::stream_options(&obj)?;
@@ -67,7 +67,7 @@ fn validate(state: &AppState, body: Value) -> Result<Validated, ApiError> {
         prompt: Prompt::Texts {
             api: Api::Completions,
             texts,
-            token_ids,
+            token_lists,
             param: "prompt",
         },
     })
@@ -75,12 +75,12 @@ fn validate(state: &AppState, body: Value) -> Result<Validated, ApiError> {
 
 /// One prompt: a string, token ids, or a list holding exactly one of those (several prompts
 /// would be several choices, which a request may not ask for).
-fn prompt(value: Option<&Value>) -> Result<(Vec<String>, u64), ApiError> {
+fn prompt(value: Option<&Value>) -> Result<(Vec<String>, Vec<u64>), ApiError> {
     let bad = |m: &str| ApiError::new(ErrorCode::InvalidRequest, m).with_param("prompt");
     let one = |v: &Value| match v {
-        Value::String(s) => Ok((vec![s.clone()], 0)),
+        Value::String(s) => Ok((vec![s.clone()], Vec::new())),
         Value::Array(ids) if !ids.is_empty() && ids.iter().all(|t| t.as_u64().is_some()) => {
-            Ok((Vec::new(), ids.len() as u64))
+            Ok((Vec::new(), vec![ids.len() as u64]))
         }
         _ => Err(bad(
             "`prompt` must be a string, an array of token ids, or a list of one of those.",
@@ -104,13 +104,16 @@ mod tests {
 
     #[test]
     fn a_prompt_is_one_text_or_one_list_of_token_ids() {
-        assert_eq!(prompt(Some(&json!("hi"))).unwrap(), (vec!["hi".into()], 0));
+        assert_eq!(
+            prompt(Some(&json!("hi"))).unwrap(),
+            (vec!["hi".into()], vec![])
+        );
         assert_eq!(
             prompt(Some(&json!(["hi"]))).unwrap(),
-            (vec!["hi".into()], 0)
+            (vec!["hi".into()], vec![])
         );
-        assert_eq!(prompt(Some(&json!([1, 2, 3]))).unwrap(), (vec![], 3));
-        assert_eq!(prompt(Some(&json!([[1, 2]]))).unwrap(), (vec![], 2));
+        assert_eq!(prompt(Some(&json!([1, 2, 3]))).unwrap(), (vec![], vec![3]));
+        assert_eq!(prompt(Some(&json!([[1, 2]]))).unwrap(), (vec![], vec![2]));
         for bad in [
             json!(null),
             json!(["a", "b"]),

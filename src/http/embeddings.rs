@@ -66,19 +66,22 @@ async fn run(
             "`Idempotency-Key` is not supported on /v1/embeddings.",
         ));
     };
-    let mut data: Option<RawJson> = None;
+    // The engine's items, as it wrote them, from every slice the node sent.
+    let mut items: Vec<RawJson> = Vec::new();
     let usage = loop {
         match generation.next().await {
             Some(GenEvent::Delta(piece)) if piece.embeddings => {
                 #[derive(Deserialize)]
                 struct Data {
-                    data: RawJson,
+                    data: Vec<RawJson>,
                 }
-                data = piece
+                if let Some(d) = piece
                     .raw
                     .as_ref()
                     .and_then(|raw| serde_json::from_str::<Data>(raw.get()).ok())
-                    .map(|d| d.data);
+                {
+                    items.extend(d.data);
+                }
             }
             Some(GenEvent::Delta(_)) => {}
             Some(GenEvent::Finished(usage)) => break usage,
@@ -91,17 +94,18 @@ async fn run(
             Some(GenEvent::Failed(failure)) => return Err(ApiError::from(failure)),
         }
     };
-    let Some(data) = data else {
+    if items.is_empty() {
         return Err(ApiError::new(
             ErrorCode::ModelBackendError,
             "The engine answered without embeddings.",
         ));
-    };
+    }
+    let data: Vec<&str> = items.iter().map(RawJson::get).collect();
     let model = serde_json::to_string(&model).unwrap_or_else(|_| "\"\"".into());
     let p = usage.prompt_tokens;
     let body = format!(
-        r#"{{"object":"list","data":{},"model":{model},"usage":{{"prompt_tokens":{p},"total_tokens":{p}}}}}"#,
-        data.get()
+        r#"{{"object":"list","data":[{}],"model":{model},"usage":{{"prompt_tokens":{p},"total_tokens":{p}}}}}"#,
+        data.join(",")
     );
     let mut response = body.into_response();
     response.headers_mut().insert(
@@ -118,7 +122,7 @@ fn validate(state: &AppState, body: Value) -> Result<Validated, ApiError> {
         return Err(bad("The body must be a JSON object."));
     };
     let resolved = lifecycle::resolve_model(state, &obj)?;
-    let (texts, token_ids) = inputs(obj.get("input"))?;
+    let (texts, token_lists) = inputs(obj.get("input"))?;
     match obj.get("encoding_format") {
         None | Some(Value::Null) => {}
         Some(Value::String(f)) if f == "float" || f == "base64" => {}
@@ -141,32 +145,32 @@ fn validate(state: &AppState, body: Value) -> Result<Validated, ApiError> {
         prompt: Prompt::Texts {
             api: Api::Embeddings,
             texts,
-            token_ids,
+            token_lists,
             param: "input",
         },
     })
 }
 
 /// `input`: a string, a list of strings, token ids, or a list of token id lists; none empty.
-fn inputs(value: Option<&Value>) -> Result<(Vec<String>, u64), ApiError> {
+fn inputs(value: Option<&Value>) -> Result<(Vec<String>, Vec<u64>), ApiError> {
     let bad = |m: &str| ApiError::new(ErrorCode::InvalidRequest, m).with_param("input");
     let ids = |v: &Value| -> Option<u64> {
         let a = v.as_array()?;
         (!a.is_empty() && a.iter().all(|t| t.as_u64().is_some())).then_some(a.len() as u64)
     };
     match value {
-        Some(Value::String(s)) if !s.is_empty() => Ok((vec![s.clone()], 0)),
+        Some(Value::String(s)) if !s.is_empty() => Ok((vec![s.clone()], Vec::new())),
         Some(v @ Value::Array(items)) if !items.is_empty() && items.len() <= MAX_INPUTS => {
             if let Some(n) = ids(v) {
-                return Ok((Vec::new(), n));
+                return Ok((Vec::new(), vec![n]));
             }
             let mut texts = Vec::new();
-            let mut token_ids = 0u64;
+            let mut token_lists = Vec::new();
             for item in items {
                 match item {
                     Value::String(s) if !s.is_empty() => texts.push(s.clone()),
                     other => match ids(other) {
-                        Some(n) => token_ids = token_ids.saturating_add(n),
+                        Some(n) => token_lists.push(n),
                         None => {
                             return Err(bad(
                                 "Every `input` item must be a non-empty string or token id list.",
@@ -175,7 +179,7 @@ fn inputs(value: Option<&Value>) -> Result<(Vec<String>, u64), ApiError> {
                     },
                 }
             }
-            Ok((texts, token_ids))
+            Ok((texts, token_lists))
         }
         Some(Value::Array(items)) if items.len() > MAX_INPUTS => Err(bad(&format!(
             "`input` may hold at most {MAX_INPUTS} items."
@@ -195,13 +199,19 @@ mod tests {
 
     #[test]
     fn inputs_are_texts_or_token_ids_and_never_empty() {
-        assert_eq!(inputs(Some(&json!("a"))).unwrap(), (vec!["a".into()], 0));
+        assert_eq!(
+            inputs(Some(&json!("a"))).unwrap(),
+            (vec!["a".into()], vec![])
+        );
         assert_eq!(
             inputs(Some(&json!(["a", "b"]))).unwrap(),
-            (vec!["a".into(), "b".into()], 0)
+            (vec!["a".into(), "b".into()], vec![])
         );
-        assert_eq!(inputs(Some(&json!([1, 2]))).unwrap(), (vec![], 2));
-        assert_eq!(inputs(Some(&json!([[1], [2, 3]]))).unwrap(), (vec![], 3));
+        assert_eq!(inputs(Some(&json!([1, 2]))).unwrap(), (vec![], vec![2]));
+        assert_eq!(
+            inputs(Some(&json!([[1], [2, 3]]))).unwrap(),
+            (vec![], vec![1, 2])
+        );
         let many = Value::Array(vec![json!("x"); MAX_INPUTS + 1]);
         for bad in [
             json!(""),

@@ -50,6 +50,9 @@ pub struct Plan {
     pub traceparent: Option<String>,
 }
 
+/// What an embeddings answer may hold unread between the generation and its handler.
+const EMBEDDINGS_BUFFER_BYTES: usize = 256 << 20;
+
 /// What a request's prompt is, to count it before admission.
 #[derive(Debug, Clone)]
 pub enum Prompt {
@@ -62,8 +65,8 @@ pub enum Prompt {
         api: Api,
         /// The texts.
         texts: Vec<String>,
-        /// Tokens given as ids.
-        token_ids: u64,
+        /// Inputs given as token ids: their lengths.
+        token_lists: Vec<u64>,
         /// The body field they came from, for errors.
         param: &'static str,
     },
@@ -145,11 +148,17 @@ pub async fn measure(
     let counted = match prompt {
         Prompt::Chat => state.prompts.count_chat(&model.name, body, context).await,
         Prompt::Texts {
-            texts, token_ids, ..
+            api,
+            texts,
+            token_lists,
+            ..
         } => {
+            // Each embedding input is its own sequence; a completion's prompt is one.
+            let each = *api == Api::Embeddings;
+            let (texts, lists) = (texts.clone(), token_lists.clone());
             state
                 .prompts
-                .count_texts(&model.name, texts.clone(), *token_ids, context)
+                .count_texts(&model.name, texts, lists, context, each)
                 .await
         }
     };
@@ -176,15 +185,17 @@ pub async fn measure(
             ));
         }
     };
-    // An embedding has no output: its input may fill the context.
-    let room_needed = u64::from(prompt.api() != Api::Embeddings);
-    if count.messages.saturating_add(room_needed) > context {
+    // An embedding has no output: each input may fill the context.
+    let (counted, room_needed) = match prompt.api() {
+        Api::Embeddings => (count.largest, 0),
+        _ => (count.messages, 1),
+    };
+    if counted.saturating_add(room_needed) > context {
         let at_least = if count.at_least { "at least " } else { "" };
         return Err(ApiError::new(
             ErrorCode::ContextLengthExceeded,
             format!(
-                "This model's maximum context length is {context} tokens; the `{param}` count {at_least}{} tokens, which leaves no room for output.",
-                count.messages
+                "This model's maximum context length is {context} tokens; the `{param}` count {at_least}{counted} tokens, which leaves no room for output.",
             ),
         )
         .with_param(param));
@@ -523,7 +534,13 @@ async fn admit(state: &AppState, mut plan: Plan, id: &str) -> Result<Admission, 
         price_output_per_mtok: pout,
         bounds: measured.bounds,
     };
-    let (tx, events) = events::channel(state.config.stream_bound());
+    let mut bound = state.config.stream_bound();
+    if plan.prompt.api() == Api::Embeddings {
+        // One answer the handler collects at once, as large as its inputs make it (the agent
+        // sends it in slices): the slow-reader bound is for streams read over a network.
+        bound.max_bytes = bound.max_bytes.max(EMBEDDINGS_BUFFER_BYTES);
+    }
+    let (tx, events) = events::channel(bound);
     let args = GenerationArgs {
         request_id: id.clone(),
         model: plan.model.name.clone(),

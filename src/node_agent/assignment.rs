@@ -27,6 +27,10 @@ use super::writer::Outgoing;
 const MAX_ERROR_BODY: usize = 64 * 1024;
 /// Largest embeddings answer read from the engine (2048 inputs of 4096 floats as JSON).
 const MAX_EMBEDDINGS_BODY: usize = 256 << 20;
+/// Embeddings per `chunk` frame, in bytes: well under the server's 1 MiB frame limit.
+const EMBEDDINGS_PER_FRAME: usize = 256 << 10;
+/// The largest single embedding a frame can carry.
+const MAX_EMBEDDING_BYTES: usize = 900 << 10;
 
 /// An `assign` frame.
 #[derive(Debug)]
@@ -137,12 +141,13 @@ async fn execute(a: Assignment, ctx: &AssignCtx) {
     stream(&id, ctx, resp).await;
 }
 
-/// An embeddings answer is one JSON document: relayed as one chunk (`{"data": …}`, the
-/// engine's array as it sent it), then a `done` with its prompt tokens.
+/// An embeddings answer is one JSON document: relayed as chunks of `{"data": […]}`, each a
+/// slice of the engine's array with its items as the engine wrote them (a frame stays far
+/// below the server's limit), then a `done` with its prompt tokens.
 async fn embeddings(id: &Id, ctx: &AssignCtx, mut resp: reqwest::Response) {
     #[derive(Deserialize)]
     struct Answer {
-        data: RawJson,
+        data: Vec<RawJson>,
         #[serde(default)]
         usage: Option<EngineUsage>,
     }
@@ -166,21 +171,53 @@ async fn embeddings(id: &Id, ctx: &AssignCtx, mut resp: reqwest::Response) {
         }
     };
     let prompt = answer.usage.as_ref().map_or(0, |u| u.prompt_tokens);
-    let Some(delta) = RawJson::parse(&format!(r#"{{"data":{}}}"#, answer.data.get())) else {
-        let message = "engine sent an unreadable embeddings answer".to_owned();
+    if answer
+        .data
+        .iter()
+        .any(|item| item.get().len() > MAX_EMBEDDING_BYTES)
+    {
+        let message = "an embedding is too large to relay".to_owned();
         return ctx.finish(id, (prompt, 0), "error", Some(message)).await;
-    };
-    let chunk = NodeFrame::Chunk {
-        request_id: id.request_id.clone(),
-        attempt: id.attempt,
-        seq: 0,
-        delta: WireDelta::Object(delta),
-        logprobs: None,
-    };
-    if !ctx.send(chunk).await {
-        return ctx.finish(id, (prompt, 0), "abort", None).await;
+    }
+    let mut seq = 0;
+    for slice in slices(&answer.data, EMBEDDINGS_PER_FRAME) {
+        let items: Vec<&str> = slice.iter().map(RawJson::get).collect();
+        let Some(delta) = RawJson::parse(&format!(r#"{{"data":[{}]}}"#, items.join(","))) else {
+            let message = "engine sent an unreadable embeddings answer".to_owned();
+            return ctx.finish(id, (prompt, 0), "error", Some(message)).await;
+        };
+        let chunk = NodeFrame::Chunk {
+            request_id: id.request_id.clone(),
+            attempt: id.attempt,
+            seq,
+            delta: WireDelta::Object(delta),
+            logprobs: None,
+        };
+        seq += 1;
+        if !ctx.send(chunk).await {
+            return ctx.finish(id, (prompt, 0), "abort", None).await;
+        }
     }
     ctx.finish(id, (prompt, 0), "stop", None).await;
+}
+
+/// `items` in consecutive slices of at most `bytes` of JSON each (an item larger than that
+/// alone in its slice).
+fn slices(items: &[RawJson], bytes: usize) -> Vec<&[RawJson]> {
+    let mut out = Vec::new();
+    let (mut start, mut size) = (0, 0);
+    for (i, item) in items.iter().enumerate() {
+        let len = item.get().len() + 1;
+        if i > start && size + len > bytes {
+            out.push(&items[start..i]);
+            (start, size) = (i, 0);
+        }
+        size += len;
+    }
+    if start < items.len() {
+        out.push(&items[start..]);
+    }
+    out
 }
 
 /// Identity of the attempt, repeated in every frame.
@@ -655,6 +692,22 @@ mod tests {
             ),
             Event::Nothing
         );
+    }
+
+    #[test]
+    fn embeddings_are_sliced_in_order_under_the_frame_budget() {
+        let items: Vec<RawJson> = (0..10)
+            .map(|i| RawJson::parse(&format!("[{}]", "1,".repeat(i * 10) + "0")).unwrap())
+            .collect();
+        let parts = slices(&items, 64);
+        let flat: Vec<&RawJson> = parts.iter().flat_map(|p| p.iter()).collect();
+        assert_eq!(flat.len(), 10, "every item, once");
+        assert!(flat.iter().zip(&items).all(|(a, b)| *a == b), "in order");
+        for part in &parts {
+            let size: usize = part.iter().map(|i| i.get().len() + 1).sum();
+            assert!(part.len() == 1 || size <= 64, "{size}");
+        }
+        assert!(slices(&[], 64).is_empty());
     }
 
     #[test]

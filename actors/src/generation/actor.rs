@@ -76,6 +76,9 @@ pub struct GenerationState {
     pub(super) output: String,
     /// Reasoning and tool calls of the retained output.
     pub(super) output_extra: Assembled,
+    /// Bytes retained so far (text, reasoning, tool names and arguments), against
+    /// `MAX_RETAINED_OUTPUT`.
+    pub(super) retained_bytes: usize,
     /// The retained output reached its cap; later text is not kept.
     pub(super) output_full: bool,
     pub(super) stop: Option<Stop>,
@@ -127,6 +130,7 @@ impl Actor for GenerationActor {
             chunks: 0,
             output: String::new(),
             output_extra: Assembled::default(),
+            retained_bytes: 0,
             output_full: false,
             stop: None,
             client_gone: false,
@@ -607,7 +611,19 @@ impl GenerationState {
         }
         self.last_token_at = Some(now);
         if self.args.lifecycle.is_some() && !self.output_full {
-            if self.output.len() + delta.size() <= MAX_RETAINED_OUTPUT {
+            // What is kept: the text, reasoning and tool calls (never the logprobs).
+            let calls: usize = delta
+                .tool_calls
+                .iter()
+                .filter_map(|c| c.function.as_ref())
+                .map(|f| {
+                    f.name.as_ref().map_or(0, String::len)
+                        + f.arguments.as_ref().map_or(0, String::len)
+                })
+                .sum();
+            let adds = delta.text.len() + delta.reasoning.len() + calls;
+            if self.retained_bytes + adds <= MAX_RETAINED_OUTPUT {
+                self.retained_bytes += adds;
                 self.output.push_str(&delta.text);
                 if !delta.tool_calls.is_empty() || !delta.reasoning.is_empty() {
                     self.output_extra.push(&Piece {

@@ -134,6 +134,15 @@ async fn harness(max_waiting: usize, node_capacity: u32) -> Harness {
 }
 
 async fn connect(h: &Harness, id: &str) -> (NodeHandle, mpsc::Receiver<ServerFrame>) {
+    connect_speaking(h, id, crate::protocol::PROTOCOL_VERSION).await
+}
+
+/// A node whose agent speaks `protocol`.
+async fn connect_speaking(
+    h: &Harness,
+    id: &str,
+    protocol: u32,
+) -> (NodeHandle, mpsc::Receiver<ServerFrame>) {
     let (tx, rx) = mpsc::channel(64);
     let args = NodeArgs {
         node_id: id.into(),
@@ -148,7 +157,7 @@ async fn connect(h: &Harness, id: &str) -> (NodeHandle, mpsc::Receiver<ServerFra
         heartbeat_timeout: Duration::from_secs(15),
         clock: Arc::new(SystemClock),
         trust: crate::node::NodeTrust::default(),
-        protocol: crate::protocol::PROTOCOL_VERSION,
+        protocol,
     };
     let node = NodeActor::start(args).await.unwrap();
     tokio::time::sleep(Duration::from_millis(1)).await; // let the queue see it
@@ -212,12 +221,31 @@ async fn start_timed(
     bounds: crate::ports::UsageBounds,
     timeouts: Timeouts,
 ) -> Result<GenerationStream, crate::error::Failure> {
+    start_api(
+        h,
+        request_id,
+        lifecycle,
+        bounds,
+        timeouts,
+        crate::protocol::Api::Chat,
+    )
+    .await
+}
+
+async fn start_api(
+    h: &Harness,
+    request_id: &str,
+    lifecycle: Option<Arc<dyn crate::lifecycle::GenerationStore>>,
+    bounds: crate::ports::UsageBounds,
+    timeouts: Timeouts,
+    api: crate::protocol::Api,
+) -> Result<GenerationStream, crate::error::Failure> {
     let (tx, rx) = events::channel(StreamBound::default());
     let args = GenerationArgs {
         request_id: request_id.into(),
         model: MODEL.into(),
         body: serde_json::json!({"model": MODEL, "messages": []}),
-        api: crate::protocol::Api::Chat,
+        api,
         x_request_id: None,
         traceparent: None,
         reservation: Reservation {
@@ -725,4 +753,33 @@ async fn a_refusal_crossing_a_cancel_ends_at_once_and_spends_nothing() {
         (Status::Cancelled, MessageState::Released)
     );
     assert_eq!(h.ledger.row("r1").unwrap().status, RowStatus::Cancelled);
+}
+
+#[tokio::test]
+async fn mid_upgrade_work_only_new_agents_run_goes_to_them_and_never_holds_up_chat() {
+    use crate::protocol::Api;
+    let h = harness(8, 1).await;
+    let (_old, mut old_out) = connect_speaking(&h, "n0", 1).await;
+    let (_new, mut new_out) = connect_speaking(&h, "n1", 2).await;
+    let unbounded = crate::ports::UsageBounds::UNBOUNDED;
+    let t = Timeouts::default();
+    // A completion goes to the only node that can run it, though the other is idle too.
+    let _c0 = start_api(&h, "c0", None, unbounded, t, Api::Completions)
+        .await
+        .unwrap();
+    let (id, _) = expect_assign(&mut new_out).await;
+    assert_eq!(id, "c0");
+    // The next one waits for that node; chat behind it is not held up by it.
+    let _c1 = start_api(&h, "c1", None, unbounded, t, Api::Completions)
+        .await
+        .unwrap();
+    let _chat = start(&h, "chat1").await.unwrap();
+    let (id, _) = expect_assign(&mut old_out).await;
+    assert_eq!(id, "chat1");
+    settle_a_moment().await;
+    assert!(
+        new_out.try_recv().is_err(),
+        "c1 waits for the new node's room"
+    );
+    assert!(old_out.try_recv().is_err(), "never on the old node");
 }

@@ -312,11 +312,11 @@ impl QueueState {
             let capacity = self.args.config.node_capacity;
             let avoid = self.waiting[i].avoid.as_deref();
             let api = self.waiting[i].api;
-            // The failed node is avoided only while another routable node serves the model.
+            // The failed node is avoided only while another routable node could run it.
             let avoid = avoid.filter(|a| {
                 self.nodes
                     .iter()
-                    .any(|(id, n)| id.as_str() != *a && n.routable())
+                    .any(|(id, n)| id.as_str() != *a && n.routable() && n.handle.speaks(api))
             });
             let candidates: Vec<NodeView<'_>> = self
                 .nodes
@@ -341,7 +341,10 @@ impl QueueState {
                 .routing
                 .choose(&candidates, &mut self.cursor)
             else {
-                if avoid.is_some() {
+                // Passed over while its only nodes are busy: a retry avoiding its failed node,
+                // or an API only some agents run (mid-upgrade), must not hold up the
+                // generations behind it that other nodes can take.
+                if avoid.is_some() || api != Api::Chat {
                     i += 1;
                     continue;
                 }
