@@ -179,8 +179,7 @@ async fn embeddings(id: &Id, ctx: &AssignCtx, mut resp: reqwest::Response) {
         let message = "an embedding is too large to relay".to_owned();
         return ctx.finish(id, (prompt, 0), "error", Some(message)).await;
     }
-    let mut seq = 0;
-    for slice in slices(&answer.data, EMBEDDINGS_PER_FRAME) {
+    for (seq, slice) in (0u64..).zip(slices(&answer.data, EMBEDDINGS_PER_FRAME)) {
         let items: Vec<&str> = slice.iter().map(RawJson::get).collect();
         let Some(delta) = RawJson::parse(&format!(r#"{{"data":[{}]}}"#, items.join(","))) else {
             let message = "engine sent an unreadable embeddings answer".to_owned();
@@ -193,7 +192,6 @@ async fn embeddings(id: &Id, ctx: &AssignCtx, mut resp: reqwest::Response) {
             delta: WireDelta::Object(delta),
             logprobs: None,
         };
-        seq += 1;
         if !ctx.send(chunk).await {
             return ctx.finish(id, (prompt, 0), "abort", None).await;
         }
