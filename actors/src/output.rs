@@ -202,6 +202,11 @@ impl Piece {
             WireDelta::Object(raw) => raw,
         };
         let fields: Fields = serde_json::from_str(raw.get()).map_err(|_| BadDelta::Shape)?;
+        // A line break can only be whitespace between tokens here (inside a JSON string it is
+        // escaped), but copied into an SSE `data:` field it would split the event over several
+        // lines: it becomes a space.
+        let raw = one_line(raw);
+        let logprobs = logprobs.map(one_line);
         let tool_calls = fields.tool_calls.unwrap_or_default();
         if tool_calls.iter().any(|c| c.index >= MAX_TOOL_CALLS) {
             return Err(BadDelta::ToolIndex);
@@ -227,6 +232,15 @@ impl Piece {
             None => self.text.len(),
         }
     }
+}
+
+/// `raw` with every CR and LF (whitespace between tokens) turned into a space.
+fn one_line(raw: RawJson) -> RawJson {
+    if !raw.get().contains(['\n', '\r']) {
+        return raw;
+    }
+    let flat = raw.get().replace(['\n', '\r'], " ");
+    RawJson::parse(&flat).unwrap_or(raw)
 }
 
 impl From<String> for Piece {
@@ -462,6 +476,19 @@ mod tests {
             Piece::from_wire(wire("{}"), RawJson::parse("[1]")),
             Err(BadDelta::Logprobs)
         );
+    }
+
+    #[test]
+    fn line_breaks_between_tokens_never_reach_an_sse_line() {
+        let p = Piece::from_wire(
+            wire("{\r\n  \"content\": \"a\\nb\"\n}"),
+            RawJson::parse("{\n\"content\": []}"),
+        )
+        .unwrap();
+        let raw = p.raw.unwrap();
+        assert!(!raw.get().contains(['\n', '\r']), "{}", raw.get());
+        assert_eq!(p.text, "a\nb", "the text keeps its own line break");
+        assert!(!p.logprobs.unwrap().get().contains('\n'));
     }
 
     #[test]
