@@ -21,7 +21,7 @@ fn long_chat(max_tokens: u32) -> Value {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_client_that_drops_mid_stream_frees_the_engine_within_3_s_and_settles_partial_tokens() {
+async fn a_client_that_drops_mid_stream_frees_the_engine_at_once_and_settles_partial_tokens() {
     let fleet = fleet(&[("small", 1)], 1.0, |_| {}).await;
     let resp = post_chat(&fleet, &long_chat(2000)).await;
     let mut body = resp.bytes_stream();
@@ -42,9 +42,11 @@ async fn a_client_that_drops_mid_stream_frees_the_engine_within_3_s_and_settles_
         || async { sim.stats().running == 0 },
     )
     .await;
+    // Nobody can come back to a chat completion without Idempotency-Key: no grace (2 s).
     assert!(
-        dropped.elapsed() >= Duration::from_millis(1900),
-        "the 2 s grace was honoured"
+        dropped.elapsed() < Duration::from_millis(1500),
+        "stopped without waiting out the grace: {:?}",
+        dropped.elapsed()
     );
     let row = settled_row(&fleet.store, &request_id).await;
     let generated = sim.stats().generation_tokens as i64;

@@ -390,6 +390,13 @@ impl GenerationState {
                 self.stop = Some(Stop::Cancelled);
                 self.end_cancelled_without_work(myself).await;
             }
+            // Nobody can come back to a generation without a record (a chat completion
+            // without Idempotency-Key): every token from now on would be billed for nothing, so
+            // the node stops at once. One with a record may finish within the grace, and its
+            // answer is kept for the client's retry.
+            Phase::Running { .. } if self.args.lifecycle.is_none() => {
+                self.timer(myself, Timer::CancelGrace).await;
+            }
             Phase::Running { .. } => {
                 let grace = self.args.timeouts.cancel_grace;
                 self.arm(myself, grace, Timer::CancelGrace);

@@ -350,11 +350,32 @@ async fn a_request_streams_settles_once_and_acks() {
 }
 
 #[tokio::test(start_paused = true)]
-async fn a_client_that_leaves_is_cancelled_on_the_node_after_the_grace_and_settled_for_what_it_got()
-{
+async fn a_client_that_nobody_can_follow_is_cancelled_on_the_node_at_once() {
     let h = harness(8, 4).await;
     let (node, mut out) = connect(&h, "n1").await;
     let mut stream = start(&h, "r1").await.unwrap();
+    expect_assign(&mut out).await;
+    node.deliver(chunk("r1", 1, 0, "a"));
+    assert_eq!(stream.next().await, Some(GenEvent::Delta("a".into())));
+    drop(stream);
+    let asked = tokio::time::timeout(Duration::from_millis(50), out.recv()).await;
+    assert!(
+        matches!(asked, Ok(Some(ServerFrame::Cancel { attempt: 1, .. }))),
+        "cancelled without a grace: {asked:?}"
+    );
+    node.deliver(done("r1", 1, 12, 1, "abort"));
+    assert!(matches!(out.recv().await, Some(ServerFrame::Ack { .. })));
+    let row = h.ledger.row("r1").unwrap();
+    assert_eq!((row.status, row.completion_tokens), (RowStatus::Settled, 1));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_recorded_client_that_leaves_is_cancelled_on_the_node_after_the_grace_and_settled_for_what_it_got()
+ {
+    let h = harness(8, 4).await;
+    let (node, mut out) = connect(&h, "n1").await;
+    let store = Arc::new(crate::lifecycle::memory::MemoryGenerations::default());
+    let mut stream = start_recorded(&h, "r1", &store).await;
     expect_assign(&mut out).await;
     node.deliver(chunk("r1", 1, 0, "a"));
     assert_eq!(stream.next().await, Some(GenEvent::Delta("a".into())));
