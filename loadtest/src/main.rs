@@ -8,7 +8,9 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::{Args, Parser, Subcommand};
-use switchyard_loadtest::{Limit, ModelWeight, RunConfig, parse_duration, parse_mix};
+use switchyard_loadtest::{
+    CompareConfig, Limit, ModelWeight, Role, RunConfig, parse_duration, parse_mix,
+};
 
 #[derive(Debug, Parser)]
 #[command(
@@ -25,6 +27,119 @@ struct Cli {
 enum Command {
     /// N closed-loop workers sending streaming chat completions.
     Run(RunArgs),
+    /// The same load directly against an engine and through the gateway, alternating.
+    Compare(CompareArgs),
+}
+
+#[derive(Debug, Args)]
+struct CompareArgs {
+    /// The engine's OpenAI base URL, e.g. http://127.0.0.1:8000/v1.
+    #[arg(long)]
+    direct_url: String,
+    /// Bearer key for the engine, if it wants one.
+    #[arg(long)]
+    direct_key: Option<String>,
+    /// Model name at the engine.
+    #[arg(long)]
+    direct_model: String,
+    /// The gateway's OpenAI base URL, e.g. http://127.0.0.1:8080/v1.
+    #[arg(long)]
+    gateway_url: String,
+    /// Bearer key for the gateway.
+    #[arg(long, env = "SWITCHYARD_API_KEY", hide_env_values = true)]
+    gateway_key: Option<String>,
+    /// Model name at the gateway.
+    #[arg(long)]
+    gateway_model: String,
+    /// Rounds; each runs one phase per side (direct first in even rounds, gateway first in odd).
+    #[arg(long, default_value_t = 4)]
+    rounds: u32,
+    /// Concurrent workers in every phase.
+    #[arg(long)]
+    streams: usize,
+    /// Length of every phase (90s, 2m, 500ms). Default 30s.
+    #[arg(long, value_parser = parse_duration, conflicts_with = "requests")]
+    duration: Option<Duration>,
+    /// Requests of every phase.
+    #[arg(long)]
+    requests: Option<u64>,
+    /// Target prompt size in tokens (calibrated once per side).
+    #[arg(long)]
+    prompt_tokens: u32,
+    /// max_tokens of every request.
+    #[arg(long)]
+    max_tokens: u32,
+    /// Both targets run F times faster than real; figures are converted back.
+    #[arg(long, default_value_t = 1.0)]
+    time_scale: f64,
+    /// Per-request deadline, send to end of stream.
+    #[arg(long, value_parser = parse_duration, default_value = "300s")]
+    timeout: Duration,
+    /// Skip calibration probes and assume this many prompt tokens per word.
+    #[arg(long)]
+    tokens_per_word: Option<f64>,
+    /// Pid of `switchyard serve`, for its CPU per relayed token.
+    #[arg(long)]
+    gateway_pid: Option<u32>,
+    /// Pid of `switchyard node`, for its CPU per relayed token.
+    #[arg(long)]
+    agent_pid: Option<u32>,
+    /// Pid of the engine, for its CPU per token on each side.
+    #[arg(long)]
+    engine_pid: Option<u32>,
+    /// Write the compare report as JSON here.
+    #[arg(long)]
+    json: Option<PathBuf>,
+    /// Do not draw the progress bar.
+    #[arg(long)]
+    no_progress: bool,
+}
+
+impl CompareArgs {
+    fn into_config(self) -> CompareConfig {
+        let limit = match (self.requests, self.duration) {
+            (Some(n), _) => Limit::Requests(n),
+            (None, Some(d)) => Limit::Duration(d),
+            (None, None) => Limit::Duration(Duration::from_secs(30)),
+        };
+        let side = |url: String, key: Option<String>, model: String| {
+            let mut cfg = RunConfig::new(url, model);
+            cfg.api_key = key.filter(|k| !k.is_empty());
+            cfg.streams = self.streams;
+            cfg.limit = limit;
+            cfg.prompt_tokens = self.prompt_tokens;
+            cfg.max_tokens = self.max_tokens;
+            cfg.time_scale = self.time_scale;
+            cfg.timeout = self.timeout;
+            cfg.tokens_per_word = self.tokens_per_word;
+            cfg.progress = !self.no_progress;
+            cfg
+        };
+        let direct = side(
+            self.direct_url.clone(),
+            self.direct_key.clone(),
+            self.direct_model.clone(),
+        );
+        let gateway = side(
+            self.gateway_url.clone(),
+            self.gateway_key.clone(),
+            self.gateway_model.clone(),
+        );
+        let pids = [
+            (Role::Gateway, self.gateway_pid),
+            (Role::Agent, self.agent_pid),
+            (Role::Engine, self.engine_pid),
+        ]
+        .into_iter()
+        .filter_map(|(role, pid)| pid.map(|p| (role, p)))
+        .collect();
+        CompareConfig {
+            direct,
+            gateway,
+            rounds: self.rounds,
+            pids,
+        }
+    }
 }
 
 #[derive(Debug, Args)]
@@ -136,6 +251,18 @@ async fn execute(cli: Cli) -> anyhow::Result<()> {
             report.print(&mut stdout)?;
             stdout.flush()?;
         }
+        Command::Compare(args) => {
+            let out = args.json.clone();
+            let report = switchyard_loadtest::compare(args.into_config()).await?;
+            if let Some(path) = out {
+                let json = serde_json::to_vec_pretty(&report).context("serializing report")?;
+                std::fs::write(&path, json)
+                    .with_context(|| format!("writing {}", path.display()))?;
+            }
+            let mut stdout = std::io::stdout().lock();
+            report.print(&mut stdout)?;
+            stdout.flush()?;
+        }
     }
     Ok(())
 }
@@ -149,8 +276,10 @@ mod tests {
     fn parse(args: &[&str]) -> Result<RunConfig, clap::Error> {
         let base = ["switchyard-loadtest", "run", "--url", "http://h:1/v1"];
         let cli = Cli::try_parse_from(base.iter().chain(args))?;
-        let Command::Run(a) = cli.command;
-        Ok(a.into_config())
+        match cli.command {
+            Command::Run(a) => Ok(a.into_config()),
+            Command::Compare(_) => panic!("not a run"),
+        }
     }
 
     #[test]

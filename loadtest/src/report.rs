@@ -115,6 +115,8 @@ pub struct Percentiles {
     pub p5: f64,
     /// Median.
     pub p50: f64,
+    /// 90th percentile.
+    pub p90: f64,
     /// 95th percentile.
     pub p95: f64,
     /// 99th percentile.
@@ -154,6 +156,7 @@ impl Percentiles {
             min: min as f64 / unit,
             p5: q(0.05),
             p50: q(0.50),
+            p90: q(0.90),
             p95: q(0.95),
             p99: q(0.99),
             max: max as f64 / unit,
@@ -167,6 +170,7 @@ impl Percentiles {
             min: self.min * factor,
             p5: self.p5 * factor,
             p50: self.p50 * factor,
+            p90: self.p90 * factor,
             p95: self.p95 * factor,
             p99: self.p99 * factor,
             max: self.max * factor,

@@ -34,26 +34,48 @@ struct Shared {
 /// report. Fails only before the load starts (bad config, client setup, a
 /// failed calibration probe); every per-request failure is an outcome.
 pub async fn run(cfg: RunConfig) -> anyhow::Result<Report> {
+    let calibration = calibrate_models(&cfg).await?;
+    run_calibrated(cfg, calibration).await
+}
+
+/// Sizes the prompt of every model that gets workers (the two probes each,
+/// or `tokens_per_word` when given). `compare` calls it once per side so the
+/// probes stay out of its measured phases.
+pub async fn calibrate_models(cfg: &RunConfig) -> anyhow::Result<Vec<Calibration>> {
     cfg.validate()?;
+    let target = make_target(cfg)?;
+    let workers = assign_workers(&cfg.models, cfg.streams);
+    let mut calibration = Vec::new();
+    for (m, &n) in cfg.models.iter().zip(&workers) {
+        if n > 0 {
+            calibration.push(calibrate(&target, cfg, &m.name).await?);
+        }
+    }
+    Ok(calibration)
+}
+
+fn make_target(cfg: &RunConfig) -> anyhow::Result<Target> {
     let client = reqwest::Client::builder()
         .tcp_nodelay(true)
         .pool_max_idle_per_host(cfg.streams + 8)
         .build()
         .context("building the HTTP client")?;
-    let target = Target {
+    Ok(Target {
         client,
         endpoint: cfg.endpoint(),
         auth: cfg.api_key.as_ref().map(|k| format!("Bearer {k}")),
         idempotency_keys: cfg.idempotency_keys,
-    };
-    let workers = assign_workers(&cfg.models, cfg.streams);
+    })
+}
 
-    let mut calibration = Vec::new();
-    for (m, &n) in cfg.models.iter().zip(&workers) {
-        if n > 0 {
-            calibration.push(calibrate(&target, &cfg, &m.name).await?);
-        }
-    }
+/// [`run`] with the prompt sizing already done by [`calibrate_models`].
+pub async fn run_calibrated(
+    cfg: RunConfig,
+    calibration: Vec<Calibration>,
+) -> anyhow::Result<Report> {
+    cfg.validate()?;
+    let target = make_target(&cfg)?;
+    let workers = assign_workers(&cfg.models, cfg.streams);
 
     let start = Instant::now();
     let (deadline, max_requests) = match cfg.limit {
