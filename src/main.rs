@@ -13,7 +13,7 @@ use switchyard::coord::{Coordinator, RedisCoordinator, RedisCoordinatorOptions};
 use switchyard::demo::{self, Fleet, FleetConfig};
 use switchyard::node_agent::{self, AgentConfig};
 use switchyard::server::Server;
-use switchyard::sim::{ExitMode, FaultSpec, Profile, SimConfig, SimServer};
+use switchyard::sim::{ExitMode, FaultSpec, Profile, ProfileArg, SimConfig, SimServer, Timing};
 use switchyard::{coord, store};
 use switchyard_actors::protocol::Location;
 use tokio_util::sync::CancellationToken;
@@ -101,9 +101,16 @@ struct SimArgs {
     /// Model name served, exactly as the server knows it.
     #[arg(long)]
     model: String,
-    /// Model size and hardware: 8b (1x L40S), 32b (2x L40S), 70b FP8 (4x L40S).
+    /// Model size and hardware: 8b (1x L40S), 32b (2x L40S), 70b FP8 (4x L40S); or `fixed`:
+    /// no batching model, first token after --ttft-ms, then one every --itl-ms, per stream.
     #[arg(long, default_value = "8b")]
-    profile: Profile,
+    profile: ProfileArg,
+    /// With --profile fixed: time to first token, engine milliseconds [default: 50].
+    #[arg(long)]
+    ttft_ms: Option<u64>,
+    /// With --profile fixed: time between tokens, engine milliseconds [default: 20].
+    #[arg(long)]
+    itl_ms: Option<u64>,
     /// Divide every delay by this factor (tests run at 10-100).
     #[arg(long, default_value_t = 1.0)]
     time_scale: f64,
@@ -152,10 +159,32 @@ struct SimArgs {
 }
 
 impl SimArgs {
-    fn config(&self) -> SimConfig {
-        SimConfig {
+    fn config(&self) -> Result<SimConfig, clap::Error> {
+        let (profile, timing) = match self.profile {
+            ProfileArg::Fixed => (
+                Profile::default(),
+                Timing::fixed_ms(
+                    self.ttft_ms.unwrap_or(Timing::FIXED_TTFT_MS),
+                    self.itl_ms.unwrap_or(Timing::FIXED_ITL_MS),
+                ),
+            ),
+            ProfileArg::Modeled(profile) => {
+                if self.ttft_ms.is_some() || self.itl_ms.is_some() {
+                    return Err(clap::Error::raw(
+                        clap::error::ErrorKind::ArgumentConflict,
+                        format!(
+                            "--ttft-ms and --itl-ms need --profile fixed (profile {profile} \
+                             times tokens from its batching model)\n"
+                        ),
+                    ));
+                }
+                (profile, Timing::Modeled)
+            }
+        };
+        Ok(SimConfig {
             model: self.model.clone(),
-            profile: self.profile,
+            profile,
+            timing,
             time_scale: self.time_scale,
             max_num_seqs: self.max_num_seqs,
             max_model_len: self.max_model_len,
@@ -174,7 +203,7 @@ impl SimArgs {
             exit_mode: ExitMode::Process,
             embedding_model: self.embedding_model.clone(),
             enable_prompt_tokens_details: self.enable_prompt_tokens_details,
-        }
+        })
     }
 }
 
@@ -271,7 +300,11 @@ async fn node(args: NodeArgs) -> anyhow::Result<()> {
 }
 
 async fn sim(args: SimArgs) -> anyhow::Result<()> {
-    let server = SimServer::bind(args.config(), args.listen)
+    let config = match args.config() {
+        Ok(config) => config,
+        Err(e) => e.exit(),
+    };
+    let server = SimServer::bind(config, args.listen)
         .await
         .with_context(|| format!("binding {}", args.listen))?;
     tokio::select! {

@@ -6,6 +6,8 @@
 //! growing sequence finds no free block, the most recently admitted one is preempted and will
 //! be recomputed, as vLLM does. A sequence whose receiver is gone (client left) is freed at the
 //! next step.
+//!
+//! With [`Timing::Fixed`] none of that runs: each sequence gets its own timer (see [`fixed`]).
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -16,7 +18,7 @@ use tokio::time::Instant;
 
 use super::SimError;
 use super::metrics::{EngineStats, FinishedReason};
-use super::profile::ProfileSpec;
+use super::profile::{ProfileSpec, Timing};
 use super::tokenizer::{Generator, Stop, TokenLogprobs};
 
 /// Bounds on how far behind schedule the engine may run before it re-anchors to now instead
@@ -31,6 +33,8 @@ const IDLE_TICK: Duration = Duration::from_millis(50);
 pub struct EngineConfig {
     /// The replica's physics.
     pub spec: ProfileSpec,
+    /// Modeled by `spec`, or fixed per stream.
+    pub timing: Timing,
     /// Most sequences in a batch (`--max-num-seqs`).
     pub max_num_seqs: usize,
     /// Token budget of one step, decode and prefill together (`--max-num-batched-tokens`).
@@ -106,6 +110,8 @@ enum Command {
 pub struct EngineHandle {
     tx: mpsc::UnboundedSender<Command>,
     stats: Arc<Mutex<EngineStats>>,
+    /// Set with fixed timing: sequences are timed by their own tasks, not the loop.
+    fixed: Option<Arc<fixed::FixedEngine>>,
 }
 
 impl EngineHandle {
@@ -113,6 +119,21 @@ impl EngineHandle {
     pub fn spawn(cfg: EngineConfig) -> (Self, tokio::task::JoinHandle<()>) {
         let (tx, rx) = mpsc::unbounded_channel();
         let stats = Arc::new(Mutex::new(EngineStats::new(cfg.num_blocks)));
+        if let Timing::Fixed { ttft, itl } = cfg.timing {
+            let fixed = fixed::FixedEngine::new(
+                ttft.div_f64(cfg.time_scale),
+                itl.div_f64(cfg.time_scale),
+                cfg.max_model_len,
+                stats.clone(),
+            );
+            // The loop only keeps the channel's receiver alive: nothing is sent on it.
+            let task = tokio::spawn(async move {
+                let mut rx = rx;
+                while rx.recv().await.is_some() {}
+            });
+            let fixed = Some(Arc::new(fixed));
+            return (Self { tx, stats, fixed }, task);
+        }
         let engine = Engine {
             free_blocks: cfg.num_blocks,
             cfg,
@@ -122,7 +143,14 @@ impl EngineHandle {
             stats: stats.clone(),
         };
         let task = tokio::spawn(engine.run(rx));
-        (Self { tx, stats }, task)
+        (
+            Self {
+                tx,
+                stats,
+                fixed: None,
+            },
+            task,
+        )
     }
 
     /// Queues a request; its events arrive on the returned receiver. Dropping the receiver
@@ -146,6 +174,10 @@ impl EngineHandle {
             stalled: false,
             prompt_counted: false,
         };
+        if let Some(fixed) = &self.fixed {
+            fixed.start(seq);
+            return Ok(rx);
+        }
         self.tx
             .send(Command::Add(Box::new(seq)))
             .map_err(|_| SimError::EngineStopped)?;
@@ -154,6 +186,10 @@ impl EngineHandle {
 
     /// Kills every sequence as a crashing engine would.
     pub fn crash_all(&self) {
+        if let Some(fixed) = &self.fixed {
+            fixed.crash_all();
+            return;
+        }
         let _ = self.tx.send(Command::CrashAll);
     }
 
@@ -453,79 +489,7 @@ impl Engine {
     }
 
     fn produce_token(&mut self, i: usize, now: Instant, stats: &mut EngineStats) -> bool {
-        let max_model_len = self.cfg.max_model_len;
-        let seq = &mut self.running[i];
-        if seq.params.crash_after.is_some_and(|n| seq.generated >= n) {
-            let _ = seq.events.send(SeqEvent::Crashed);
-            return true;
-        }
-        if seq.params.stall_after.is_some_and(|n| seq.generated >= n) {
-            seq.stalled = true;
-            return false;
-        }
-        let eos = seq.params.eos_at == Some(seq.generated + 1);
-        let (mut delta, stop) = if eos {
-            // The end-of-sequence token has no text; what was held back goes out with it.
-            seq.params.generator.emit_eos();
-            (seq.params.generator.flush(), None)
-        } else {
-            seq.params.generator.next_token()
-        };
-        let logprobs = seq.params.generator.take_logprobs();
-        seq.generated += 1;
-        stats.generation_tokens += 1;
-        if seq.generated == 1 {
-            stats
-                .ttft
-                .observe(now.duration_since(seq.arrived).as_secs_f64());
-            let queued = seq
-                .scheduled_at
-                .map_or(Duration::ZERO, |t| t.duration_since(seq.arrived));
-            stats.queue_time.observe(queued.as_secs_f64());
-        } else if let Some(last) = seq.last_token_at {
-            stats.itl.observe(now.duration_since(last).as_secs_f64());
-        }
-        seq.last_token_at = Some(now);
-        let reason = match &stop {
-            Some(Stop::String(_)) => Some(FinishedReason::Stop),
-            None if eos => Some(FinishedReason::Stop),
-            None if seq.generated >= seq.params.max_tokens || seq.context() >= max_model_len => {
-                delta.push_str(&seq.params.generator.flush());
-                Some(FinishedReason::Length)
-            }
-            None => None,
-        };
-        let finish = reason.map(|reason| Finish {
-            reason,
-            stop: stop.map(|Stop::String(s)| s),
-            prompt_tokens: seq.params.prompt_tokens,
-            completion_tokens: seq.generated,
-        });
-        let over = finish.is_some();
-        if let Some(f) = &finish {
-            stats.finished(f.reason);
-            stats
-                .e2e
-                .observe(now.duration_since(seq.arrived).as_secs_f64());
-            stats
-                .request_prompt_tokens
-                .observe(f64::from(f.prompt_tokens));
-            stats
-                .request_generation_tokens
-                .observe(f64::from(f.completion_tokens));
-        }
-        // A failed send means the client left: the sequence is aborted like in vLLM, which
-        // does not count aborts as successes.
-        let generated = seq.generated;
-        seq.events
-            .send(SeqEvent::Token {
-                delta,
-                generated,
-                finish,
-                logprobs,
-            })
-            .is_err()
-            || over
+        emit_token(&mut self.running[i], self.cfg.max_model_len, now, stats)
     }
 
     fn publish_gauges(&self) {
@@ -541,5 +505,82 @@ impl Engine {
     }
 }
 
+/// Emits `seq`'s next token at `now` and records it; true when the sequence is over (it
+/// finished, crashed by fault, or its client left). A stall fault sets `seq.stalled` instead.
+fn emit_token(seq: &mut Seq, max_model_len: u32, now: Instant, stats: &mut EngineStats) -> bool {
+    if seq.params.crash_after.is_some_and(|n| seq.generated >= n) {
+        let _ = seq.events.send(SeqEvent::Crashed);
+        return true;
+    }
+    if seq.params.stall_after.is_some_and(|n| seq.generated >= n) {
+        seq.stalled = true;
+        return false;
+    }
+    let eos = seq.params.eos_at == Some(seq.generated + 1);
+    let (mut delta, stop) = if eos {
+        // The end-of-sequence token has no text; what was held back goes out with it.
+        seq.params.generator.emit_eos();
+        (seq.params.generator.flush(), None)
+    } else {
+        seq.params.generator.next_token()
+    };
+    let logprobs = seq.params.generator.take_logprobs();
+    seq.generated += 1;
+    stats.generation_tokens += 1;
+    if seq.generated == 1 {
+        stats
+            .ttft
+            .observe(now.duration_since(seq.arrived).as_secs_f64());
+        let queued = seq
+            .scheduled_at
+            .map_or(Duration::ZERO, |t| t.duration_since(seq.arrived));
+        stats.queue_time.observe(queued.as_secs_f64());
+    } else if let Some(last) = seq.last_token_at {
+        stats.itl.observe(now.duration_since(last).as_secs_f64());
+    }
+    seq.last_token_at = Some(now);
+    let reason = match &stop {
+        Some(Stop::String(_)) => Some(FinishedReason::Stop),
+        None if eos => Some(FinishedReason::Stop),
+        None if seq.generated >= seq.params.max_tokens || seq.context() >= max_model_len => {
+            delta.push_str(&seq.params.generator.flush());
+            Some(FinishedReason::Length)
+        }
+        None => None,
+    };
+    let finish = reason.map(|reason| Finish {
+        reason,
+        stop: stop.map(|Stop::String(s)| s),
+        prompt_tokens: seq.params.prompt_tokens,
+        completion_tokens: seq.generated,
+    });
+    let over = finish.is_some();
+    if let Some(f) = &finish {
+        stats.finished(f.reason);
+        stats
+            .e2e
+            .observe(now.duration_since(seq.arrived).as_secs_f64());
+        stats
+            .request_prompt_tokens
+            .observe(f64::from(f.prompt_tokens));
+        stats
+            .request_generation_tokens
+            .observe(f64::from(f.completion_tokens));
+    }
+    // A failed send means the client left: the sequence is aborted like in vLLM, which
+    // does not count aborts as successes.
+    let generated = seq.generated;
+    seq.events
+        .send(SeqEvent::Token {
+            delta,
+            generated,
+            finish,
+            logprobs,
+        })
+        .is_err()
+        || over
+}
+
+mod fixed;
 #[cfg(test)]
 mod tests;

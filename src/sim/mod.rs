@@ -30,7 +30,7 @@ use tokio_util::sync::CancellationToken;
 pub use engine::EngineConfig;
 pub use faults::FaultSpec;
 pub use metrics::EngineStats;
-pub use profile::{Profile, ProfileSpec};
+pub use profile::{Profile, ProfileArg, ProfileSpec, Timing};
 pub use tokenizer::{ChatMessage, SimTokenizer};
 
 /// Tokens per KV block, as vLLM's default on GPUs.
@@ -40,6 +40,7 @@ const MIN_TIME_SCALE: f64 = 0.001;
 const MAX_TIME_SCALE: f64 = 10_000.0;
 const MAX_MODEL_LEN: u32 = 1 << 24;
 const MAX_BLOCKS: u64 = 1 << 32;
+const MAX_FIXED_DELAY: std::time::Duration = std::time::Duration::from_secs(3600);
 
 /// Failures of the simulator.
 #[derive(Debug, thiserror::Error)]
@@ -78,6 +79,9 @@ pub struct SimConfig {
     pub model: String,
     /// Model size and hardware.
     pub profile: Profile,
+    /// Modeled by the profile (batching, KV cache) or fixed (`--profile fixed`); with fixed
+    /// timing the profile only sizes the nominal KV cache and the default context limit.
+    pub timing: Timing,
     /// Every delay is divided by this (tests run at 10–100).
     pub time_scale: f64,
     /// `--max-num-seqs`: most sequences in a batch.
@@ -109,6 +113,7 @@ impl Default for SimConfig {
         Self {
             model: "llama-3.1-8b-instruct".into(),
             profile: Profile::B8,
+            timing: Timing::Modeled,
             time_scale: 1.0,
             max_num_seqs: 256,
             max_model_len: None,
@@ -163,8 +168,16 @@ impl SimConfig {
                 "max_model_len {max_model_len} is larger than the KV cache ({kv_tokens} tokens)"
             )));
         }
+        if let Timing::Fixed { ttft, itl } = self.timing
+            && (ttft > MAX_FIXED_DELAY || itl > MAX_FIXED_DELAY)
+        {
+            return Err(SimError::Config(
+                "--ttft-ms and --itl-ms must be at most one hour".into(),
+            ));
+        }
         Ok(EngineConfig {
             spec,
+            timing: self.timing,
             max_num_seqs: self.max_num_seqs,
             max_num_batched_tokens: self.max_num_batched_tokens,
             num_blocks,
@@ -256,7 +269,14 @@ impl SimServer {
                 tracing::error!(error = %e, "simulator server failed");
             }
         });
-        tracing::info!(%addr, model = %config.model, profile = %config.profile, "simulator listening");
+        match config.timing {
+            Timing::Modeled => {
+                tracing::info!(%addr, model = %config.model, profile = %config.profile, "simulator listening");
+            }
+            Timing::Fixed { ttft, itl } => {
+                tracing::info!(%addr, model = %config.model, profile = "fixed", ?ttft, ?itl, "simulator listening");
+            }
+        }
         Ok(Self {
             addr,
             state,

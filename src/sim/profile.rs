@@ -100,6 +100,69 @@ impl fmt::Display for Profile {
     }
 }
 
+/// Where the engine's timing comes from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Timing {
+    /// Continuous batching over a paged KV cache, timed by the [`Profile`]'s physics.
+    #[default]
+    Modeled,
+    /// `--profile fixed`: no batching or KV model; every stream's first token comes exactly
+    /// `ttft` after it arrives, then one token every `itl`, however many streams run. Both are
+    /// engine time (divided by the time scale). For benchmarks of the gateway's own overhead.
+    Fixed {
+        /// Time to first token.
+        ttft: Duration,
+        /// Time between two tokens.
+        itl: Duration,
+    },
+}
+
+impl Timing {
+    /// Default time to first token of `--profile fixed`, in milliseconds.
+    pub const FIXED_TTFT_MS: u64 = 50;
+    /// Default inter-token latency of `--profile fixed`, in milliseconds.
+    pub const FIXED_ITL_MS: u64 = 20;
+
+    /// Fixed timing from milliseconds.
+    pub fn fixed_ms(ttft_ms: u64, itl_ms: u64) -> Self {
+        Timing::Fixed {
+            ttft: Duration::from_millis(ttft_ms),
+            itl: Duration::from_millis(itl_ms),
+        }
+    }
+}
+
+/// What `--profile` names: a modeled replica (`8b`, `32b`, `70b`) or `fixed` timing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ProfileArg {
+    /// A modeled replica.
+    Modeled(Profile),
+    /// Fixed timing (`--ttft-ms`, `--itl-ms`).
+    Fixed,
+}
+
+impl FromStr for ProfileArg {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "fixed" => Ok(ProfileArg::Fixed),
+            other => other
+                .parse()
+                .map(ProfileArg::Modeled)
+                .map_err(|_| format!("unknown profile `{other}` (expected 8b, 32b, 70b or fixed)")),
+        }
+    }
+}
+
+impl fmt::Display for ProfileArg {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ProfileArg::Modeled(p) => p.fmt(f),
+            ProfileArg::Fixed => f.write_str("fixed"),
+        }
+    }
+}
+
 /// One model replica's physics.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ProfileSpec {
@@ -226,5 +289,12 @@ mod tests {
             assert_eq!(p.to_string().parse::<Profile>(), Ok(p));
         }
         assert!("9b".parse::<Profile>().is_err());
+        assert_eq!("fixed".parse::<ProfileArg>(), Ok(ProfileArg::Fixed));
+        assert_eq!(
+            "70b".parse::<ProfileArg>(),
+            Ok(ProfileArg::Modeled(Profile::B70))
+        );
+        assert!("fixed".parse::<Profile>().is_err());
+        assert!("9b".parse::<ProfileArg>().is_err());
     }
 }

@@ -20,6 +20,7 @@ fn config(profile: Profile) -> EngineConfig {
         num_blocks: spec.num_gpu_blocks(0.9, BLOCK_SIZE),
         max_model_len: spec.max_model_len,
         spec,
+        timing: Timing::Modeled,
         max_num_seqs: 256,
         max_num_batched_tokens: 2048,
         block_size: BLOCK_SIZE,
