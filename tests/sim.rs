@@ -9,6 +9,8 @@ mod common;
 mod calibration;
 #[path = "sim/faults.rs"]
 mod faults;
+#[path = "sim/fixed.rs"]
+mod fixed;
 #[path = "sim/openai_extras.rs"]
 mod openai_extras;
 #[path = "sim/sdk.rs"]
