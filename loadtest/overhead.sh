@@ -6,7 +6,7 @@
 # through the gateway, alternating, at each concurrency in STREAMS, and writes one JSON per
 # concurrency to $WORK plus its table on stdout.
 #
-#   cargo build --release --bins && loadtest/overhead.sh
+#   cargo build --release --bins --workspace && loadtest/overhead.sh
 #
 # Env: BIN_DIR (target/release), STREAMS ("1 50 200"), DURATION (15s per phase), ROUNDS (2),
 # DATABASE (postgres://postgres@127.0.0.1:5432/postgres: a database `sybench_<random>` is made
@@ -63,7 +63,7 @@ json() { python3 -c "import json,sys; print(json.load(sys.stdin)[\"$1\"])"; }
 team=$(adm POST /admin/teams '{"name":"bench"}' | json id)
 adm POST /admin/credits "{\"team\":$team,\"amount\":1000000000000000}" >/dev/null
 # Every key limit set, so every admission runs every check.
-KEY=$(adm POST /admin/keys "{\"team\":$team,\"rpm\":10000000,\"tokens_per_day\":1000000000000,\"max_streams\":100000}" | json key)
+KEY=$(adm POST /admin/keys "{\"team\":$team,\"rpm\":1000000,\"tokens_per_day\":1000000000000,\"max_streams\":100000}" | json key)
 NODE_TOKEN=$(adm POST /admin/nodes '{"node_id":"bench-1","location":"cloud"}' | json token)
 SWITCHYARD_NODE_TOKEN=$NODE_TOKEN "$SY" node --server "$GW" --node-id bench-1 \
   --engine "http://127.0.0.1:$ENGINE_PORT" --location cloud > "$WORK/node.log" 2>&1 &
