@@ -58,18 +58,7 @@ fn parse_prompt(prompt: Value, vocab: u32) -> Result<Prompt, ApiError> {
             Some("prompt"),
         )
     };
-    let ids = |items: &[Value]| -> Result<Vec<u32>, ApiError> {
-        items
-            .iter()
-            .map(|v| match v.as_u64() {
-                Some(id) if id < u64::from(vocab) => Ok(id as u32),
-                _ => Err(ApiError::bad_request(
-                    format!("Token id {v} is out of vocabulary"),
-                    None,
-                )),
-            })
-            .collect()
-    };
+    let ids = |items: &[Value]| token_ids(items, vocab);
     let prompt = match prompt {
         Value::String(s) => Prompt::Text(s),
         Value::Array(items) => match items.as_slice() {
@@ -260,4 +249,19 @@ impl Render for CompletionRender {
             pending.push_back(Bytes::from_static(generate::DONE));
         }
     }
+}
+
+/// Token ids as vLLM checks them: each a non-negative integer below the vocabulary size
+/// (a legacy completion's prompt and an embeddings input alike).
+pub(super) fn token_ids(items: &[Value], vocab: u32) -> Result<Vec<u32>, ApiError> {
+    items
+        .iter()
+        .map(|v| match v.as_u64() {
+            Some(id) if id < u64::from(vocab) => Ok(id as u32),
+            _ => Err(ApiError::bad_request(
+                format!("Token id {v} is out of vocabulary"),
+                None,
+            )),
+        })
+        .collect()
 }

@@ -18,6 +18,7 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 
 use super::SimError;
+use super::completions::token_ids;
 use super::generate;
 use super::http::{ApiError, AppState};
 use super::tokenizer::SimTokenizer;
@@ -155,18 +156,7 @@ enum Input {
 
 fn inputs(input: Value, vocab: u32) -> Result<Vec<Input>, ApiError> {
     let empty = || ApiError::bad_request("The decoder prompt cannot be empty", None);
-    let ids = |items: &[Value]| -> Result<Vec<u32>, ApiError> {
-        items
-            .iter()
-            .map(|v| match v.as_u64() {
-                Some(id) if id < u64::from(vocab) => Ok(id as u32),
-                _ => Err(ApiError::bad_request(
-                    format!("Token id {v} is out of vocabulary"),
-                    None,
-                )),
-            })
-            .collect()
-    };
+    let ids = |items: &[Value]| token_ids(items, vocab);
     let list = match input {
         Value::String(s) => vec![Input::Text(s)],
         Value::Array(items) if items.first().is_some_and(Value::is_number) => {
