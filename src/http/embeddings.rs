@@ -101,7 +101,7 @@ async fn run(
         ));
     }
     let data: Vec<&str> = items.iter().map(RawJson::get).collect();
-    let model = serde_json::to_string(&model).unwrap_or_else(|_| "\"\"".into());
+    let model = super::sse::json_string(&model);
     let p = usage.prompt_tokens;
     let body = format!(
         r#"{{"object":"list","data":[{}],"model":{model},"usage":{{"prompt_tokens":{p},"total_tokens":{p}}}}}"#,

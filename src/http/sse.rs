@@ -60,17 +60,16 @@ impl Render {
         include_usage: bool,
         created: i64,
     ) -> Self {
-        let quoted = |s: &str| serde_json::to_string(s).unwrap_or_else(|_| "\"\"".into());
         let head = match dialect {
             Dialect::Chat => format!(
                 r#"{{"id":{},"object":"chat.completion.chunk","created":{created},"model":{},"system_fingerprint":"{FINGERPRINT}","#,
-                quoted(id),
-                quoted(model)
+                json_string(id),
+                json_string(model)
             ),
             Dialect::Completions => format!(
                 r#"{{"id":{},"object":"text_completion","created":{created},"model":{},"#,
-                quoted(id),
-                quoted(model)
+                json_string(id),
+                json_string(model)
             ),
         };
         Self {
@@ -223,7 +222,7 @@ impl Render {
     }
 }
 
-fn json_string(s: &str) -> String {
+pub(super) fn json_string(s: &str) -> String {
     serde_json::to_string(s).unwrap_or_else(|_| "\"\"".into())
 }
 
