@@ -11,6 +11,7 @@ use async_trait::async_trait;
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 
+pub mod admission;
 pub mod memory;
 
 /// Money is integer microcredits, never floats.
