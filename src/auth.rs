@@ -9,11 +9,9 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use axum::http::HeaderMap;
-use switchyard_actors::error::{ErrorCode, Failure};
 use switchyard_actors::ports::Clock;
 use tokio::time::Instant;
 
-use crate::http::error::ApiError;
 use crate::jwt::{JwtError, JwtVerifier, Role};
 use crate::store::{ApiKeyRecord, Store, hash_secret};
 
@@ -48,6 +46,15 @@ pub struct Principal {
 }
 
 impl Principal {
+    /// Who is calling, as the access log names it: `key:{id}` or `user:{sub}`, never a
+    /// credential.
+    pub fn log_name(&self) -> String {
+        match self.key_id {
+            Some(id) => format!("key:{id}"),
+            None => self.subject.clone(),
+        }
+    }
+
     fn from_key(key: ApiKeyRecord, defaults: &Defaults) -> Self {
         Self {
             team_id: key.team_id,
@@ -107,10 +114,77 @@ pub enum BearerError {
     Malformed,
 }
 
-impl From<BearerError> for ApiError {
-    fn from(e: BearerError) -> Self {
-        ApiError::new(ErrorCode::Unauthorized, e.to_string())
+/// Why a credential was refused, or could not be checked. The HTTP layer renders each
+/// (`src/http/error/domain.rs`); the messages are the public ones and never quote a credential.
+#[derive(Debug, thiserror::Error)]
+pub enum AuthError {
+    /// The `Authorization` header itself is missing or malformed.
+    #[error(transparent)]
+    Bearer(#[from] BearerError),
+    /// No key has this hash.
+    #[error("Unknown API key.")]
+    UnknownKey,
+    /// The key exists but may not be used any more.
+    #[error("The API key is revoked or expired.")]
+    KeyUnusable,
+    /// A JWT was presented and no JWKS is configured.
+    #[error("JWTs are not accepted here.")]
+    JwtNotAccepted,
+    /// The token failed verification (signature, audience, issuer, expiry, algorithm).
+    #[error("{0}")]
+    Token(JwtError),
+    /// The JWKS cannot be fetched: the platform's problem, so retryable (fail closed).
+    #[error("Tokens cannot be verified right now.")]
+    JwksUnavailable,
+    /// The token's key id is not among the keys fetched moments ago; the throttle lets the
+    /// JWKS be fetched again after this many whole seconds.
+    #[error(
+        "The token's signing key is not among the identity provider's keys fetched \
+         moments ago; they are fetched again after Retry-After seconds."
+    )]
+    KeyNotFetchedYet {
+        /// Whole seconds, rounded up: retrying earlier gets this answer again.
+        retry_after_secs: u64,
+    },
+    /// A verified token names no team.
+    #[error("The token names no team.")]
+    NoTeam {
+        /// The verified caller (`user:{sub}`), for the access log.
+        subject: String,
+    },
+    /// A verified token names a team that does not exist.
+    #[error("The token's team does not exist.")]
+    UnknownTeam {
+        /// The verified caller (`user:{sub}`), for the access log.
+        subject: String,
+    },
+    /// The store could not be read (the cause is logged where it happened): fail closed.
+    #[error("Credentials cannot be checked right now.")]
+    StoreUnavailable {
+        /// The verified caller, when a token was verified before the store failed.
+        subject: Option<String>,
+    },
+}
+
+impl AuthError {
+    /// The caller a refused credential still named (a verified JWT whose team failed), for
+    /// the access log.
+    pub fn subject(&self) -> Option<&str> {
+        match self {
+            Self::NoTeam { subject } | Self::UnknownTeam { subject } => Some(subject),
+            Self::StoreUnavailable { subject } => subject.as_deref(),
+            _ => None,
+        }
     }
+}
+
+/// A JWT caller checked for the admin API.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct JwtCaller {
+    /// `user:{sub}`, for the access log.
+    pub subject: String,
+    /// Whether the token carries the admin role.
+    pub admin: bool,
 }
 
 /// The credential of the request's one `Authorization: Bearer <credential>` header, exactly
@@ -157,8 +231,7 @@ impl Authenticator {
     }
 
     /// The principal behind the request's bearer credential.
-    pub async fn authenticate(&self, headers: &HeaderMap) -> Result<Principal, ApiError> {
-        let unauthorized = |m: &str| ApiError::new(ErrorCode::Unauthorized, m);
+    pub async fn authenticate(&self, headers: &HeaderMap) -> Result<Principal, AuthError> {
         let token = bearer(headers)?;
         if looks_like_jwt(token) {
             return self.verify_jwt(token).await;
@@ -166,53 +239,54 @@ impl Authenticator {
         let key = self
             .lookup(&hash_secret(token))
             .await?
-            .ok_or_else(|| unauthorized("Unknown API key."))?;
+            .ok_or(AuthError::UnknownKey)?;
         if !key.is_usable(self.clock.wall()) {
-            return Err(unauthorized("The API key is revoked or expired."));
+            return Err(AuthError::KeyUnusable);
         }
-        crate::http::access_log::record_principal(&format!("key:{}", key.id));
         Ok(Principal::from_key(key, &self.defaults))
     }
 
-    /// Whether the bearer is a JWT with the admin role (for the admin API).
-    pub async fn admin_jwt(&self, headers: &HeaderMap) -> Option<Result<bool, ApiError>> {
+    /// The caller of a bearer that is a JWT, and whether it has the admin role (for the
+    /// admin API); `None` when the bearer is no JWT or JWTs are not accepted.
+    pub async fn admin_jwt(&self, headers: &HeaderMap) -> Option<Result<JwtCaller, AuthError>> {
         let token = bearer(headers).ok().filter(|t| looks_like_jwt(t))?;
         let verifier = self.jwt.as_ref()?;
-        Some(verifier.verify(token).await.map_err(jwt_error).map(|c| {
-            crate::http::access_log::record_principal(&format!("user:{}", c.sub));
-            c.role == Role::Admin
-        }))
+        Some(
+            verifier
+                .verify(token)
+                .await
+                .map_err(jwt_error)
+                .map(|c| JwtCaller {
+                    subject: format!("user:{}", c.sub),
+                    admin: c.role == Role::Admin,
+                }),
+        )
     }
 
-    async fn verify_jwt(&self, token: &str) -> Result<Principal, ApiError> {
-        let verifier = self
-            .jwt
-            .as_ref()
-            .ok_or_else(|| ApiError::new(ErrorCode::Unauthorized, "JWTs are not accepted here."))?;
+    async fn verify_jwt(&self, token: &str) -> Result<Principal, AuthError> {
+        let verifier = self.jwt.as_ref().ok_or(AuthError::JwtNotAccepted)?;
         let claims = verifier.verify(token).await.map_err(jwt_error)?;
-        crate::http::access_log::record_principal(&format!("user:{}", claims.sub));
-        let team = claims
-            .team
-            .as_deref()
-            .ok_or_else(|| ApiError::new(ErrorCode::Unauthorized, "The token names no team."))?;
+        let subject = format!("user:{}", claims.sub);
+        let Some(team) = claims.team.as_deref() else {
+            return Err(AuthError::NoTeam { subject });
+        };
         let found = match team.parse::<i64>() {
             Ok(id) => self.store.team(id).await,
             Err(_) => self.store.team_by_name(team).await,
-        }
-        .map_err(|e| {
-            tracing::error!(error = %e, "team lookup for a JWT failed");
-            ApiError::new(
-                ErrorCode::QuotaServiceUnavailable,
-                "Credentials cannot be checked right now.",
-            )
-        })?;
-        let team = found.ok_or_else(|| {
-            ApiError::new(ErrorCode::Unauthorized, "The token's team does not exist.")
-        })?;
+        };
+        let team = match found {
+            Ok(Some(team)) => team,
+            Ok(None) => return Err(AuthError::UnknownTeam { subject }),
+            Err(e) => {
+                tracing::error!(error = %e, "team lookup for a JWT failed");
+                let subject = Some(subject);
+                return Err(AuthError::StoreUnavailable { subject });
+            }
+        };
         Ok(Principal {
             team_id: team.id,
             key_id: None,
-            subject: format!("user:{}", claims.sub),
+            subject,
             model_allowlist: None,
             rpm: Some(self.defaults.rpm),
             max_streams: Some(self.defaults.jwt_max_streams),
@@ -224,7 +298,7 @@ impl Authenticator {
         })
     }
 
-    async fn lookup(&self, hash: &str) -> Result<Option<ApiKeyRecord>, ApiError> {
+    async fn lookup(&self, hash: &str) -> Result<Option<ApiKeyRecord>, AuthError> {
         let now = self.clock.now();
         if let Some((at, record)) = self
             .cache
@@ -237,10 +311,7 @@ impl Authenticator {
         }
         let record = self.store.api_key_by_hash(hash).await.map_err(|e| {
             tracing::error!(error = %e, "key lookup failed");
-            ApiError::new(
-                ErrorCode::QuotaServiceUnavailable,
-                "Credentials cannot be checked right now.",
-            )
+            AuthError::StoreUnavailable { subject: None }
         })?;
         let mut cache = self.cache.lock().unwrap_or_else(PoisonError::into_inner);
         if cache.len() > 100_000 {
@@ -252,27 +323,17 @@ impl Authenticator {
 }
 
 /// A JWKS outage, or a key the throttle does not let us fetch yet, is the platform's problem
-/// (503 `quota_service_unavailable`, fail closed, retry); anything else is the token's (401).
-fn jwt_error(e: JwtError) -> ApiError {
+/// (retryable, fail closed); anything else is the token's.
+fn jwt_error(e: JwtError) -> AuthError {
     match e {
-        JwtError::JwksUnavailable(_) => {
-            ApiError::unavailable("Tokens cannot be verified right now.")
-        }
-        JwtError::KeyNotFetchedYet { retry_after } => {
+        JwtError::JwksUnavailable(_) => AuthError::JwksUnavailable,
+        JwtError::KeyNotFetchedYet { retry_after } => AuthError::KeyNotFetchedYet {
             // Whole seconds, rounded up: retrying before the throttle ends gets this again.
-            let secs = u64::try_from(retry_after.as_millis().div_ceil(1000))
+            retry_after_secs: u64::try_from(retry_after.as_millis().div_ceil(1000))
                 .unwrap_or(u64::MAX)
-                .max(1);
-            ApiError::from(
-                Failure::new(
-                    ErrorCode::QuotaServiceUnavailable,
-                    "The token's signing key is not among the identity provider's keys fetched \
-                     moments ago; they are fetched again after Retry-After seconds.",
-                )
-                .retry_after(secs),
-            )
-        }
-        other => ApiError::new(ErrorCode::Unauthorized, other.to_string()),
+                .max(1),
+        },
+        other => AuthError::Token(other),
     }
 }
 
@@ -322,24 +383,31 @@ mod tests {
             bearer(&headers(&[b"Bearer one", b"Bearer two"])),
             Err(BearerError::Repeated)
         );
-        let refused = ApiError::from(BearerError::Malformed);
-        assert_eq!(refused.failure.code, ErrorCode::Unauthorized);
     }
 
     #[test]
-    fn a_key_not_fetched_yet_is_a_retryable_503_with_its_wait() {
+    fn a_key_not_fetched_yet_carries_its_wait_and_a_bad_token_is_the_tokens_fault() {
         let e = jwt_error(JwtError::KeyNotFetchedYet {
             retry_after: Duration::from_millis(12_300),
         });
-        assert_eq!(e.failure.code, ErrorCode::QuotaServiceUnavailable);
-        assert_eq!(e.failure.retry_after_secs, Some(13));
+        assert!(matches!(
+            e,
+            AuthError::KeyNotFetchedYet {
+                retry_after_secs: 13
+            }
+        ));
         let e = jwt_error(JwtError::KeyNotFetchedYet {
             retry_after: Duration::from_millis(1),
         });
-        assert_eq!(e.failure.retry_after_secs, Some(1));
-        assert_eq!(
-            jwt_error(JwtError::UnknownKid).failure.code,
-            ErrorCode::Unauthorized
-        );
+        assert!(matches!(
+            e,
+            AuthError::KeyNotFetchedYet {
+                retry_after_secs: 1
+            }
+        ));
+        assert!(matches!(
+            jwt_error(JwtError::UnknownKid),
+            AuthError::Token(JwtError::UnknownKid)
+        ));
     }
 }

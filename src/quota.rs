@@ -1,66 +1,70 @@
 //! Admission limits checked in the coordinator, cheapest first (SPEC section 4): concurrent
 //! streams per key (`streams:{key_id}`, a bounded set whose members expire so a crashed
 //! replica cannot hold places), then requests per minute (`rl:{key_id}:rpm`, an exact
-//! sliding window). Every answer carries the `x-ratelimit-*` headers; a coordinator that
-//! cannot be reached fails admission closed.
+//! sliding window), then tokens per UTC day. Every answer carries where the principal stands
+//! ([`LimitState`], the HTTP layer's `x-ratelimit-*` headers); a coordinator that cannot be
+//! reached fails admission closed.
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::http::{HeaderMap, HeaderValue};
-use switchyard_actors::error::{ErrorCode, Failure};
+use chrono::{DateTime, Utc};
 use switchyard_actors::generation::EndHook;
+pub use switchyard_actors::ports::admission::LimitState;
 use switchyard_actors::ports::{Clock, Coordinator};
 
 use crate::auth::Principal;
-use crate::http::error::ApiError;
 
 /// The rpm window.
 const MINUTE: Duration = Duration::from_secs(60);
 
-/// What the limits said about one request, for its response headers.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct RateHeaders {
-    /// `(limit, remaining, reset in ms)` of the rpm window, when the key has one.
-    pub requests: Option<(u32, u32, u64)>,
-    /// `(limit, remaining, reset in ms)` of tokens per day (the reset: the next UTC midnight),
-    /// when the key has one.
-    pub tokens: Option<(u64, u64, u64)>,
+/// Why a principal's limits refused a request. Each variant carries what the client is
+/// told with it; the HTTP layer renders it (`src/http/error/domain.rs`).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum LimitError {
+    /// The principal already has its maximum of concurrent generations.
+    #[error("This key already has {max} generations running.")]
+    Streams {
+        /// The principal's `max_streams`.
+        max: u32,
+    },
+    /// The requests-per-minute window is full.
+    #[error("Over {limit} requests per minute.")]
+    Requests {
+        /// The principal's rpm.
+        limit: u32,
+        /// Whole seconds until the window has room.
+        retry_after_secs: u64,
+        /// The limits as they stood, for the answer's headers.
+        state: LimitState,
+    },
+    /// The principal's tokens for the UTC day are spent.
+    #[error("The key's {limit} tokens for today are spent.")]
+    TokensPerDay {
+        /// The principal's tokens per day.
+        limit: u64,
+        /// Whole seconds until the next UTC day.
+        retry_after_secs: u64,
+        /// When the day's counter resets (the next UTC midnight).
+        reset_at: Option<DateTime<Utc>>,
+        /// The limits as they stood, for the answer's headers.
+        state: LimitState,
+    },
+    /// The coordinator could not be reached: admission fails closed. The cause is logged
+    /// where it happened, once, and never shown.
+    #[error("Limits cannot be checked right now; nothing was admitted.")]
+    Unavailable {
+        /// Which check could not be made.
+        check: &'static str,
+    },
 }
 
-/// A duration as OpenAI writes its `x-ratelimit-reset-*` headers: `20ms` under a second,
-/// otherwise whole seconds rounded up, with minutes and hours when there are any (`54s`,
-/// `6m0s`, `13h2m5s`).
-pub fn reset_duration(ms: u64) -> String {
-    if ms < 1000 {
-        return format!("{ms}ms");
-    }
-    let secs = ms.div_ceil(1000);
-    let (h, m, s) = (secs / 3600, secs / 60 % 60, secs % 60);
-    match (h, m) {
-        (0, 0) => format!("{s}s"),
-        (0, m) => format!("{m}m{s}s"),
-        (h, m) => format!("{h}h{m}m{s}s"),
-    }
-}
-
-impl RateHeaders {
-    /// Writes the `x-ratelimit-*` headers.
-    pub fn apply(&self, headers: &mut HeaderMap) {
-        let mut put = |name: &'static str, value: String| {
-            if let Ok(v) = HeaderValue::from_str(&value) {
-                headers.insert(name, v);
-            }
-        };
-        if let Some((limit, remaining, reset_ms)) = self.requests {
-            put("x-ratelimit-limit-requests", limit.to_string());
-            put("x-ratelimit-remaining-requests", remaining.to_string());
-            put("x-ratelimit-reset-requests", reset_duration(reset_ms));
-        }
-        if let Some((limit, remaining, reset_ms)) = self.tokens {
-            put("x-ratelimit-limit-tokens", limit.to_string());
-            put("x-ratelimit-remaining-tokens", remaining.to_string());
-            put("x-ratelimit-reset-tokens", reset_duration(reset_ms));
+impl LimitError {
+    /// The limits' state the refusal carries, for its headers.
+    pub fn state(&self) -> Option<LimitState> {
+        match self {
+            Self::Requests { state, .. } | Self::TokensPerDay { state, .. } => Some(*state),
+            Self::Streams { .. } | Self::Unavailable { .. } => None,
         }
     }
 }
@@ -76,9 +80,9 @@ pub struct Limits {
 
 /// The fail-closed answer when the coordinator cannot be reached; the cause is logged here,
 /// once, and never shown.
-fn unavailable(check: &'static str, cause: &dyn std::fmt::Display) -> ApiError {
+fn unavailable(check: &'static str, cause: &dyn std::fmt::Display) -> LimitError {
     tracing::error!(error = %cause, check, "coordinator unreachable at admission");
-    ApiError::unavailable("Limits cannot be checked right now; nothing was admitted.")
+    LimitError::Unavailable { check }
 }
 
 impl Limits {
@@ -102,11 +106,11 @@ impl Limits {
         &self,
         who: &Principal,
         request_id: &str,
-    ) -> Result<(RateHeaders, Option<EndHook>), ApiError> {
+    ) -> Result<(LimitState, Option<EndHook>), LimitError> {
         let now = self.clock.wall();
         let now_ms = now.timestamp_millis();
         let subject = &who.subject;
-        let mut headers = RateHeaders::default();
+        let mut state = LimitState::default();
         let slots = who.max_streams.map(|_| format!("streams:{subject}"));
         let day = who
             .tokens_per_day
@@ -114,7 +118,7 @@ impl Limits {
         let hook = (slots.is_some() || day.is_some())
             .then(|| self.end_hook(slots.clone(), day.clone(), request_id));
         // Gives back what was taken when a later check refuses.
-        let refuse = |hook: Option<EndHook>, err: ApiError| {
+        let refuse = |hook: Option<EndHook>, err: LimitError| {
             if let Some(h) = hook {
                 h.run(None);
             }
@@ -130,13 +134,7 @@ impl Limits {
                 Err(e) => return Err(unavailable("max_streams", &e)),
             };
             if !v.admitted {
-                return Err(ApiError::from(
-                    Failure::new(
-                        ErrorCode::ConcurrencyLimited,
-                        format!("This key already has {max} generations running."),
-                    )
-                    .retry_after(1),
-                ));
+                return Err(LimitError::Streams { max });
             }
         }
         if let Some(rpm) = who.rpm {
@@ -149,17 +147,14 @@ impl Limits {
                 Ok(v) => v,
                 Err(e) => return refuse(hook, unavailable("rpm", &e)),
             };
-            headers.requests = Some((rpm, rpm.saturating_sub(v.count), v.wait_ms));
+            state.requests = Some((rpm, rpm.saturating_sub(v.count), v.wait_ms));
             if !v.admitted {
-                let mut err = ApiError::from(
-                    Failure::new(
-                        ErrorCode::RateLimited,
-                        format!("Over {rpm} requests per minute."),
-                    )
-                    .retry_after(v.wait_ms.div_ceil(1000).max(1)),
-                );
-                err.details = Some(Box::new(serde_json::json!({"limit": rpm, "remaining": 0})));
-                return refuse(hook, err.with_rate_headers(headers));
+                let err = LimitError::Requests {
+                    limit: rpm,
+                    retry_after_secs: v.wait_ms.div_ceil(1000).max(1),
+                    state,
+                };
+                return refuse(hook, err);
             }
         }
         if let (Some(tpd), Some(day)) = (who.tokens_per_day, &day) {
@@ -174,23 +169,19 @@ impl Limits {
             let reset_ms = reset.map_or(3_600_000, |r| {
                 (r - now).num_milliseconds().max(1).unsigned_abs()
             });
-            headers.tokens = Some((tpd, tpd.saturating_sub(used), reset_ms));
+            state.tokens = Some((tpd, tpd.saturating_sub(used), reset_ms));
             if used >= tpd {
                 let wait = reset.map_or(3600, |r| (r - now).num_seconds().max(1).unsigned_abs());
-                let mut err = ApiError::from(
-                    Failure::new(
-                        ErrorCode::QuotaExhausted,
-                        format!("The key's {tpd} tokens for today are spent."),
-                    )
-                    .retry_after(wait),
-                );
-                err.details = Some(Box::new(serde_json::json!({
-                    "limit": tpd, "remaining": 0, "reset_at": reset.map(|r| r.to_rfc3339()),
-                })));
-                return refuse(hook, err.with_rate_headers(headers));
+                let err = LimitError::TokensPerDay {
+                    limit: tpd,
+                    retry_after_secs: wait,
+                    reset_at: reset,
+                    state,
+                };
+                return refuse(hook, err);
             }
         }
-        Ok((headers, hook))
+        Ok((state, hook))
     }
 
     /// What runs when the generation ends: its stream place goes back, and the tokens it
@@ -222,20 +213,3 @@ impl Limits {
 
 /// `tpd:{principal}:{YYYY-MM-DD}` lives two days, past the UTC day it counts.
 const DAY_COUNTER_TTL: Duration = Duration::from_secs(2 * 24 * 3600);
-
-#[cfg(test)]
-mod tests {
-    use super::reset_duration;
-
-    #[test]
-    fn reset_durations_are_written_as_openai_writes_them() {
-        assert_eq!(reset_duration(0), "0ms");
-        assert_eq!(reset_duration(20), "20ms");
-        assert_eq!(reset_duration(999), "999ms");
-        assert_eq!(reset_duration(1000), "1s");
-        assert_eq!(reset_duration(1001), "2s");
-        assert_eq!(reset_duration(54_000), "54s");
-        assert_eq!(reset_duration(360_000), "6m0s");
-        assert_eq!(reset_duration(47_025_000), "13h3m45s");
-    }
-}

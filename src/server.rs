@@ -16,6 +16,7 @@ use switchyard_actors::ports::{Clock, Coordinator, SystemClock};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
+use crate::admission::Admission;
 use crate::auth::Authenticator;
 use crate::config::Config;
 use crate::quota::Limits;
@@ -44,10 +45,8 @@ pub struct AppState {
     pub nodes: Mutex<BTreeMap<String, NodeHandle>>,
     /// API-key verification.
     pub auth: Authenticator,
-    /// Per-key concurrency and rate limits.
-    pub limits: Limits,
-    /// Each model's tokenizer, to count prompts before admission.
-    pub prompts: PromptCounter,
+    /// Admits requests (limits, lifecycle, measuring, reservation) before they run.
+    pub admission: Admission,
     /// Registrations per second.
     pub registrations: RegistrationLimiter,
     /// Renders `/metrics`.
@@ -242,8 +241,14 @@ impl Server {
                     jwt_max_streams: config.jwt_max_streams,
                 },
             ),
-            limits: Limits::new(coordinator.clone(), clock.clone(), slot_ttl),
-            prompts,
+            admission: Admission::new(
+                Arc::new(config.clone()),
+                store.clone(),
+                queues.clone(),
+                Limits::new(coordinator.clone(), clock.clone(), slot_ttl),
+                prompts,
+                clock.clone(),
+            ),
             registrations: governor::RateLimiter::direct(governor::Quota::per_second(per_second)),
             replica_id,
             store,

@@ -76,14 +76,16 @@ impl FromRequestParts<Arc<AppState>> for Admin {
         }
         // A JWT, verified against the JWKS: admin role or not.
         if let Some(verdict) = state.auth.admin_jwt(&parts.headers).await {
-            return if verdict? {
+            let caller = verdict?;
+            super::access_log::record_principal(&caller.subject);
+            return if caller.admin {
                 Ok(Admin)
             } else {
                 Err(forbidden())
             };
         }
         // Anything else must be a valid API key to earn a 403 rather than a 401.
-        state.auth.authenticate(&parts.headers).await?;
+        super::lifecycle::authenticate(state, &parts.headers).await?;
         Err(forbidden())
     }
 }

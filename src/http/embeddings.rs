@@ -54,7 +54,7 @@ async fn run(
     let (plan, _, _) = openai::prepare(state, headers, body, validate)
         .await
         .inspect_err(lifecycle::count_refusal)?;
-    let model = plan.model.name.clone();
+    let model = plan.request.model.name.clone();
     let Started::Running {
         mut generation,
         rate,
@@ -112,7 +112,7 @@ async fn run(
         header::CONTENT_TYPE,
         HeaderValue::from_static("application/json"),
     );
-    rate.apply(response.headers_mut());
+    super::error::rate_headers(&rate, response.headers_mut());
     Ok(response)
 }
 

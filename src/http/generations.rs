@@ -20,6 +20,7 @@ use tracing::instrument;
 use super::error::{ApiError, Json, Path};
 use super::lifecycle::{self, Plan, Started};
 use super::sse::KEEP_ALIVE;
+use crate::admission::Request;
 use crate::server::AppState;
 
 /// Fields `POST /v1/generations` accepts; anything else is refused.
@@ -73,7 +74,7 @@ async fn submit(
     let (plan, stream) = prepare(state, headers, body)
         .await
         .inspect_err(lifecycle::count_refusal)?;
-    let model = plan.model.name.clone();
+    let model = plan.request.model.name.clone();
     match lifecycle::start(state, plan, id).await? {
         Started::Running {
             generation,
@@ -85,7 +86,7 @@ async fn submit(
             } else {
                 collect(generation, &id, &model).await?
             };
-            rate.apply(response.headers_mut());
+            super::error::rate_headers(&rate, response.headers_mut());
             Ok(response)
         }
         Started::Existing(rec) => lifecycle::counted_replay(replay(state, &rec, stream)),
@@ -98,7 +99,7 @@ async fn prepare(
     headers: &HeaderMap,
     body: Value,
 ) -> Result<(Plan, bool), ApiError> {
-    let principal = state.auth.authenticate(headers).await?;
+    let principal = lifecycle::authenticate(state, headers).await?;
     tracing::Span::current().record("team_id", principal.team_id);
     let bad = |m: &str| ApiError::new(ErrorCode::InvalidRequest, m);
     let key = lifecycle::idempotency_key(headers)?
@@ -172,12 +173,14 @@ async fn prepare(
         }
     }
     let plan = Plan {
-        principal,
-        model,
-        engine_body: Value::Object(engine),
-        max_tokens,
-        idempotency: Some((key, fingerprint)),
-        prompt: lifecycle::Prompt::Chat,
+        request: Request {
+            principal,
+            model,
+            engine_body: Value::Object(engine),
+            max_tokens,
+            idempotency: Some((key, fingerprint)),
+            prompt: lifecycle::Prompt::Chat,
+        },
         x_request_id: lifecycle::client_request_id(),
         traceparent: lifecycle::traceparent(headers),
     };
@@ -451,7 +454,7 @@ async fn owned(
     headers: &HeaderMap,
     id: &str,
 ) -> Result<GenerationRecord, ApiError> {
-    let principal = state.auth.authenticate(headers).await?;
+    let principal = lifecycle::authenticate(state, headers).await?;
     let not_found = || ApiError::new(ErrorCode::NotFound, "No such generation.");
     let rec = state
         .store

@@ -18,6 +18,7 @@ use tracing::instrument;
 use super::error::{ApiError, Json};
 use super::lifecycle::{self, Plan, Prompt, Started};
 use super::sse::{self, Dialect, Render};
+use crate::admission::Request;
 use crate::config::ModelConfig;
 use crate::server::AppState;
 
@@ -62,7 +63,7 @@ pub(super) async fn run(
     let (plan, stream, include_usage) = prepare(state, headers, body, validate)
         .await
         .inspect_err(lifecycle::count_refusal)?;
-    let model = plan.model.name.clone();
+    let model = plan.request.model.name.clone();
     let created = state.clock.wall().timestamp();
     let (generation, id, rate) = match lifecycle::start(state, plan, request_id).await? {
         Started::Running {
@@ -81,7 +82,7 @@ pub(super) async fn run(
     } else {
         sse::collect(generation, render).await?
     };
-    rate.apply(response.headers_mut());
+    super::error::rate_headers(&rate, response.headers_mut());
     Ok(response)
 }
 
@@ -108,7 +109,7 @@ pub(super) async fn prepare(
     body: Value,
     validate: Validate,
 ) -> Result<(Plan, bool, bool), ApiError> {
-    let principal = state.auth.authenticate(headers).await?;
+    let principal = lifecycle::authenticate(state, headers).await?;
     tracing::Span::current().record("team_id", principal.team_id);
     super::ssrf::guard(&body)?;
     let idempotency = lifecycle::idempotency_key(headers)?;
@@ -144,12 +145,14 @@ pub(super) async fn prepare(
             .unwrap_or(u64::from(req.resolved.default_max_tokens)),
     };
     let plan = Plan {
-        principal,
-        model: req.resolved,
-        engine_body: req.engine_body,
-        max_tokens,
-        idempotency: idempotency.zip(fingerprint),
-        prompt: req.prompt,
+        request: Request {
+            principal,
+            model: req.resolved,
+            engine_body: req.engine_body,
+            max_tokens,
+            idempotency: idempotency.zip(fingerprint),
+            prompt: req.prompt,
+        },
         x_request_id: lifecycle::client_request_id(),
         traceparent: lifecycle::traceparent(headers),
     };
@@ -258,7 +261,7 @@ pub(super) fn new_request_id(prefix: &str) -> String {
 
 /// `GET /v1/models`: the models and aliases the key may use, in OpenAI's list shape.
 pub async fn models(State(state): State<Arc<AppState>>, headers: HeaderMap) -> Response {
-    let principal = match state.auth.authenticate(&headers).await {
+    let principal = match lifecycle::authenticate(&state, &headers).await {
         Ok(p) => p,
         Err(e) => return e.into_response(),
     };
@@ -290,7 +293,7 @@ pub async fn model(
     headers: HeaderMap,
     super::error::Path(id): super::error::Path<String>,
 ) -> Result<axum::Json<Value>, ApiError> {
-    let principal = state.auth.authenticate(&headers).await?;
+    let principal = lifecycle::authenticate(&state, &headers).await?;
     match state.config.resolve_model(&id) {
         Some(m) if allowed(&state, &principal, m) => Ok(axum::Json(serde_json::json!({
             "id": id,

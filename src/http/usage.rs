@@ -64,7 +64,7 @@ async fn run(
     headers: &HeaderMap,
     query: Result<Query<UsageQuery>, ApiError>,
 ) -> Result<Response, ApiError> {
-    let principal = state.auth.authenticate(headers).await?;
+    let principal = super::lifecycle::authenticate(state, headers).await?;
     let Query(q) = query?;
     let from = bound(q.from.as_deref(), "from")?;
     let to = bound(q.to.as_deref(), "to")?;

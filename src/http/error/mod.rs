@@ -4,8 +4,10 @@
 //! [`Query`], [`Path`]) reject through here too, naming the field, so a malformed request
 //! gets the same shape as every other error.
 
+mod domain;
 mod extract;
 
+pub use domain::{rate_headers, reset_duration};
 pub(crate) use extract::printable;
 pub use extract::{Json, Path, Query};
 
@@ -13,6 +15,7 @@ use axum::http::{HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use serde_json::json;
 use switchyard_actors::error::{ErrorCode, Failure};
+use switchyard_actors::ports::admission::LimitState;
 
 /// How the Generations API's ids begin.
 const GENERATION_ID_PREFIX: &str = "gen_";
@@ -27,8 +30,8 @@ pub struct ApiError {
     pub request_id: Option<String>,
     /// Extra machine-readable facts (limits, ids); boxed to keep results small.
     pub details: Option<Box<serde_json::Value>>,
-    /// `x-ratelimit-*` headers to send with the error.
-    pub rate: Option<Box<crate::quota::RateHeaders>>,
+    /// Where the principal stands against its limits, sent as `x-ratelimit-*` headers.
+    pub rate: Option<Box<LimitState>>,
     /// The field the error is about (`error.param`), when there is one.
     pub param: Option<String>,
     /// A status other than the code's own, for refusals HTTP names more precisely (408 for a
@@ -75,8 +78,14 @@ impl ApiError {
     }
 
     /// Attaches the rate-limit headers.
-    pub fn with_rate_headers(mut self, rate: crate::quota::RateHeaders) -> Self {
+    pub fn with_rate_headers(mut self, rate: LimitState) -> Self {
         self.rate = Some(Box::new(rate));
+        self
+    }
+
+    /// Attaches machine-readable details (limits, ids).
+    pub fn with_details(mut self, details: serde_json::Value) -> Self {
+        self.details = Some(Box::new(details));
         self
     }
 
@@ -186,7 +195,7 @@ impl IntoResponse for ApiError {
             headers.insert(crate::http::request_id::HEADER, id);
         }
         if let Some(rate) = &self.rate {
-            rate.apply(headers);
+            rate_headers(rate, headers);
         }
         response
     }
