@@ -13,9 +13,10 @@ use switchyard_actors::protocol::Api;
 use tracing::instrument;
 
 use super::error::{ApiError, Json};
-use super::lifecycle::{self, Prompt};
+use super::lifecycle;
 use super::openai::{self, Validated};
 use super::sse::Dialect;
+use crate::admission::Prompt;
 use crate::server::AppState;
 
 /// vLLM's and OpenAI's `max_tokens` when a completion request sets none.

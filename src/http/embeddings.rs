@@ -16,8 +16,9 @@ use switchyard_actors::protocol::Api;
 use tracing::instrument;
 
 use super::error::{ApiError, Json};
-use super::lifecycle::{self, Prompt, Started};
+use super::lifecycle::{self, Started};
 use super::openai::{self, Validated};
+use crate::admission::Prompt;
 use crate::server::AppState;
 
 /// OpenAI's bound on inputs per request.

@@ -20,7 +20,7 @@ use tracing::instrument;
 use super::error::{ApiError, Json, Path};
 use super::lifecycle::{self, Plan, Started};
 use super::sse::KEEP_ALIVE;
-use crate::admission::Request;
+use crate::admission::{Prompt, Request};
 use crate::server::AppState;
 
 /// Fields `POST /v1/generations` accepts; anything else is refused.
@@ -179,7 +179,7 @@ async fn prepare(
             engine_body: Value::Object(engine),
             max_tokens,
             idempotency: Some((key, fingerprint)),
-            prompt: lifecycle::Prompt::Chat,
+            prompt: Prompt::Chat,
         },
         x_request_id: lifecycle::client_request_id(),
         traceparent: lifecycle::traceparent(headers),

@@ -18,7 +18,6 @@ use switchyard_actors::ports::admission::{AdmissionJob, Admit, LimitState, Ready
 use switchyard_actors::protocol::Api;
 
 use super::error::ApiError;
-pub use crate::admission::Prompt;
 use crate::admission::Request;
 use crate::auth::Principal;
 use crate::config::ModelConfig;

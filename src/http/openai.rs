@@ -16,9 +16,9 @@ use switchyard_actors::protocol::Api;
 use tracing::instrument;
 
 use super::error::{ApiError, Json};
-use super::lifecycle::{self, Plan, Prompt, Started};
+use super::lifecycle::{self, Plan, Started};
 use super::sse::{self, Dialect, Render};
-use crate::admission::Request;
+use crate::admission::{Prompt, Request};
 use crate::config::ModelConfig;
 use crate::server::AppState;
 
