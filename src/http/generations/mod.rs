@@ -3,23 +3,21 @@
 //! as `/v1/chat/completions` (see `lifecycle.rs`) and renders it as named SSE events with a
 //! `sequence` from 0, or as one JSON document.
 
-use std::convert::Infallible;
+mod render;
+
 use std::sync::Arc;
 
 use axum::extract::State;
-use axum::http::{HeaderMap, HeaderValue, StatusCode};
-use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use serde_json::{Map, Value, json};
-use switchyard_actors::error::{ErrorCode, Failure};
-use switchyard_actors::generation::{GenEvent, GenerationStream, Usage};
+use switchyard_actors::error::ErrorCode;
 use switchyard_actors::lifecycle::{Event, GenerationRecord, Refusal};
-use switchyard_actors::output::{Assembled, Piece};
 use tracing::instrument;
 
+use self::render::{collect, document, stream_events};
 use super::error::{ApiError, Json, Path};
 use super::lifecycle::{self, Plan, Started};
-use super::sse::KEEP_ALIVE;
 use crate::admission::{Prompt, Request};
 use crate::server::AppState;
 
@@ -187,265 +185,13 @@ async fn prepare(
     Ok((plan, stream))
 }
 
-/// What to tell the client to do after a failure once the stream has begun: capacity
-/// refusals happened before anything ran (the record is `rejected`), so the same key may be
-/// sent again; anything after a node took the work is final, and a new answer needs a new key.
-fn action(code: ErrorCode, partial: bool) -> &'static str {
-    use ErrorCode::*;
-    match code {
-        _ if partial => "manual_regenerate",
-        QueueFull | CapacityExhausted | NoHealthyNode | ModelLoading | QuotaServiceUnavailable => {
-            "retry"
-        }
-        InvalidRequest | ContextLengthExceeded => "none",
-        _ => "manual_regenerate",
-    }
-}
-
-fn usage_json(u: &Usage) -> Value {
-    json!({"input_tokens": u.prompt_tokens, "output_tokens": u.completion_tokens})
-}
-
-/// Numbers a generation's events from 0 and names them.
-struct Sequencer {
-    id: String,
-    next: u64,
-    partial: bool,
-}
-
-impl Sequencer {
-    fn event(&mut self, name: &'static str, mut data: Map<String, Value>) -> SseEvent {
-        data.insert("generation_id".into(), Value::String(self.id.clone()));
-        data.insert("sequence".into(), Value::from(self.next));
-        self.next += 1;
-        SseEvent::default()
-            .event(name)
-            .data(Value::Object(data).to_string())
-    }
-
-    fn created(&mut self, status: &str) -> SseEvent {
-        let mut data = Map::new();
-        data.insert("status".into(), Value::String(status.into()));
-        self.event("generation.created", data)
-    }
-
-    /// The SSE events for `event`, and whether it ends the stream. A piece of output is a
-    /// typed event per kind: `generation.reasoning.delta`, `generation.text.delta`, and a
-    /// `generation.tool_call.delta` per tool call fragment.
-    fn render(&mut self, event: Option<GenEvent>) -> (Vec<SseEvent>, bool) {
-        let mut data = Map::new();
-        match event {
-            Some(GenEvent::Delta(piece)) => (self.pieces(piece), false),
-            Some(GenEvent::Finished(usage)) => {
-                data.insert("usage".into(), usage_json(&usage));
-                if usage.finish_reason != "stop" {
-                    data.insert(
-                        "finish_reason".into(),
-                        Value::String(usage.finish_reason.clone()),
-                    );
-                }
-                (vec![self.event("generation.completed", data)], true)
-            }
-            Some(GenEvent::Cancelled(usage)) => {
-                data.insert("usage".into(), usage_json(&usage));
-                (vec![self.event("generation.cancelled", data)], true)
-            }
-            Some(GenEvent::Failed(failure)) => (vec![self.error(&failure)], true),
-            None => {
-                let failure = Failure::new(
-                    ErrorCode::ModelBackendError,
-                    "The generation ended unexpectedly.",
-                );
-                (vec![self.error(&failure)], true)
-            }
-        }
-    }
-
-    fn pieces(&mut self, piece: Piece) -> Vec<SseEvent> {
-        self.partial = true;
-        let mut events = Vec::new();
-        if !piece.reasoning.is_empty() {
-            let mut data = Map::new();
-            data.insert("delta".into(), Value::String(piece.reasoning));
-            events.push(self.event("generation.reasoning.delta", data));
-        }
-        if !piece.text.is_empty() {
-            let mut data = Map::new();
-            data.insert("index".into(), Value::from(0));
-            data.insert("delta".into(), Value::String(piece.text));
-            events.push(self.event("generation.text.delta", data));
-        }
-        for call in piece.tool_calls {
-            let mut data = Map::new();
-            data.insert("tool_call_index".into(), Value::from(call.index));
-            if let Some(id) = call.id {
-                data.insert("id".into(), Value::String(id));
-            }
-            let function = call.function.unwrap_or_default();
-            if let Some(name) = function.name {
-                data.insert("name".into(), Value::String(name));
-            }
-            data.insert(
-                "arguments_delta".into(),
-                Value::String(function.arguments.unwrap_or_default()),
-            );
-            events.push(self.event("generation.tool_call.delta", data));
-        }
-        events
-    }
-
-    fn error(&mut self, failure: &Failure) -> SseEvent {
-        let mut data = Map::new();
-        data.insert("code".into(), Value::String(failure.code.as_str().into()));
-        data.insert("message".into(), Value::String(failure.message.clone()));
-        data.insert(
-            "action".into(),
-            Value::String(action(failure.code, self.partial).into()),
-        );
-        data.insert("partial".into(), Value::Bool(self.partial));
-        self.event("generation.error", data)
-    }
-}
-
-fn sse(events: impl futures::Stream<Item = SseEvent> + Send + 'static) -> Response {
-    use futures::StreamExt;
-    let mut response = Sse::new(events.map(Ok::<SseEvent, Infallible>))
-        .keep_alive(KeepAlive::new().interval(KEEP_ALIVE).text("keep-alive"))
-        .into_response();
-    response
-        .headers_mut()
-        .insert("cache-control", HeaderValue::from_static("no-store"));
-    response
-}
-
-/// A running generation as named SSE events.
-fn stream_events(generation: GenerationStream, id: String) -> Response {
-    let mut seq = Sequencer {
-        id,
-        next: 0,
-        partial: false,
-    };
-    let pending = std::collections::VecDeque::from([seq.created("queued")]);
-    let state = (Some(generation), seq, pending);
-    let events =
-        futures::stream::unfold(state, |(mut generation, mut seq, mut pending)| async move {
-            loop {
-                if let Some(event) = pending.pop_front() {
-                    return Some((event, (generation, seq, pending)));
-                }
-                let g = generation.as_mut()?;
-                let (events, last) = seq.render(g.next().await);
-                pending.extend(events);
-                if last {
-                    generation = None;
-                }
-            }
-        });
-    sse(events)
-}
-
-/// A running generation collected into one document, or its error.
-async fn collect(
-    mut generation: GenerationStream,
-    id: &str,
-    model: &str,
-) -> Result<Response, ApiError> {
-    let mut out = Assembled::default();
-    loop {
-        let (status, usage) = match generation.next().await {
-            Some(GenEvent::Delta(piece)) => {
-                out.push(&piece);
-                continue;
-            }
-            Some(GenEvent::Finished(u)) => ("completed", u),
-            Some(GenEvent::Cancelled(u)) => ("cancelled", u),
-            Some(GenEvent::Failed(failure)) => {
-                let mut err = ApiError::from(failure);
-                err.details = Some(Box::new(
-                    json!({"generation_id": id, "partial": out != Assembled::default()}),
-                ));
-                return Err(err);
-            }
-            None => {
-                return Err(ApiError::new(
-                    ErrorCode::ModelBackendError,
-                    "The generation ended unexpectedly.",
-                ));
-            }
-        };
-        let body = json!({
-            "id": id,
-            "status": status,
-            "model": model,
-            "output": output_items(&out),
-            "usage": usage_json(&usage),
-        });
-        return Ok(axum::Json(body).into_response());
-    }
-}
-
-/// The output as the API lists it: the reasoning, the text, then each tool call.
-fn output_items(out: &Assembled) -> Value {
-    let mut items = Vec::new();
-    if !out.reasoning.is_empty() {
-        items.push(json!({"type": "reasoning", "text": out.reasoning}));
-    }
-    if !out.content.is_empty() || out.tool_calls.is_empty() {
-        items.push(json!({"type": "text", "text": out.content}));
-    }
-    for call in out.tool_calls() {
-        items.push(json!({
-            "type": "tool_call",
-            "id": call.id,
-            "name": call.function.name,
-            "arguments": call.function.arguments,
-        }));
-    }
-    Value::Array(items)
-}
-
-/// The record as the API shows it.
-fn document(rec: &GenerationRecord, with_output: bool) -> Value {
-    let mut doc = json!({
-        "id": rec.id,
-        "status": rec.api_status(),
-        "model": rec.model,
-    });
-    if let Some(obj) = doc.as_object_mut() {
-        if rec.status.is_terminal() {
-            obj.insert(
-                "usage".into(),
-                json!({"input_tokens": rec.input_tokens, "output_tokens": rec.output_tokens}),
-            );
-        }
-        if with_output && rec.status.is_terminal() {
-            let out = lifecycle::retained_output(rec);
-            obj.insert("output".into(), output_items(&out));
-        }
-        if let Some(code) = &rec.error_code {
-            obj.insert("error".into(), json!({ "code": code }));
-        }
-    }
-    doc
-}
-
 /// A repeated key: the existing generation, never rerun.
 fn replay(state: &AppState, rec: &GenerationRecord, stream: bool) -> Result<Response, ApiError> {
     let (out, end) = lifecycle::replayable(state, rec)?;
     if !stream {
         return Ok(axum::Json(document(rec, true)).into_response());
     }
-    let mut seq = Sequencer {
-        id: rec.id.clone(),
-        next: 0,
-        partial: false,
-    };
-    let mut events = vec![seq.created(rec.status.as_str())];
-    if out != Assembled::default() {
-        events.extend(seq.render(Some(GenEvent::Delta(out.into_piece()))).0);
-    }
-    events.extend(seq.render(Some(end)).0);
-    Ok(sse(futures::stream::iter(events)))
+    Ok(render::replayed(rec, out, end))
 }
 
 /// The caller's own generation `id`; anyone else's is `not_found`.
