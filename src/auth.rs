@@ -8,7 +8,6 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use axum::http::HeaderMap;
 use switchyard_actors::ports::Clock;
 use tokio::time::Instant;
 
@@ -118,9 +117,6 @@ pub enum BearerError {
 /// (`src/http/error/domain.rs`); the messages are the public ones and never quote a credential.
 #[derive(Debug, thiserror::Error)]
 pub enum AuthError {
-    /// The `Authorization` header itself is missing or malformed.
-    #[error(transparent)]
-    Bearer(#[from] BearerError),
     /// No key has this hash.
     #[error("Unknown API key.")]
     UnknownKey,
@@ -187,18 +183,17 @@ pub struct JwtCaller {
     pub admin: bool,
 }
 
-/// The credential of the request's one `Authorization: Bearer <credential>` header, exactly
-/// as docs/api.md states it: the scheme word `Bearer`, one space, and a non-empty credential
-/// of visible ASCII (0x21-0x7E) with nothing after it. Shared by the API and the admin API,
-/// so both accept and refuse the same headers.
-pub fn bearer(headers: &HeaderMap) -> Result<&str, BearerError> {
-    let mut values = headers.get_all(axum::http::header::AUTHORIZATION).iter();
+/// The credential of a request's `Authorization` values (every one it sent, in order):
+/// exactly one, as docs/api.md states it: the scheme word `Bearer`, one space, and a
+/// non-empty credential of visible ASCII (0x21-0x7E) with nothing after it. Shared by the API
+/// and the admin API, so both accept and refuse the same headers.
+pub fn bearer<'a>(values: impl IntoIterator<Item = &'a [u8]>) -> Result<&'a str, BearerError> {
+    let mut values = values.into_iter();
     let value = values.next().ok_or(BearerError::Missing)?;
     if values.next().is_some() {
         return Err(BearerError::Repeated);
     }
     let token = value
-        .as_bytes()
         .strip_prefix(b"Bearer ")
         .ok_or(BearerError::Malformed)?;
     if token.is_empty() || !token.iter().all(|b| b.is_ascii_graphic()) {
@@ -230,9 +225,8 @@ impl Authenticator {
         }
     }
 
-    /// The principal behind the request's bearer credential.
-    pub async fn authenticate(&self, headers: &HeaderMap) -> Result<Principal, AuthError> {
-        let token = bearer(headers)?;
+    /// The principal behind a bearer credential (see [`bearer`]).
+    pub async fn authenticate(&self, token: &str) -> Result<Principal, AuthError> {
         if looks_like_jwt(token) {
             return self.verify_jwt(token).await;
         }
@@ -246,10 +240,12 @@ impl Authenticator {
         Ok(Principal::from_key(key, &self.defaults))
     }
 
-    /// The caller of a bearer that is a JWT, and whether it has the admin role (for the
-    /// admin API); `None` when the bearer is no JWT or JWTs are not accepted.
-    pub async fn admin_jwt(&self, headers: &HeaderMap) -> Option<Result<JwtCaller, AuthError>> {
-        let token = bearer(headers).ok().filter(|t| looks_like_jwt(t))?;
+    /// The caller of a bearer credential that is a JWT, and whether it has the admin role
+    /// (for the admin API); `None` when it is no JWT or JWTs are not accepted.
+    pub async fn admin_jwt(&self, token: &str) -> Option<Result<JwtCaller, AuthError>> {
+        if !looks_like_jwt(token) {
+            return None;
+        }
         let verifier = self.jwt.as_ref()?;
         Some(
             verifier
@@ -342,17 +338,22 @@ fn jwt_error(e: JwtError) -> AuthError {
 mod tests {
     use std::time::Duration;
 
-    use axum::http::HeaderValue;
     use axum::http::header::AUTHORIZATION;
+    use axum::http::{HeaderMap, HeaderValue};
 
     use super::*;
 
+    /// The values as a request carries them, read back as the HTTP layer reads them.
     fn headers(values: &[&[u8]]) -> HeaderMap {
         let mut h = HeaderMap::new();
         for v in values {
             h.append(AUTHORIZATION, HeaderValue::from_bytes(v).unwrap());
         }
         h
+    }
+
+    fn bearer(h: &HeaderMap) -> Result<&str, BearerError> {
+        super::bearer(h.get_all(AUTHORIZATION).iter().map(HeaderValue::as_bytes))
     }
 
     #[test]

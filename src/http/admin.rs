@@ -67,7 +67,7 @@ impl FromRequestParts<Arc<AppState>> for Admin {
         state: &Arc<AppState>,
     ) -> Result<Self, ApiError> {
         // The same parsing as the API's: one header, `Bearer`, one space, visible ASCII.
-        let presented = crate::auth::bearer(&parts.headers)?;
+        let presented = super::lifecycle::bearer(&parts.headers)?;
         let forbidden = || ApiError::new(ErrorCode::Forbidden, "Admin rights are required.");
         let expected = state.config.admin_token.as_deref().unwrap_or_default();
         if !expected.is_empty() && bool::from(presented.as_bytes().ct_eq(expected.as_bytes())) {
@@ -75,7 +75,7 @@ impl FromRequestParts<Arc<AppState>> for Admin {
             return Ok(Admin);
         }
         // A JWT, verified against the JWKS: admin role or not.
-        if let Some(verdict) = state.auth.admin_jwt(&parts.headers).await {
+        if let Some(verdict) = state.auth.admin_jwt(presented).await {
             let caller = verdict?;
             super::access_log::record_principal(&caller.subject);
             return if caller.admin {

@@ -19,7 +19,7 @@ use switchyard_actors::protocol::Api;
 
 use super::error::ApiError;
 use crate::admission::Request;
-use crate::auth::Principal;
+use crate::auth::{BearerError, Principal};
 use crate::config::ModelConfig;
 use crate::server::AppState;
 
@@ -57,10 +57,17 @@ pub enum Started {
     Existing(Box<GenerationRecord>),
 }
 
+/// The request's bearer credential: its `Authorization` headers, all of them, through
+/// [`crate::auth::bearer`].
+pub fn bearer(headers: &HeaderMap) -> Result<&str, BearerError> {
+    let values = headers.get_all(axum::http::header::AUTHORIZATION);
+    crate::auth::bearer(values.iter().map(axum::http::HeaderValue::as_bytes))
+}
+
 /// The principal behind the request's credential, named in the access log (a verified JWT
 /// whose team failed is named too); never the credential itself.
 pub async fn authenticate(state: &AppState, headers: &HeaderMap) -> Result<Principal, ApiError> {
-    match state.auth.authenticate(headers).await {
+    match state.auth.authenticate(bearer(headers)?).await {
         Ok(principal) => {
             super::access_log::record_principal(&principal.log_name());
             Ok(principal)

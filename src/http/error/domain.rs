@@ -24,8 +24,7 @@ impl From<AuthError> for ApiError {
     fn from(e: AuthError) -> Self {
         let message = e.to_string();
         match e {
-            AuthError::Bearer(_)
-            | AuthError::UnknownKey
+            AuthError::UnknownKey
             | AuthError::KeyUnusable
             | AuthError::JwtNotAccepted
             | AuthError::Token(_)

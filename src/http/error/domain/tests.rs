@@ -33,11 +33,14 @@ fn limits() -> LimitState {
 
 #[test]
 fn credential_refusals_are_401_and_outages_503_with_their_waits() {
+    let (status, _, error) = answer(BearerError::Repeated.into());
+    assert_eq!(status, StatusCode::UNAUTHORIZED);
+    assert_eq!(error["code"], "unauthorized");
+    assert_eq!(
+        error["message"],
+        "Send one Authorization header, not several."
+    );
     for (e, message) in [
-        (
-            AuthError::Bearer(BearerError::Missing),
-            "Missing bearer credential.",
-        ),
         (AuthError::UnknownKey, "Unknown API key."),
         (AuthError::KeyUnusable, "The API key is revoked or expired."),
         (AuthError::JwtNotAccepted, "JWTs are not accepted here."),
