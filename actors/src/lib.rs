@@ -45,4 +45,5 @@ pub mod output;
 pub mod ports;
 pub mod protocol;
 pub mod sse;
+pub mod supervision;
 pub mod tasks;
