@@ -134,6 +134,18 @@ impl Actor for GenerationSupervisor {
         Ok(())
     }
 
+    /// Stopped on purpose (shutdown): its generations are killed with it, as before there
+    /// was a root. Their records are dropped so that nothing keeps their clients' streams
+    /// open (each holds a sender); a crash, instead, leaves them for the next supervisor.
+    async fn post_stop(
+        &self,
+        _myself: ActorRef<SupervisorMsg>,
+        state: &mut SupervisorState,
+    ) -> Result<(), ActorProcessingErr> {
+        lock(&state.children).clear();
+        Ok(())
+    }
+
     /// A child's end never stops the supervisor (ractor's default would).
     async fn handle_supervisor_evt(
         &self,

@@ -570,3 +570,29 @@ async fn a_crashed_node_supervisor_is_restarted_and_its_nodes_reconnect() {
     assert!(matches!(end_of(&mut stream).await, GenEvent::Finished(_)));
     h.sup.stop();
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_generation_supervisor_stopped_on_purpose_ends_its_streams_and_stays_stopped() {
+    let restarts = Restarts::default();
+    let _recorder = metrics::set_default_local_recorder(&restarts);
+    let h = harness(1, RestartPolicy::QUEUES).await;
+    let (_node, mut out) = connect(&h, "n1").await;
+    let mut stream = start(&h, "r1").await.unwrap();
+    assert_eq!(expect_assign(&mut out).await, ("r1".into(), 1));
+
+    h.sup.generations.stop();
+
+    // Nothing the tree keeps holds the client's stream open.
+    let ended = tokio::time::timeout(Duration::from_secs(5), stream.next())
+        .await
+        .expect("the stream ends with its generation");
+    assert_eq!(ended, None);
+    // A deliberate stop is no crash: not counted, not restarted.
+    settle().await;
+    assert_eq!(restarts.of(kind::SUPERVISOR), 0);
+    assert_eq!(
+        start(&h, "r2").await.err().unwrap().code,
+        ErrorCode::QuotaServiceUnavailable
+    );
+    h.sup.stop();
+}
