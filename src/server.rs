@@ -1,5 +1,5 @@
-//! Assembly of one server replica: storage and coordination, the actors (a queue per model,
-//! the generation supervisor), the HTTP routes, and a graceful stop. `serve`, `demo` and the
+//! Assembly of one server replica: storage and coordination, the actors (the supervision
+//! tree: a queue per model, node actors, generations), the HTTP routes, and a graceful stop. `serve`, `demo` and the
 //! integration tests all start a replica through [`Server::start`].
 
 use std::collections::BTreeMap;
@@ -9,10 +9,11 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
-use switchyard_actors::generation::{Directory, Generations};
-use switchyard_actors::model_queue::{ModelQueueActor, ModelQueueHandle, QueueArgs};
+use switchyard_actors::generation::Generations;
+use switchyard_actors::model_queue::{ModelQueueHandle, QueueArgs};
 use switchyard_actors::node::NodeHandle;
 use switchyard_actors::ports::{Clock, Coordinator, SystemClock};
+use switchyard_actors::supervision::{RestartPolicy, Supervision, SupervisionArgs};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
@@ -37,9 +38,11 @@ pub struct AppState {
     pub store: Arc<dyn Store>,
     /// Cluster coordination.
     pub coordinator: Arc<dyn Coordinator>,
-    /// Starts generations.
+    /// The actors' supervision tree (starts node actors; reports a subsystem given up on).
+    pub supervision: Supervision,
+    /// Starts generations (the tree's handle, valid across restarts).
     pub generations: Generations,
-    /// The queue of every model, by resolved name.
+    /// The queue of every model, by resolved name (the tree's handles, valid across restarts).
     pub queues: BTreeMap<String, ModelQueueHandle>,
     /// Node connections held by this replica, by node id.
     pub nodes: Mutex<BTreeMap<String, NodeHandle>>,
@@ -210,21 +213,27 @@ impl Server {
             )
         }))?;
         let ledger: Arc<dyn switchyard_actors::ports::Ledger> = store.clone();
-        let generations = Generations::start(ledger, Directory::default())
-            .await
-            .map_err(|e| StartError::Actors(e.to_string()))?;
-        let mut queues = BTreeMap::new();
-        for model in &config.models {
-            let args = QueueArgs {
-                model: model.name.clone(),
-                config: config.queue_config(model),
-                clock: clock.clone(),
-            };
-            let queue = ModelQueueActor::start(args)
-                .await
-                .map_err(|e| StartError::Actors(e.to_string()))?;
-            queues.insert(model.name.clone(), queue);
-        }
+        let supervision = Supervision::start(SupervisionArgs {
+            ledger,
+            queues: config
+                .models
+                .iter()
+                .map(|model| QueueArgs {
+                    model: model.name.clone(),
+                    config: config.queue_config(model),
+                    clock: clock.clone(),
+                })
+                .collect(),
+            queue_policy: RestartPolicy::QUEUES,
+            supervisor_policy: RestartPolicy::SUPERVISORS,
+            // MERGE(budget): the team budgets' supervisor joins the tree here, as a
+            // `switchyard_actors::supervision::Spec` of its BudgetSupervisor.
+            extra: Vec::new(),
+        })
+        .await
+        .map_err(|e| StartError::Actors(e.to_string()))?;
+        let generations = supervision.generations.clone();
+        let queues = supervision.queues.clone();
         // A stream's place outlives the longest request (plus the wait for its usage report).
         let slot_ttl =
             Duration::from_secs(config.timeouts.total_secs + config.timeouts.settle_wait_secs + 60);
@@ -253,6 +262,7 @@ impl Server {
             replica_id,
             store,
             coordinator,
+            supervision,
             generations,
             queues,
             nodes: Mutex::new(BTreeMap::new()),
@@ -338,9 +348,11 @@ impl Server {
         for node in nodes {
             node.stop();
         }
+        // Queues first, on purpose: their waiting generations end typed before the tree
+        // (and every actor still in it) stops.
         for queue in self.state.queues.values() {
             queue.stop();
         }
-        self.state.generations.stop();
+        self.state.supervision.stop();
     }
 }

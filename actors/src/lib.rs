@@ -1,12 +1,18 @@
 //! Switchyard's actors, their messages and their supervision.
 //!
 //! ```text
-//! per replica
+//! per replica: RootSupervisor ──────── restarts a crashed child supervisor; past its policy
+//! │                                      gives up on it (handles refuse typed, down() says so)
 //! ├─ GenerationSupervisor ──────────── settles/releases what a crashed child held
-//! │   └─ GenerationActor (one per request, spawn_linked)
+//! │   └─ GenerationActor (one per request, spawn_linked, never restarted)
 //! │        admitted → queued → dispatched(attempt n) → streaming → settled
-//! ├─ ModelQueueActor (one per model) ─ bounded queue, deadline, node choice
-//! └─ NodeActor (one per node socket) ─ relays frames, counts its in-flight work
+//! ├─ NodeSupervisor ─────────────────── a crashed node: NodeDown to its queues, NodeGone to
+//! │   │                                  generations, socket closed (never restarted)
+//! │   └─ NodeActor (one per node socket) ─ relays frames, counts its in-flight work
+//! ├─ QueueSupervisor ────────────────── restarts a crashed queue with backoff and rebuilds it
+//! │   │                                  (nodes re-announce, waiters re-queue); escalates
+//! │   └─ ModelQueueActor (one per model) ─ bounded queue, deadline, node choice
+//! └─ (team budgets' supervisor, a ChildSpec)
 //! ```
 //!
 //! A request: the HTTP layer calls [`generation::Generations::start_generation`]; the
@@ -27,7 +33,10 @@
 //! - a client disconnect becoming an engine cancel: the stream's drop guard in
 //!   `generation/supervisor.rs`, then `client_gone` in `generation/ending.rs`;
 //! - who settles a row: every path in `generation/ending.rs`, the supervisor for a crashed
-//!   generation, `settle_orphan` for a `done` without a generation.
+//!   generation, `settle_orphan` for a `done` without a generation;
+//! - what each crash costs and who repairs it: [`supervision`] (restart policies in
+//!   `supervision/mod.rs`, a queue's rebuild in `supervision/queues.rs`, a node's cleanup in
+//!   `supervision/nodes.rs`).
 //!
 //! The crate depends on no HTTP, SQL or Redis crate: it reaches the world only through
 //! [`ports`], so its tests run in-process on a paused clock. [`protocol`] holds the node ⇄
@@ -45,4 +54,5 @@ pub mod output;
 pub mod ports;
 pub mod protocol;
 pub mod sse;
+pub mod supervision;
 pub mod tasks;

@@ -37,3 +37,7 @@ pub const CONNECTIONS_OPEN: &str = "switchyard_connections_open";
 /// Counter: requests the listener refused before they reached a handler, by `reason`
 /// (`header_timeout`, `body_timeout`, `head_too_large`, `uri_too_long`, `malformed`).
 pub const LISTENER_REFUSALS_TOTAL: &str = "switchyard_listener_refusals_total";
+/// Counter: actors that crashed (a panic or an error out of a handler) and were contained by
+/// their supervisor, by `kind` (`generation`, `node`, `model_queue`, `team_budget`,
+/// `supervisor`), whether the policy restarted them or not.
+pub const ACTOR_RESTARTS_TOTAL: &str = "switchyard_actor_restarts_total";

@@ -1,5 +1,5 @@
 //! `GET /v1/nodes/connect`: a GPU node dials in (it may sit behind NAT) and the connection
-//! becomes a [`NodeActor`]. The first frame must be `register` within 5 s with the node's
+//! becomes a node actor, started under the node supervisor. The first frame must be `register` within 5 s with the node's
 //! per-node token (stored hashed, compared in constant time); registrations are rate limited
 //! so that a reconnect storm after a deploy cannot overwhelm the replica.
 
@@ -15,7 +15,7 @@ use switchyard_actors::error::ErrorCode;
 use super::error::ApiError;
 use futures::{SinkExt, StreamExt};
 use subtle::ConstantTimeEq;
-use switchyard_actors::node::{NodeActor, NodeArgs, NodeHandle, NodeTrust, Violation};
+use switchyard_actors::node::{NodeArgs, NodeHandle, NodeTrust, Violation};
 use switchyard_actors::protocol::{
     Malformed, NodeFrame, OLDEST_PROTOCOL_VERSION, PROTOCOL_VERSION, ServerFrame, decode_node_frame,
 };
@@ -104,7 +104,7 @@ async fn serve_node(state: Arc<AppState>, mut socket: WebSocket) {
     if send(&mut socket, &accepted).await.is_err() {
         return;
     }
-    let node = match NodeActor::start(args).await {
+    let node = match state.supervision.nodes.start(args).await {
         Ok(node) => node,
         Err(e) => {
             tracing::error!(error = %e, "could not start the node actor");
@@ -133,7 +133,10 @@ async fn serve_node(state: Arc<AppState>, mut socket: WebSocket) {
 }
 
 /// Pumps frames both ways until either side ends. A replica shutting down keeps node sockets
-/// open while its in-flight streams drain; it closes them by stopping the node actors.
+/// open while its in-flight streams drain; it closes them by stopping the node actors. A node
+/// actor that crashes drops its outbound sender with its state: `frames` ends, the socket is
+/// closed, and the agent reconnects and resends its `done`s (its supervisor has already told
+/// the queues and the generations).
 async fn relay(socket: WebSocket, node: &NodeHandle, frames: &mut mpsc::Receiver<ServerFrame>) {
     let (mut sink, mut stream) = socket.split();
     loop {
@@ -145,7 +148,7 @@ async fn relay(socket: WebSocket, node: &NodeHandle, frames: &mut mpsc::Receiver
                         return;
                     }
                 }
-                // The actor stopped (shutdown, a revoked token, too many violations): say so,
+                // The actor stopped (shutdown, a revoked token, too many violations, a crash): say so,
                 // so the agent sees a closed connection rather than a reset one.
                 None => {
                     let _ = sink.send(Message::Close(None)).await;

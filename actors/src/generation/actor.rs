@@ -235,6 +235,16 @@ impl Actor for GenerationActor {
             GenerationMsg::ClientGone => state.client_gone(&myself).await,
             GenerationMsg::Cancel => state.cancel(&myself).await,
             GenerationMsg::Timer(timer) => state.timer(&myself, timer).await,
+            GenerationMsg::QueueRestarted { model } => {
+                if matches!(state.phase, Phase::Queued) && state.args.queue.model() == model {
+                    state.requeue(&myself).await;
+                }
+            }
+            GenerationMsg::NodeGone { node_id } => {
+                if state.holders.get(&state.attempt) == Some(&node_id) {
+                    state.node_lost(&myself).await;
+                }
+            }
         }
         Ok(())
     }
@@ -569,6 +579,24 @@ impl GenerationState {
             return false;
         }
         true
+    }
+
+    /// Its queue was restarted empty: back in at the front, not counted as a retry (nothing
+    /// was dispatched). A refusal (no node left, the queue given up) ends it typed.
+    async fn requeue(&mut self, myself: &ActorRef<GenerationMsg>) {
+        let queue = self.args.queue.clone();
+        if let Err(failure) = queue
+            .enqueue(
+                &self.args.request_id,
+                myself.clone(),
+                true,
+                None,
+                self.args.api,
+            )
+            .await
+        {
+            self.finish_without_work(myself, failure).await;
+        }
     }
 
     /// The current attempt proved it started: the message is consumed (once).

@@ -1,6 +1,7 @@
 //! The live generations of this replica by request id. A `done` resent after a node
 //! reconnects arrives on a new connection that never carried the assignment; the directory
-//! lets it find the generation still waiting for it. Passed explicitly, never global.
+//! lets it find the generation still waiting for it; the supervisors broadcast through it
+//! when a queue restarts or a node actor crashes. Passed explicitly, never global.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -39,6 +40,26 @@ impl Directory {
         if map.get(request_id).is_some_and(|a| a.get_id() == actor) {
             map.remove(request_id);
         }
+    }
+
+    /// Every live generation (a snapshot: the lock is not held while they are messaged).
+    pub fn live(&self) -> Vec<ActorRef<GenerationMsg>> {
+        self.inner
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .values()
+            .cloned()
+            .collect()
+    }
+
+    /// Casts `make()` to every live generation; returns how many took it. Each decides for
+    /// itself whether the news concerns it (its model, its node), so nothing is missed while
+    /// the directory changes.
+    pub(crate) fn broadcast(&self, make: impl Fn() -> GenerationMsg) -> usize {
+        self.live()
+            .into_iter()
+            .filter(|g| g.cast(make()).is_ok())
+            .count()
     }
 
     /// Number of live generations.

@@ -17,4 +17,4 @@ pub use actor::GenerationActor;
 pub use directory::Directory;
 pub use events::{EventReceiver, EventSender, StreamBound};
 pub use msg::{EndHook, GenEvent, GenerationArgs, GenerationMsg, Timeouts, Usage};
-pub use supervisor::{GenerationStream, Generations};
+pub use supervisor::{GenerationStream, GenerationSupervisor, Generations, SupervisorArgs};

@@ -233,4 +233,17 @@ pub enum GenerationMsg {
     Cancel,
     /// A deadline fired.
     Timer(Timer),
+    /// The queue of `model` crashed and was restarted empty (or given up on): a generation
+    /// waiting for that model enqueues itself again at the front, or ends with the typed
+    /// refusal the queue gives.
+    QueueRestarted {
+        /// The restarted queue's model.
+        model: String,
+    },
+    /// The node actor of `node_id` crashed: a generation whose current attempt runs there
+    /// behaves exactly as on `NodeLost { attempt: current }`; any other ignores it.
+    NodeGone {
+        /// The crashed node's id.
+        node_id: String,
+    },
 }

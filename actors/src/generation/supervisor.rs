@@ -1,10 +1,13 @@
 //! The generation supervisor and [`Generations`], the handle the HTTP layer uses to start a
 //! generation and read its events. A generation that crashes (a panic in a handler) is
 //! reported here: the supervisor releases its ledger row and tells its client, so a bug can
-//! neither leak a reservation nor leave a stream hanging.
+//! neither leak a reservation nor leave a stream hanging. Generations are never restarted.
+//! The supervisor itself runs under the root (`crate::supervision`); what it knows of its
+//! children lives outside it, so the one that replaces it after a crash cleans up after the
+//! generations that died with it.
 
 use std::collections::BTreeMap;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError, RwLock};
 use std::time::Duration;
 
 use super::actor::GenerationActor;
@@ -12,11 +15,10 @@ use super::directory::Directory;
 use super::events::{CrashSender, EventReceiver};
 use super::msg::{GenEvent, GenerationArgs, GenerationMsg};
 use crate::error::{ErrorCode, Failure};
+use crate::metric_names::ACTOR_RESTARTS_TOTAL;
 use crate::ports::Ledger;
 use crate::tasks::TaskGuard;
-use ractor::{
-    Actor, ActorCell, ActorId, ActorProcessingErr, ActorRef, RpcReplyPort, SupervisionEvent,
-};
+use ractor::{Actor, ActorId, ActorProcessingErr, ActorRef, RpcReplyPort, SupervisionEvent};
 
 /// What the supervisor remembers of each child, to clean up after a crash.
 #[derive(Debug)]
@@ -26,6 +28,13 @@ struct Child {
     events: CrashSender,
 }
 
+/// The live children, shared with the supervisor that replaces this one: when a supervisor
+/// dies its generations are killed with it (no `post_stop`), and the next one settles them.
+type Children = Arc<Mutex<BTreeMap<ActorId, Child>>>;
+
+/// Where the live supervisor is: rebound by each supervisor that starts.
+type Slot = Arc<RwLock<Option<ActorRef<SupervisorMsg>>>>;
+
 /// Messages of the supervisor.
 #[derive(Debug)]
 pub enum SupervisorMsg {
@@ -34,6 +43,20 @@ pub enum SupervisorMsg {
         Box<GenerationArgs>,
         RpcReplyPort<Result<ActorRef<GenerationMsg>, String>>,
     ),
+    /// Test-only fault hook: the supervisor panics while handling it.
+    #[cfg(any(test, feature = "fault-injection"))]
+    Crash,
+}
+
+/// What a generation supervisor starts with (kept by the root to start it again).
+#[derive(Debug, Clone)]
+pub struct SupervisorArgs {
+    /// To release the rows of crashed generations.
+    pub ledger: Arc<dyn Ledger>,
+    /// The live generations.
+    pub directory: Directory,
+    children: Children,
+    slot: Slot,
 }
 
 /// The supervisor's state.
@@ -41,7 +64,8 @@ pub enum SupervisorMsg {
 pub struct SupervisorState {
     ledger: Arc<dyn Ledger>,
     directory: Directory,
-    children: BTreeMap<ActorId, Child>,
+    /// Live generations, to clean up after a crash (shared: see [`Children`]).
+    children: Children,
     _guard: TaskGuard,
 }
 
@@ -52,19 +76,27 @@ pub struct GenerationSupervisor;
 impl Actor for GenerationSupervisor {
     type Msg = SupervisorMsg;
     type State = SupervisorState;
-    type Arguments = (Arc<dyn Ledger>, Directory);
+    type Arguments = SupervisorArgs;
 
     async fn pre_start(
         &self,
-        _myself: ActorRef<SupervisorMsg>,
-        (ledger, directory): (Arc<dyn Ledger>, Directory),
+        myself: ActorRef<SupervisorMsg>,
+        args: SupervisorArgs,
     ) -> Result<SupervisorState, ActorProcessingErr> {
-        Ok(SupervisorState {
-            ledger,
-            directory,
-            children: BTreeMap::new(),
+        let state = SupervisorState {
+            ledger: args.ledger,
+            directory: args.directory,
+            children: args.children,
             _guard: TaskGuard::new("supervisor"),
-        })
+        };
+        // Children left by a supervisor that crashed were killed with it: settle them now.
+        let orphans = std::mem::take(&mut *lock(&state.children));
+        for (id, child) in orphans {
+            tracing::error!(request_id = %child.request_id, "generation killed with its crashed supervisor; releasing its reservation");
+            crashed(&state, id, child).await;
+        }
+        *args.slot.write().unwrap_or_else(PoisonError::into_inner) = Some(myself);
+        Ok(state)
     }
 
     async fn handle(
@@ -89,14 +121,28 @@ impl Actor for GenerationSupervisor {
                 .await;
                 let result = match spawned {
                     Ok((actor, _)) => {
-                        state.children.insert(actor.get_id(), child);
+                        lock(&state.children).insert(actor.get_id(), child);
                         Ok(actor)
                     }
                     Err(e) => Err(e.to_string()),
                 };
                 let _ = reply.send(result);
             }
+            #[cfg(any(test, feature = "fault-injection"))]
+            SupervisorMsg::Crash => crate::supervision::fault::inject("generation supervisor"),
         }
+        Ok(())
+    }
+
+    /// Stopped on purpose (shutdown): its generations are killed with it, as before there
+    /// was a root. Their records are dropped so that nothing keeps their clients' streams
+    /// open (each holds a sender); a crash, instead, leaves them for the next supervisor.
+    async fn post_stop(
+        &self,
+        _myself: ActorRef<SupervisorMsg>,
+        state: &mut SupervisorState,
+    ) -> Result<(), ActorProcessingErr> {
+        lock(&state.children).clear();
         Ok(())
     }
 
@@ -109,12 +155,14 @@ impl Actor for GenerationSupervisor {
     ) -> Result<(), ActorProcessingErr> {
         match event {
             SupervisionEvent::ActorTerminated(cell, _, _) => {
-                state.children.remove(&cell.get_id());
+                lock(&state.children).remove(&cell.get_id());
             }
             SupervisionEvent::ActorFailed(cell, error) => {
-                if let Some(child) = state.children.remove(&cell.get_id()) {
-                    tracing::error!(request_id = %child.request_id, %error, "generation crashed; releasing its reservation");
-                    crashed(state, &cell, child).await;
+                let child = lock(&state.children).remove(&cell.get_id());
+                if let Some(child) = child {
+                    metrics::counter!(ACTOR_RESTARTS_TOTAL, "kind" => "generation").increment(1);
+                    tracing::error!(request_id = %child.request_id, %error, "generation crashed; releasing its reservation (never restarted)");
+                    crashed(state, cell.get_id(), child).await;
                 }
             }
             _ => {}
@@ -126,8 +174,8 @@ impl Actor for GenerationSupervisor {
 /// Cleans up after a crashed generation: its row is cancelled (nothing is known of its
 /// usage; a `done` the node sends later still settles it, see the node actor) and its client
 /// gets an error instead of a hang.
-async fn crashed(state: &SupervisorState, cell: &ActorCell, child: Child) {
-    state.directory.remove(&child.request_id, cell.get_id());
+async fn crashed(state: &SupervisorState, id: ActorId, child: Child) {
+    state.directory.remove(&child.request_id, id);
     if let Err(e) = state.ledger.cancel(&child.ledger_id).await {
         tracing::error!(request_id = %child.request_id, error = %e, "could not release a crashed generation's row");
     }
@@ -137,25 +185,64 @@ async fn crashed(state: &SupervisorState, cell: &ActorCell, child: Child) {
     )));
 }
 
-/// Starts generations; cloneable, held by the HTTP layer.
+fn lock(children: &Children) -> std::sync::MutexGuard<'_, BTreeMap<ActorId, Child>> {
+    children.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// Starts generations; cloneable, held by the HTTP layer. It reaches whichever supervisor is
+/// live: one restarted by the root replaces the one that crashed.
 #[derive(Debug, Clone)]
 pub struct Generations {
-    supervisor: ActorRef<SupervisorMsg>,
+    supervisor: Slot,
     directory: Directory,
 }
 
 impl Generations {
-    /// Starts the supervisor.
+    /// Starts a supervisor of its own, with no parent (tests; the server starts it under the
+    /// root, see `crate::supervision`).
     pub async fn start(
         ledger: Arc<dyn Ledger>,
         directory: Directory,
     ) -> Result<Self, ractor::SpawnErr> {
-        let (supervisor, _) =
-            Actor::spawn(None, GenerationSupervisor, (ledger, directory.clone())).await?;
-        Ok(Self {
-            supervisor,
-            directory,
-        })
+        let (handle, args) = Self::unstarted(ledger, directory);
+        Actor::spawn(None, GenerationSupervisor, args).await?;
+        Ok(handle)
+    }
+
+    /// A handle with no supervisor yet, and the arguments that start one bound to it.
+    pub(crate) fn unstarted(
+        ledger: Arc<dyn Ledger>,
+        directory: Directory,
+    ) -> (Self, SupervisorArgs) {
+        let slot: Slot = Arc::default();
+        let args = SupervisorArgs {
+            ledger,
+            directory: directory.clone(),
+            children: Children::default(),
+            slot: slot.clone(),
+        };
+        (
+            Self {
+                supervisor: slot,
+                directory,
+            },
+            args,
+        )
+    }
+
+    fn supervisor(&self) -> Option<ActorRef<SupervisorMsg>> {
+        self.supervisor
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
+    /// Test-only fault hook: makes the generation supervisor panic.
+    #[cfg(any(test, feature = "fault-injection"))]
+    pub fn crash_supervisor(&self) {
+        if let Some(s) = self.supervisor() {
+            let _ = s.cast(SupervisorMsg::Crash);
+        }
     }
 
     /// The directory of live generations (for node connections).
@@ -177,8 +264,10 @@ impl Generations {
             )
             .retry_after(1)
         };
-        let spawned = self
-            .supervisor
+        let Some(supervisor) = self.supervisor() else {
+            return Err(unavailable("supervisor"));
+        };
+        let spawned = supervisor
             .call(
                 |reply| SupervisorMsg::Spawn(Box::new(args), reply),
                 Some(Duration::from_secs(5)),
@@ -211,7 +300,9 @@ impl Generations {
 
     /// Stops the supervisor and with it every generation.
     pub fn stop(&self) {
-        self.supervisor.stop(None);
+        if let Some(s) = self.supervisor() {
+            s.stop(None);
+        }
     }
 }
 

@@ -1,13 +1,15 @@
-//! The [`ModelQueueActor`]: bounded queue, deadlines, dispatch.
+//! The [`ModelQueueActor`]: bounded queue, deadlines, dispatch. It runs under the model
+//! queue supervisor (`crate::supervision`), which restarts it after a crash and rebuilds its
+//! nodes and waiting generations from the node actors and the generations themselves.
 
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
 
-use ractor::{Actor, ActorProcessingErr, ActorRef};
+use ractor::{Actor, ActorCell, ActorProcessingErr, ActorRef};
 use tokio::time::Instant;
 
-use super::msg::{ModelQueueHandle, QueueMsg, QueueStats};
+use super::msg::{ModelQueueHandle, NodeReport, QueueMsg, QueueStats};
 use super::routing::{NodeView, RoutingStrategy};
 use crate::error::{ErrorCode, Failure};
 use crate::generation::GenerationMsg;
@@ -35,8 +37,8 @@ pub struct QueueConfig {
     pub routing: RoutingStrategy,
 }
 
-/// What a model queue starts with.
-#[derive(Debug)]
+/// What a model queue starts with (kept by its supervisor to start it again).
+#[derive(Debug, Clone)]
 pub struct QueueArgs {
     /// The model (its resolved name).
     pub model: String,
@@ -93,11 +95,21 @@ pub struct QueueState {
 pub struct ModelQueueActor;
 
 impl ModelQueueActor {
-    /// Starts a model's queue.
+    /// Starts a model's queue with no supervisor (tests; the server starts queues through
+    /// `crate::supervision`).
     pub async fn start(args: QueueArgs) -> Result<ModelQueueHandle, ractor::SpawnErr> {
         let model = args.model.clone();
         let (actor, _) = Actor::spawn(None, ModelQueueActor, args).await?;
-        Ok(ModelQueueHandle { model, actor })
+        Ok(ModelQueueHandle::new(model, Some(actor)))
+    }
+
+    /// Starts a model's queue linked to `supervisor`, which hears of its crash.
+    pub(crate) async fn start_linked(
+        args: QueueArgs,
+        supervisor: ActorCell,
+    ) -> Result<ActorRef<QueueMsg>, ractor::SpawnErr> {
+        let (actor, _) = Actor::spawn_linked(None, ModelQueueActor, args, supervisor).await?;
+        Ok(actor)
     }
 }
 
@@ -159,8 +171,34 @@ impl Actor for ModelQueueActor {
                 );
                 state.dispatch();
             }
-            QueueMsg::NodeDown(id) => {
-                state.nodes.remove(&id);
+            QueueMsg::NodeRejoin(NodeReport {
+                node,
+                load,
+                in_flight,
+                draining,
+                suspended,
+            }) => {
+                let id = node.node_id().to_owned();
+                state.nodes.insert(
+                    id,
+                    NodeEntry {
+                        handle: node,
+                        in_flight,
+                        load,
+                        draining,
+                        suspended,
+                    },
+                );
+                state.dispatch();
+            }
+            QueueMsg::NodeDown(node) => {
+                if state
+                    .nodes
+                    .get(node.node_id())
+                    .is_some_and(|n| n.handle.same_actor(&node))
+                {
+                    state.nodes.remove(node.node_id());
+                }
             }
             QueueMsg::NodeLoad(id, load) => {
                 if let Some(n) = state.nodes.get_mut(&id) {
@@ -191,6 +229,8 @@ impl Actor for ModelQueueActor {
             QueueMsg::Stats(reply) => {
                 let _ = reply.send(state.stats());
             }
+            #[cfg(any(test, feature = "fault-injection"))]
+            QueueMsg::Crash => crate::supervision::fault::inject("model queue"),
         }
         Ok(())
     }
@@ -233,6 +273,11 @@ impl QueueState {
         api: Api,
     ) -> Result<(), Failure> {
         let model = &self.args.model;
+        // Already waiting: a generation re-queued after a restart may have entered the new
+        // queue before it heard of the restart. One entry, one dispatch.
+        if self.waiting.iter().any(|w| w.request_id == request_id) {
+            return Ok(());
+        }
         if self.live_nodes() == 0 {
             return Err(Failure::new(
                 ErrorCode::NoHealthyNode,

@@ -8,5 +8,5 @@ mod msg;
 mod routing;
 
 pub use actor::{ModelQueueActor, QueueArgs, QueueConfig};
-pub use msg::{ModelQueueHandle, QueueMsg, QueueStats};
+pub use msg::{ModelQueueHandle, NodeReport, QueueMsg, QueueStats};
 pub use routing::{NodeView, RoutingStrategy};

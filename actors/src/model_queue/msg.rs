@@ -1,4 +1,8 @@
-//! Messages of the [`super::ModelQueueActor`] and the handle others hold.
+//! Messages of the [`super::ModelQueueActor`] and the handle others hold. The handle points
+//! at the queue through a slot its supervisor rebinds after a restart, so generations and
+//! node actors keep one handle for the life of the replica.
+
+use std::sync::{Arc, PoisonError, RwLock};
 
 use ractor::{ActorRef, RpcReplyPort};
 
@@ -45,8 +49,12 @@ pub enum QueueMsg {
     },
     /// A node serving this model connected.
     NodeUp(NodeHandle, NodeLoad),
-    /// A node's connection ended.
-    NodeDown(String),
+    /// A live node announces itself again to a restarted queue, with what only it still knows:
+    /// the assignments of this model it carries, so the new queue never assigns past capacity.
+    NodeRejoin(NodeReport),
+    /// A node's connection ended (its actor stopped or crashed). It names the connection, not
+    /// only the node id: a node that already reconnected keeps its new entry.
+    NodeDown(NodeHandle),
     /// A node's heartbeat.
     NodeLoad(String, NodeLoad),
     /// A node finished an assignment of this model.
@@ -60,16 +68,70 @@ pub enum QueueMsg {
     Tick,
     /// Current statistics.
     Stats(RpcReplyPort<QueueStats>),
+    /// Test-only fault hook: the queue panics while handling it, as a bug would.
+    #[cfg(any(test, feature = "fault-injection"))]
+    Crash,
+}
+
+/// What a node tells a restarted queue about itself (see [`QueueMsg::NodeRejoin`]).
+#[derive(Debug, Clone)]
+pub struct NodeReport {
+    /// The node's connection.
+    pub node: NodeHandle,
+    /// Its last heartbeat's load.
+    pub load: NodeLoad,
+    /// Assignments of this queue's model it carries now.
+    pub in_flight: u32,
+    /// An operator drained it: no new work.
+    pub draining: bool,
+    /// Out of routing after repeated refusals.
+    pub suspended: bool,
 }
 
 /// Cloneable access to a model's queue.
 #[derive(Debug, Clone)]
 pub struct ModelQueueHandle {
     pub(crate) model: String,
-    pub(crate) actor: ActorRef<QueueMsg>,
+    /// The live queue actor; `None` while its supervisor waits to restart it or gave up on it
+    /// (every call then fails at once with `no_healthy_node`, never hangs).
+    slot: Arc<RwLock<Option<ActorRef<QueueMsg>>>>,
 }
 
 impl ModelQueueHandle {
+    /// A handle to `actor`.
+    pub(crate) fn new(model: String, actor: Option<ActorRef<QueueMsg>>) -> Self {
+        Self {
+            model,
+            slot: Arc::new(RwLock::new(actor)),
+        }
+    }
+
+    /// Points every clone of this handle at `actor` (a restart) or at nothing (a crash).
+    pub(crate) fn bind(&self, actor: Option<ActorRef<QueueMsg>>) {
+        *self.slot.write().unwrap_or_else(PoisonError::into_inner) = actor;
+    }
+
+    /// The queue actor now, if one is bound.
+    pub(crate) fn actor(&self) -> Option<ActorRef<QueueMsg>> {
+        self.slot
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
+    /// Casts to the bound queue; a message to an unbound or dead queue is dropped (a restarted
+    /// queue is rebuilt from the nodes and the waiting generations, not from lost casts).
+    fn cast(&self, msg: QueueMsg) {
+        if let Some(actor) = self.actor() {
+            let _ = actor.cast(msg);
+        }
+    }
+
+    /// Whether a queue actor is bound (false while it awaits a restart or was given up).
+    pub fn is_bound(&self) -> bool {
+        self.actor().is_some()
+    }
+
     /// The model this queue serves.
     pub fn model(&self) -> &str {
         &self.model
@@ -83,8 +145,17 @@ impl ModelQueueHandle {
         avoid: Option<String>,
         api: Api,
     ) -> Result<(), Failure> {
-        let result = self
-            .actor
+        let unavailable = || {
+            Err(Failure::new(
+                crate::error::ErrorCode::NoHealthyNode,
+                format!("the queue of {} is not available", self.model),
+            )
+            .retry_after(1))
+        };
+        let Some(actor) = self.actor() else {
+            return unavailable();
+        };
+        let result = actor
             .call(
                 |reply| QueueMsg::Enqueue {
                     request_id: request_id.to_owned(),
@@ -99,52 +170,48 @@ impl ModelQueueHandle {
             .await;
         match result {
             Ok(ractor::rpc::CallResult::Success(r)) => r,
-            _ => Err(Failure::new(
-                crate::error::ErrorCode::NoHealthyNode,
-                format!("the queue of {} is not available", self.model),
-            )
-            .retry_after(1)),
+            _ => unavailable(),
         }
     }
 
     pub(crate) fn withdraw(&self, request_id: &str) {
-        let _ = self.actor.cast(QueueMsg::Withdraw {
+        self.cast(QueueMsg::Withdraw {
             request_id: request_id.to_owned(),
         });
     }
 
     pub(crate) fn node_up(&self, node: NodeHandle, load: NodeLoad) {
-        let _ = self.actor.cast(QueueMsg::NodeUp(node, load));
+        self.cast(QueueMsg::NodeUp(node, load));
     }
 
-    pub(crate) fn node_down(&self, node_id: &str) {
-        let _ = self.actor.cast(QueueMsg::NodeDown(node_id.to_owned()));
+    pub(crate) fn node_rejoin(&self, report: NodeReport) {
+        self.cast(QueueMsg::NodeRejoin(report));
+    }
+
+    pub(crate) fn node_down(&self, node: &NodeHandle) {
+        self.cast(QueueMsg::NodeDown(node.clone()));
     }
 
     pub(crate) fn node_load(&self, node_id: &str, load: NodeLoad) {
-        let _ = self
-            .actor
-            .cast(QueueMsg::NodeLoad(node_id.to_owned(), load));
+        self.cast(QueueMsg::NodeLoad(node_id.to_owned(), load));
     }
 
     pub(crate) fn released(&self, node_id: &str) {
-        let _ = self.actor.cast(QueueMsg::Released(node_id.to_owned()));
+        self.cast(QueueMsg::Released(node_id.to_owned()));
     }
 
     pub(crate) fn node_draining(&self, node_id: &str) {
-        let _ = self.actor.cast(QueueMsg::NodeDraining(node_id.to_owned()));
+        self.cast(QueueMsg::NodeDraining(node_id.to_owned()));
     }
 
     pub(crate) fn node_suspended(&self, node_id: &str, suspended: bool) {
-        let _ = self
-            .actor
-            .cast(QueueMsg::NodeSuspended(node_id.to_owned(), suspended));
+        self.cast(QueueMsg::NodeSuspended(node_id.to_owned(), suspended));
     }
 
     /// Current statistics, or `None` if the queue does not answer.
     pub async fn stats(&self) -> Option<QueueStats> {
-        match self
-            .actor
+        let actor = self.actor()?;
+        match actor
             .call(QueueMsg::Stats, Some(std::time::Duration::from_secs(5)))
             .await
         {
@@ -155,6 +222,14 @@ impl ModelQueueHandle {
 
     /// Stops the queue actor.
     pub fn stop(&self) {
-        self.actor.stop(None);
+        if let Some(actor) = self.actor() {
+            actor.stop(None);
+        }
+    }
+
+    /// Test-only fault hook: makes the queue actor panic.
+    #[cfg(any(test, feature = "fault-injection"))]
+    pub fn crash(&self) {
+        self.cast(QueueMsg::Crash);
     }
 }

@@ -4,7 +4,7 @@ use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
 
-use ractor::{Actor, ActorProcessingErr, ActorRef};
+use ractor::{Actor, ActorCell, ActorProcessingErr, ActorRef};
 use tokio::sync::mpsc;
 
 use super::msg::{NodeHandle, NodeLoad, NodeMsg, Violation, Work};
@@ -14,7 +14,7 @@ use crate::lifecycle::{AttemptState, Event, GenerationStore, Outcome};
 use crate::metric_names::{
     NODE_KV_CACHE_USAGE, NODE_PROTOCOL_VIOLATIONS_TOTAL, STALE_FRAMES_TOTAL,
 };
-use crate::model_queue::ModelQueueHandle;
+use crate::model_queue::{ModelQueueHandle, NodeReport};
 use crate::output::Piece;
 use crate::ports::{
     Clock, Coordinator, EntryStatus, Ledger, LedgerEntry, MAX_TOKEN_COUNT, ReviewReason,
@@ -116,11 +116,27 @@ pub struct NodeState {
 pub struct NodeActor;
 
 impl NodeActor {
-    /// Starts the actor for a registered connection and returns its handle.
+    /// Starts the actor for a registered connection with no supervisor (tests; the server
+    /// starts node actors through `crate::supervision::Nodes`) and returns its handle.
     pub async fn start(args: NodeArgs) -> Result<NodeHandle, ractor::SpawnErr> {
         let node_id = args.node_id.clone();
         let protocol = args.protocol;
         let (actor, _) = Actor::spawn(None, NodeActor, args).await?;
+        Ok(NodeHandle {
+            node_id,
+            actor,
+            protocol,
+        })
+    }
+
+    /// Starts the actor linked to `supervisor`, which cleans up after its crash.
+    pub(crate) async fn start_linked(
+        args: NodeArgs,
+        supervisor: ActorCell,
+    ) -> Result<NodeHandle, ractor::SpawnErr> {
+        let node_id = args.node_id.clone();
+        let protocol = args.protocol;
+        let (actor, _) = Actor::spawn_linked(None, NodeActor, args, supervisor).await?;
         Ok(NodeHandle {
             node_id,
             actor,
@@ -273,6 +289,25 @@ impl Actor for NodeActor {
             NodeMsg::Violation { kind, request_id } => {
                 violation(state, &myself, kind, request_id.as_deref()).await;
             }
+            NodeMsg::Reannounce { model, reply } => {
+                if let Some(queue) = state.args.queues.get(&model) {
+                    let in_flight = state
+                        .in_flight
+                        .values()
+                        .filter(|f| f.model == model)
+                        .count();
+                    queue.node_rejoin(NodeReport {
+                        node: state.handle.clone(),
+                        load: state.load,
+                        in_flight: u32::try_from(in_flight).unwrap_or(u32::MAX),
+                        draining: state.draining,
+                        suspended: state.suspended,
+                    });
+                }
+                let _ = reply.send(());
+            }
+            #[cfg(any(test, feature = "fault-injection"))]
+            NodeMsg::Crash => crate::supervision::fault::inject("node"),
         }
         Ok(())
     }
@@ -291,7 +326,7 @@ impl Actor for NodeActor {
                 .cast(GenerationMsg::NodeLost { attempt: f.attempt });
         }
         for queue in state.args.queues.values() {
-            queue.node_down(&state.args.node_id);
+            queue.node_down(&state.handle);
         }
         let key = format!("node:{}", state.args.node_id);
         if let Err(e) = state.args.coordinator.delete(&key).await {

@@ -1,6 +1,8 @@
 //! Messages of the [`super::NodeActor`] and the handle others hold.
 
-use ractor::ActorRef;
+use std::time::Duration;
+
+use ractor::{ActorRef, RpcReplyPort};
 
 use crate::generation::GenerationMsg;
 use crate::protocol::{Api, NodeFrame};
@@ -95,6 +97,18 @@ pub enum NodeMsg {
         /// The request the frame named, if any (for the log).
         request_id: Option<String>,
     },
+    /// The queue of `model` was restarted empty: announce this node to it again with the
+    /// load and in-flight count only this actor knows. The reply comes after the announcement
+    /// was sent, so the supervisor re-queues waiting generations only once nodes are known.
+    Reannounce {
+        /// The restarted queue's model.
+        model: String,
+        /// Sent once the announcement is on its way.
+        reply: RpcReplyPort<()>,
+    },
+    /// Test-only fault hook: the actor panics while handling it, as a bug would.
+    #[cfg(any(test, feature = "fault-injection"))]
+    Crash,
 }
 
 /// Cloneable access to a connected node.
@@ -206,5 +220,27 @@ impl NodeHandle {
     /// Stops the actor (the socket's writer ends with it).
     pub fn stop(&self) {
         self.actor.stop(None);
+    }
+
+    /// Asks the node to announce itself to the restarted queue of `model`; false if it did
+    /// not answer within `within` (it is gone, or its own crash is being handled).
+    pub(crate) async fn reannounce(&self, model: &str, within: Duration) -> bool {
+        let asked = self
+            .actor
+            .call(
+                |reply| NodeMsg::Reannounce {
+                    model: model.to_owned(),
+                    reply,
+                },
+                Some(within),
+            )
+            .await;
+        matches!(asked, Ok(ractor::rpc::CallResult::Success(())))
+    }
+
+    /// Test-only fault hook: makes the node's actor panic.
+    #[cfg(any(test, feature = "fault-injection"))]
+    pub fn crash(&self) {
+        let _ = self.actor.cast(NodeMsg::Crash);
     }
 }
