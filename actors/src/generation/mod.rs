@@ -5,8 +5,8 @@
 //! generation held.
 
 mod actor;
+mod core;
 mod directory;
-mod ending;
 pub mod events;
 mod msg;
 mod supervisor;

@@ -1,0 +1,1056 @@
+//! One generation's control logic as a pure state machine: [`Core::step`] takes an input (a
+//! message, a fired timer, or the answer of an I/O it asked for) and the time, and returns the
+//! [`Effect`]s to carry out. No I/O, no clock, no ractor: the actor in `actor.rs` carries out
+//! the effects; this file holds the state and the forward path, `ending.rs` every way it ends.
+//!
+//! The contract with whoever carries the effects out: effects run in order, and the answer of
+//! one (see [`Effect`]) is stepped at once, its effects carried out before the rest of the
+//! batch, with no other input in between. An effect whose answer decides what comes next is
+//! always the last of its batch.
+
+mod ending;
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use super::events::SendError;
+use super::msg::{GenEvent, Timeouts, Timer};
+use crate::error::{ErrorCode, Failure};
+use crate::lifecycle::{Event, Refusal};
+use crate::node::Violation;
+use crate::output::{Assembled, Piece};
+use crate::ports::{LedgerEntry, LedgerError, ReviewReason, SettleOutcome, UsageBounds};
+
+pub(super) use ending::Claim;
+
+/// Output kept for a lifecycle generation's result, at most.
+const MAX_RETAINED_OUTPUT: usize = 1 << 20;
+
+/// What the core needs of a node connection: who it is. The actor passes `NodeHandle`s; the
+/// property tests pass plain ids.
+pub(crate) trait NodeRef: Clone + std::fmt::Debug {
+    /// The node's id, as the holders record keeps it.
+    fn node_id(&self) -> &str;
+}
+
+/// What the core is told.
+#[derive(Debug)]
+pub(crate) enum Input<N> {
+    /// The HTTP layer asks to admit the request (answered by [`Effect::Reply`]).
+    Admit,
+    /// The queue picked a node and counted the assignment against it.
+    Dispatch {
+        /// The chosen node.
+        node: N,
+    },
+    /// The queue's deadline passed.
+    QueueTimeout,
+    /// The node's engine took the attempt.
+    Accepted {
+        /// Epoch of the frame.
+        attempt: u64,
+        /// The connection it came on.
+        from: N,
+    },
+    /// Generated text.
+    Chunk {
+        /// Epoch of the frame.
+        attempt: u64,
+        /// Position within the attempt.
+        seq: u64,
+        /// The output.
+        delta: Piece,
+        /// The connection it came on.
+        from: N,
+    },
+    /// The node's final report.
+    Done {
+        /// Epoch of the frame.
+        attempt: u64,
+        /// What the node claims it used.
+        claim: Claim,
+        /// The connection it came on (acked from here).
+        from: N,
+    },
+    /// The engine failed the attempt.
+    EngineError {
+        /// Epoch of the frame.
+        attempt: u64,
+        /// The agent's code.
+        code: String,
+        /// The engine's message.
+        message: String,
+        /// The connection it came on; `None` when the server never sent the work.
+        from: Option<N>,
+    },
+    /// The connection carrying `attempt` closed.
+    NodeLost {
+        /// The attempt that was on it.
+        attempt: u64,
+    },
+    /// The node actor of `node_id` crashed: a loss of the current attempt if it ran there.
+    NodeGone {
+        /// The node whose actor is gone.
+        node_id: String,
+    },
+    /// The queue of `model` crashed and was restarted: a waiting generation enqueues again.
+    QueueRestarted {
+        /// The restarted queue's model.
+        model: String,
+    },
+    /// The client's stream was dropped.
+    ClientGone,
+    /// A reader re-attached after the client left.
+    ClientBack,
+    /// The owner cancelled (the record already says so).
+    Cancel,
+    /// A deadline fired.
+    Timer(Timer),
+    /// Answer of [`Effect::Reserve`].
+    Reserved(Result<(), LedgerError>),
+    /// Answer of [`Effect::RecordHolders`]: whether the record was written.
+    HoldersRecorded(bool),
+    /// Answer of [`Effect::Enqueue`].
+    Enqueued(Result<(), Failure>),
+    /// Answer of [`Effect::Record`] with `answer`: `None` when there is no record or the
+    /// store could not be reached.
+    Recorded(Option<Result<(), Refusal>>),
+    /// Answer of [`Effect::Assign`]: false when the node's actor is gone (never sent).
+    Assigned(bool),
+    /// Answer of [`Effect::Tell`].
+    Told(Result<(), SendError>),
+    /// Answer of [`Effect::Settle`].
+    Settled(Result<SettleOutcome, LedgerError>),
+    /// Answer of [`Effect::LookUpRow`].
+    RowLookedUp(Result<Option<LedgerEntry>, LedgerError>),
+    /// Answer of [`Effect::CancelRow`]: whether the ledger answered.
+    RowCancelled(bool),
+    /// The actor stopped (for whatever reason): the safety net.
+    Stopped,
+}
+
+/// What the core asks to be done. Answered (see [`Input`]): `Reserve`, `RecordHolders`,
+/// `Enqueue`, `Record` with `answer`, `Assign`, `Tell`, `Settle`, `LookUpRow`, `CancelRow`.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) enum Effect<N> {
+    /// Answer the admission.
+    Reply(Result<(), Failure>),
+    /// Open the ledger row.
+    Reserve,
+    /// Write which node holds each attempt to the coordinator (before any node hears of it).
+    RecordHolders(BTreeMap<u64, String>),
+    /// Enter the model's queue.
+    Enqueue {
+        /// At the front (a retry, a restarted queue).
+        front: bool,
+        /// A node not to use while another serves the model.
+        avoid: Option<String>,
+    },
+    /// Leave the model's queue.
+    Withdraw,
+    /// Apply an event to the generation's record (if it has one).
+    Record {
+        /// The transition.
+        event: Event,
+        /// Whether its answer is wanted (then it ends its batch).
+        answer: bool,
+    },
+    /// Send attempt `attempt` to `node`.
+    Assign {
+        /// The chosen node.
+        node: N,
+        /// The new epoch.
+        attempt: u64,
+    },
+    /// Tell `node` to stop `attempt`.
+    CancelOnNode {
+        /// The node running it.
+        node: N,
+        /// The epoch to stop.
+        attempt: u64,
+    },
+    /// Let `node` forget its `done` of `attempt`.
+    Ack {
+        /// The node that sent it.
+        node: N,
+        /// Its epoch.
+        attempt: u64,
+    },
+    /// Report a frame `node` had no right to send.
+    Violation {
+        /// The sender.
+        node: N,
+        /// What it did.
+        kind: Violation,
+    },
+    /// Give the queue back the slot it counted against this node.
+    ReleaseSlot(String),
+    /// Settle the row with a claim (the ledger bills it within the row's bounds).
+    Settle {
+        /// Prompt tokens claimed.
+        prompt_tokens: u64,
+        /// Completion tokens claimed.
+        completion_tokens: u64,
+        /// Mark the row for review.
+        review: Option<ReviewReason>,
+    },
+    /// Read where the row stands.
+    LookUpRow,
+    /// Cancel the row (no GPU work billed).
+    CancelRow,
+    /// Hand an event to the client's sender (which journals it and, if it can, delivers it).
+    Tell(GenEvent),
+    /// Count the outcome in `switchyard_requests_total` under this code (once per generation).
+    Count(String),
+    /// A metric sample.
+    Metric(Metric),
+    /// Fire `timer` after `after`.
+    ArmTimer {
+        /// Which deadline.
+        timer: Timer,
+        /// From now.
+        after: Duration,
+    },
+    /// Stop the actor (exactly once).
+    Stop,
+}
+
+/// Metric samples, named in `metric_names.rs`; the actor adds the model label.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) enum Metric {
+    /// `STALE_FRAMES_TOTAL` with this reason.
+    StaleFrame(&'static str),
+    /// `QUEUE_WAIT_SECONDS`.
+    QueueWait(f64),
+    /// `TTFT_SECONDS`.
+    Ttft(f64),
+    /// `OUTPUT_TOKENS_PER_SECOND`.
+    OutputRate(f64),
+    /// `SLOW_READERS_TOTAL`.
+    SlowReader,
+    /// `USAGE_CLAMPED_TOTAL`.
+    UsageClamped,
+    /// `ACTIVE_STREAMS` up (admitted) or down (ended).
+    ActiveStreams(bool),
+}
+
+/// Why the server is stopping a running generation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Stop {
+    /// Cancelled: by its owner, by its client leaving, or for reading too slowly.
+    Cancelled,
+    /// Past a deadline.
+    Timeout,
+}
+
+/// The steps of admission, each waiting for its answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Admitting {
+    /// The ledger row is being opened.
+    Reserving,
+    /// The holders record (admitted, no attempt yet) is being written.
+    RecordingHolders,
+    /// The queue is being entered.
+    Enqueueing,
+}
+
+/// The steps of a dispatch, each waiting for its answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Dispatching {
+    /// The new epoch is being recorded.
+    RecordingEpoch,
+    /// The new holder is being written to the coordinator.
+    RecordingHolders,
+    /// The assignment is being handed to the node's actor.
+    Assigning,
+}
+
+/// Where a generation is in its life: the one state.
+#[derive(Debug, Clone)]
+pub(crate) enum Where<N> {
+    /// Spawned, not yet admitted.
+    New,
+    /// Being admitted.
+    Admitting(Admitting),
+    /// Waiting in the model's queue.
+    Queued {
+        /// The node it asked the queue to avoid (kept for a re-enqueue).
+        avoid: Option<String>,
+    },
+    /// Entering the queue again (a retry, or a restarted queue).
+    Requeueing {
+        /// The node it asks the queue to avoid.
+        avoid: Option<String>,
+    },
+    /// The queue gave it `node`; the attempt is being recorded and sent.
+    Dispatching {
+        /// The chosen node.
+        node: N,
+        /// Which answer it waits for.
+        step: Dispatching,
+    },
+    /// Assigned to `node` under the current attempt; nobody asked it to stop.
+    Running {
+        /// The node holding the current attempt.
+        node: N,
+    },
+    /// The node was lost before anything proved the attempt ran: waiting out its lease, so
+    /// that it is fenced before anything else is decided.
+    Fencing {
+        /// Why the server stops it, once the fence is over.
+        stop: Option<Stop>,
+    },
+    /// The node was told to stop; waiting for its `done`.
+    Cancelling {
+        /// Why.
+        stop: Stop,
+    },
+    /// The node is gone or failed after accepting; waiting for a resent `done`.
+    AwaitingDone {
+        /// Why the server stops it, if it does.
+        stop: Option<Stop>,
+    },
+    /// Settling the row; retries are timers, the answers come back as inputs.
+    Settling(ending::Settling<N>),
+    /// A failure before any work is being recorded (`Reject`); what follows depends on it.
+    Rejecting {
+        /// The failure.
+        failure: Failure,
+        /// Whether the admission is answered (else the client is told).
+        admission: bool,
+    },
+    /// Stopped.
+    Ended {
+        /// It stopped before any node could have heard of it (the safety net releases the
+        /// row if the end could not).
+        before_work: bool,
+    },
+}
+
+/// Fixed facts of one generation.
+#[derive(Debug, Clone)]
+pub(crate) struct Config {
+    /// For logs only.
+    pub request_id: String,
+    /// The model (its queue's restarts concern it).
+    pub model: String,
+    /// Deadlines.
+    pub timeouts: Timeouts,
+    /// The most a node may bill.
+    pub bounds: UsageBounds,
+    /// The gateway's prompt count (fallback usage once anything streamed).
+    pub estimated_prompt_tokens: u64,
+    /// The generation has a lifecycle record: its output is kept, and its client may come back
+    /// (so a leaving client gets the grace).
+    pub recorded: bool,
+}
+
+/// The current attempt's progress.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Attempt {
+    /// Current epoch; frames of other epochs are fenced. 0 before the first dispatch.
+    pub epoch: u64,
+    /// The attempt is proven to have started (`accepted`, a chunk or `done`).
+    pub evidence: bool,
+    /// Next expected chunk position.
+    pub next_seq: u64,
+    /// Chunks received (the fallback usage when no `done` comes).
+    pub chunks: u64,
+}
+
+/// The client's reader, as far as the sender or the stream's drop guard said.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Reader {
+    /// Reading.
+    Reading,
+    /// Fell behind the stream's bound once (the generation was cancelled for it).
+    Behind,
+    /// Left (its stream dropped, or the channel closed).
+    Gone,
+}
+
+/// Where the ledger row stands for this generation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Row {
+    /// Never opened.
+    Unopened,
+    /// Reserved: this generation still has to finalise it.
+    Reserved,
+    /// Final, or left to the node's resent `done` and the sweeper: never touched again.
+    Done,
+}
+
+/// Output kept for a lifecycle generation's result.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Retained {
+    /// The text.
+    pub text: String,
+    /// Reasoning and tool calls.
+    pub extra: Assembled,
+    /// Bytes kept so far, against [`MAX_RETAINED_OUTPUT`].
+    pub bytes: usize,
+    /// The cap was reached: a retained result is a prefix, never one with a hole.
+    pub full: bool,
+}
+
+/// The state of one generation.
+#[derive(Debug)]
+pub(crate) struct Core<N> {
+    /// Fixed facts.
+    pub cfg: Config,
+    /// Where it is.
+    pub at: Where<N>,
+    /// The current attempt.
+    pub attempt: Attempt,
+    /// The node each attempt was dispatched to: a frame is believed only from its attempt's
+    /// node (SPEC section 7, trust).
+    pub holders: BTreeMap<u64, String>,
+    /// A lost or refused first attempt is retried once.
+    pub retried: bool,
+    /// The client's reader.
+    pub reader: Reader,
+    /// The serial of the cancel grace running now, if any (a `ClientBack` ends it; a timer
+    /// of an older grace does nothing).
+    pub grace: Option<u64>,
+    /// Graces started so far (their serials).
+    pub graces: u64,
+    /// The terminal event was handed to the sender: no delta follows it.
+    pub told: bool,
+    /// The outcome was counted (once per generation).
+    pub counted: bool,
+    /// The ledger row.
+    pub row: Row,
+    /// Prompt plus completion tokens this generation settled (for tokens-per-day).
+    pub settled_tokens: Option<u64>,
+    /// `ACTIVE_STREAMS` was raised for it (lowered once when it stops).
+    pub active: bool,
+    /// When it entered the queue.
+    pub admitted_at: Instant,
+    /// When it was last dispatched.
+    pub dispatched_at: Option<Instant>,
+    /// Its first token (TTFT; `FirstToken` does nothing once it came).
+    pub first_token_at: Option<Instant>,
+    /// Its latest token (output rate).
+    pub last_token_at: Option<Instant>,
+    /// Output kept for the record.
+    pub retained: Retained,
+}
+
+/// The effects of one step.
+type Fx<N> = Vec<Effect<N>>;
+
+impl<N: NodeRef> Core<N> {
+    /// A generation spawned at `now`.
+    pub(crate) fn new(cfg: Config, now: Instant) -> Self {
+        Self {
+            cfg,
+            at: Where::New,
+            attempt: Attempt::default(),
+            holders: BTreeMap::new(),
+            retried: false,
+            reader: Reader::Reading,
+            grace: None,
+            graces: 0,
+            told: false,
+            counted: false,
+            row: Row::Unopened,
+            settled_tokens: None,
+            active: false,
+            admitted_at: now,
+            dispatched_at: None,
+            first_token_at: None,
+            last_token_at: None,
+            retained: Retained::default(),
+        }
+    }
+
+    /// Takes one input at `now` and says what to do.
+    pub(crate) fn step(&mut self, input: Input<N>, now: Instant) -> Fx<N> {
+        let mut fx = Vec::new();
+        if matches!(self.at, Where::Ended { .. }) && !matches!(input, Input::Stopped) {
+            // Stopped: answers of the last effects only matter for the row.
+            if let Input::RowCancelled(ok) = input {
+                self.row_cancelled(ok);
+            }
+            return fx;
+        }
+        match input {
+            Input::Admit => self.admit(&mut fx),
+            Input::Reserved(r) => self.reserved(r, &mut fx),
+            Input::HoldersRecorded(ok) => self.holders_recorded(ok, now, &mut fx),
+            Input::Enqueued(r) => self.enqueued(r, now, &mut fx),
+            Input::Dispatch { node } => self.dispatch(node, &mut fx),
+            Input::Recorded(r) => self.recorded(r, &mut fx),
+            Input::Assigned(sent) => self.assigned(sent, &mut fx),
+            Input::QueueTimeout => {
+                if matches!(self.at, Where::Queued { .. }) {
+                    let failure = Failure::new(
+                        ErrorCode::CapacityExhausted,
+                        "No capacity freed up for this model within the queue deadline.",
+                    )
+                    .retry_after(5);
+                    self.finish_without_work(failure, &mut fx);
+                }
+            }
+            Input::QueueRestarted { model } => {
+                if model == self.cfg.model
+                    && let Where::Queued { avoid } = &self.at
+                {
+                    let avoid = avoid.clone();
+                    fx.push(Effect::Enqueue {
+                        front: true,
+                        avoid: avoid.clone(),
+                    });
+                    self.at = Where::Requeueing { avoid };
+                }
+            }
+            Input::Accepted { attempt, from } => {
+                if self.vouch(&from, attempt, &mut fx) {
+                    if self.frame_is_current(attempt) {
+                        self.prove_started(&mut fx);
+                    } else {
+                        fx.push(Effect::Metric(Metric::StaleFrame("old_attempt")));
+                    }
+                }
+            }
+            Input::Chunk {
+                attempt,
+                seq,
+                delta,
+                from,
+            } => {
+                if self.vouch(&from, attempt, &mut fx) {
+                    self.chunk(attempt, seq, delta, from, now, &mut fx);
+                }
+            }
+            Input::Done {
+                attempt,
+                claim,
+                from,
+            } => {
+                if self.vouch(&from, attempt, &mut fx) {
+                    self.done(attempt, claim, from, &mut fx);
+                }
+            }
+            Input::EngineError {
+                attempt,
+                code,
+                message,
+                from,
+            } => {
+                if let Some(node) = &from
+                    && !self.vouch(node, attempt, &mut fx)
+                {
+                    return fx;
+                }
+                if self.frame_is_current(attempt) {
+                    self.engine_error(&code, &message, &mut fx);
+                } else {
+                    fx.push(Effect::Metric(Metric::StaleFrame("old_attempt")));
+                }
+            }
+            Input::NodeLost { attempt } => {
+                if attempt == self.attempt.epoch {
+                    self.node_lost(&mut fx);
+                }
+            }
+            Input::NodeGone { node_id } => {
+                if self
+                    .holders
+                    .get(&self.attempt.epoch)
+                    .is_some_and(|n| *n == node_id)
+                {
+                    self.node_lost(&mut fx);
+                }
+            }
+            Input::ClientGone => self.client_gone(&mut fx),
+            Input::ClientBack => self.client_back(),
+            Input::Cancel => self.cancel(&mut fx),
+            Input::Timer(timer) => self.timer(timer, &mut fx),
+            Input::Told(r) => self.told(r, &mut fx),
+            Input::Settled(r) => self.settled(r, &mut fx),
+            Input::RowLookedUp(r) => self.row_looked_up(r, &mut fx),
+            Input::RowCancelled(ok) => self.row_cancelled(ok),
+            Input::Stopped => self.stopped(&mut fx),
+        }
+        fx
+    }
+
+    /// Whether `from` holds `attempt` of this generation. A frame from any other node (a
+    /// request it was never assigned, an epoch never dispatched to it) is refused and
+    /// reported to its node, which counts the violation; it changes nothing here and is never
+    /// acked. Once the row is being settled nothing is looked at any more.
+    fn vouch(&self, from: &N, attempt: u64, fx: &mut Fx<N>) -> bool {
+        if matches!(self.at, Where::Settling(_)) {
+            return false;
+        }
+        if self
+            .holders
+            .get(&attempt)
+            .is_some_and(|node| node == from.node_id())
+        {
+            return true;
+        }
+        fx.push(Effect::Violation {
+            node: from.clone(),
+            kind: Violation::ForeignRequest,
+        });
+        false
+    }
+
+    /// A frame of the current attempt, while that attempt may be running.
+    fn frame_is_current(&self, attempt: u64) -> bool {
+        attempt == self.attempt.epoch
+            && matches!(
+                self.at,
+                Where::Running { .. } | Where::Cancelling { .. } | Where::AwaitingDone { .. }
+            )
+    }
+
+    /// Hands an event to the client's sender. Every delta goes, even to a reader that left or
+    /// fell behind (the sender journals it for a resumed stream), but none after the end.
+    fn tell(&mut self, event: GenEvent, fx: &mut Fx<N>) {
+        if matches!(event, GenEvent::Delta(_)) {
+            if self.told {
+                return;
+            }
+        } else {
+            self.told = true;
+        }
+        fx.push(Effect::Tell(event));
+    }
+
+    /// What the sender said: a closed channel means the client left; the first overflow of
+    /// a reader still there cancels the generation (see [`Self::slow_reader`]).
+    fn told(&mut self, result: Result<(), SendError>, fx: &mut Fx<N>) {
+        match result {
+            Ok(()) => {}
+            Err(SendError::Closed) => self.reader = Reader::Gone,
+            // A reader that left also stops reading: its overflow is no slow reader.
+            Err(SendError::Overflow) if self.reader == Reader::Reading => {
+                self.reader = Reader::Behind;
+                self.slow_reader(fx);
+            }
+            Err(SendError::Overflow) => {}
+        }
+    }
+
+    /// Counts the generation's outcome, once.
+    fn count(&mut self, code: &str, fx: &mut Fx<N>) {
+        if !self.counted {
+            self.counted = true;
+            fx.push(Effect::Count(code.to_owned()));
+        }
+    }
+
+    /// Tells the client about a failure once and counts the outcome.
+    fn fail_client(&mut self, failure: Failure, fx: &mut Fx<N>) {
+        if !self.told {
+            self.count(failure.code.as_str(), fx);
+            self.tell(GenEvent::Failed(failure), fx);
+        }
+    }
+
+    fn record(&self, event: Event, fx: &mut Fx<N>) {
+        fx.push(Effect::Record {
+            event,
+            answer: false,
+        });
+    }
+
+    fn arm(&self, timer: Timer, after: Duration, fx: &mut Fx<N>) {
+        fx.push(Effect::ArmTimer { timer, after });
+    }
+
+    fn admit(&mut self, fx: &mut Fx<N>) {
+        if matches!(self.at, Where::New) {
+            self.at = Where::Admitting(Admitting::Reserving);
+            fx.push(Effect::Reserve);
+        }
+    }
+
+    fn reserved(&mut self, result: Result<(), LedgerError>, fx: &mut Fx<N>) {
+        if !matches!(self.at, Where::Admitting(Admitting::Reserving)) {
+            return;
+        }
+        let failure = match result {
+            Ok(()) => {
+                self.row = Row::Reserved;
+                // Known from admission on, so a `done` for it from a node it was never
+                // dispatched to is refused wherever it arrives.
+                self.at = Where::Admitting(Admitting::RecordingHolders);
+                fx.push(Effect::RecordHolders(self.holders.clone()));
+                return;
+            }
+            Err(LedgerError::InsufficientBalance) => Failure::new(
+                ErrorCode::InsufficientBalance,
+                "The team's balance cannot cover this request.",
+            ),
+            Err(LedgerError::Duplicate) => {
+                Failure::new(ErrorCode::InvalidRequest, "Duplicate request id.")
+            }
+            Err(LedgerError::Unavailable(_)) => Failure::new(
+                ErrorCode::QuotaServiceUnavailable,
+                "The ledger is unreachable; the request was not admitted.",
+            )
+            .retry_after(1),
+        };
+        self.reject(failure, true, fx);
+    }
+
+    fn holders_recorded(&mut self, ok: bool, now: Instant, fx: &mut Fx<N>) {
+        match &self.at {
+            Where::Admitting(Admitting::RecordingHolders) if ok => {
+                self.at = Where::Admitting(Admitting::Enqueueing);
+                fx.push(Effect::Enqueue {
+                    front: false,
+                    avoid: None,
+                });
+            }
+            Where::Admitting(Admitting::RecordingHolders) => {
+                let failure = Failure::new(
+                    ErrorCode::QuotaServiceUnavailable,
+                    "The request could not be recorded; it was not admitted.",
+                )
+                .retry_after(1);
+                self.cancel_row(fx);
+                self.reject(failure, true, fx);
+            }
+            Where::Dispatching {
+                node,
+                step: Dispatching::RecordingHolders,
+            } => {
+                let node = node.clone();
+                if !ok {
+                    // Work whose node is not on record is not sent: a `done` for it could not
+                    // be told apart from another node's.
+                    fx.push(Effect::ReleaseSlot(node.node_id().to_owned()));
+                    self.record(
+                        Event::Refuse {
+                            attempt: self.attempt.epoch,
+                        },
+                        fx,
+                    );
+                    let failure = Failure::new(
+                        ErrorCode::QuotaServiceUnavailable,
+                        "The request's dispatch could not be recorded; nothing was run.",
+                    )
+                    .retry_after(1);
+                    self.finish_without_work(failure, fx);
+                    return;
+                }
+                if self.dispatched_at.is_none() {
+                    let waited = now.saturating_duration_since(self.admitted_at);
+                    fx.push(Effect::Metric(Metric::QueueWait(waited.as_secs_f64())));
+                }
+                self.dispatched_at = Some(now);
+                tracing::debug!(request_id = %self.cfg.request_id, node_id = node.node_id(), attempt = self.attempt.epoch, "dispatching");
+                fx.push(Effect::Assign {
+                    node: node.clone(),
+                    attempt: self.attempt.epoch,
+                });
+                self.at = Where::Dispatching {
+                    node,
+                    step: Dispatching::Assigning,
+                };
+            }
+            _ => {}
+        }
+    }
+
+    fn enqueued(&mut self, result: Result<(), Failure>, now: Instant, fx: &mut Fx<N>) {
+        match (&self.at, result) {
+            (Where::Admitting(Admitting::Enqueueing), Ok(())) => {
+                self.at = Where::Queued { avoid: None };
+                self.admitted_at = now;
+                self.active = true;
+                fx.push(Effect::Metric(Metric::ActiveStreams(true)));
+                self.arm(Timer::Total, self.cfg.timeouts.total, fx);
+                fx.push(Effect::Reply(Ok(())));
+            }
+            (Where::Admitting(Admitting::Enqueueing), Err(failure)) => {
+                self.cancel_row(fx);
+                self.reject(failure, true, fx);
+            }
+            (Where::Requeueing { avoid }, Ok(())) => {
+                self.at = Where::Queued {
+                    avoid: avoid.clone(),
+                };
+            }
+            (Where::Requeueing { .. }, Err(failure)) => self.finish_without_work(failure, fx),
+            _ => {}
+        }
+    }
+
+    fn dispatch(&mut self, node: N, fx: &mut Fx<N>) {
+        if !matches!(self.at, Where::Queued { .. }) || self.reader == Reader::Gone {
+            // The queue counted this assignment against the node: give the slot back.
+            fx.push(Effect::ReleaseSlot(node.node_id().to_owned()));
+            return;
+        }
+        // The epoch is recorded before any node hears of it, so a stale one can be fenced;
+        // work whose epoch could not be recorded is not sent.
+        fx.push(Effect::Record {
+            event: Event::Dispatch {
+                attempt: self.attempt.epoch + 1,
+            },
+            answer: true,
+        });
+        self.at = Where::Dispatching {
+            node,
+            step: Dispatching::RecordingEpoch,
+        };
+    }
+
+    /// The answer of a record whose answer was asked for: a new epoch's, or a `Reject`'s.
+    fn recorded(&mut self, result: Option<Result<(), Refusal>>, fx: &mut Fx<N>) {
+        match std::mem::replace(&mut self.at, Where::New) {
+            Where::Dispatching {
+                node,
+                step: Dispatching::RecordingEpoch,
+            } => self.epoch_recorded(node, result, fx),
+            Where::Rejecting { failure, admission } => {
+                self.at = Where::Rejecting {
+                    failure: failure.clone(),
+                    admission,
+                };
+                self.rejected(failure, admission, result, fx);
+            }
+            other => self.at = other,
+        }
+    }
+
+    fn epoch_recorded(&mut self, node: N, result: Option<Result<(), Refusal>>, fx: &mut Fx<N>) {
+        // Until decided otherwise it is still waiting in the queue (the safety net releases
+        // the row of a generation stopped there).
+        self.at = Where::Queued { avoid: None };
+        let slot = Effect::ReleaseSlot(node.node_id().to_owned());
+        match result {
+            None if self.cfg.recorded => {
+                fx.push(slot);
+                let failure = Failure::new(
+                    ErrorCode::QuotaServiceUnavailable,
+                    "The generation's record could not be updated; nothing was run.",
+                )
+                .retry_after(1);
+                self.finish_without_work(failure, fx);
+            }
+            // Cancelled meanwhile through another replica.
+            Some(Err(Refusal::NotAllowed(_))) => {
+                fx.push(slot);
+                self.end_cancelled_without_work(fx);
+            }
+            // Ended elsewhere (the sweeper): nothing to run, nobody to tell.
+            Some(Err(Refusal::Final | Refusal::Stale)) => {
+                fx.push(slot);
+                self.told = true;
+                self.cancel_row(fx);
+                self.end(fx);
+            }
+            None | Some(Ok(())) => {
+                let attempt = self.attempt.epoch + 1;
+                self.attempt = Attempt {
+                    epoch: attempt,
+                    ..Attempt::default()
+                };
+                self.holders.insert(attempt, node.node_id().to_owned());
+                fx.push(Effect::RecordHolders(self.holders.clone()));
+                self.at = Where::Dispatching {
+                    node,
+                    step: Dispatching::RecordingHolders,
+                };
+            }
+        }
+    }
+
+    fn assigned(&mut self, sent: bool, fx: &mut Fx<N>) {
+        let Where::Dispatching {
+            node,
+            step: Dispatching::Assigning,
+        } = &self.at
+        else {
+            return;
+        };
+        let node = node.clone();
+        self.at = Where::Running { node: node.clone() };
+        if sent {
+            self.arm(Timer::FirstToken, self.cfg.timeouts.first_token, fx);
+        } else {
+            // Never sent: proven not started.
+            fx.push(Effect::ReleaseSlot(node.node_id().to_owned()));
+            self.engine_error("not_sent", "the node's connection is gone", fx);
+        }
+    }
+
+    /// The current attempt proved it started: the message is consumed (once).
+    fn prove_started(&mut self, fx: &mut Fx<N>) {
+        if !self.attempt.evidence {
+            self.attempt.evidence = true;
+            self.record(
+                Event::Accept {
+                    attempt: self.attempt.epoch,
+                },
+                fx,
+            );
+        }
+    }
+
+    fn chunk(
+        &mut self,
+        attempt: u64,
+        seq: u64,
+        delta: Piece,
+        from: N,
+        now: Instant,
+        fx: &mut Fx<N>,
+    ) {
+        if !self.frame_is_current(attempt) {
+            fx.push(Effect::Metric(Metric::StaleFrame("old_attempt")));
+            return;
+        }
+        if seq < self.attempt.next_seq {
+            // The agent sends each chunk once, in order: a `seq` going backwards is a lie.
+            fx.push(Effect::Violation {
+                node: from,
+                kind: Violation::SeqRegression,
+            });
+            return;
+        }
+        if seq > self.attempt.next_seq {
+            tracing::warn!(request_id = %self.cfg.request_id, expected = self.attempt.next_seq, got = seq, "gap in chunk sequence");
+        }
+        self.prove_started(fx);
+        self.attempt.next_seq = seq.saturating_add(1);
+        self.attempt.chunks += 1;
+        if self.first_token_at.is_none() {
+            self.first_token_at = Some(now);
+            let ttft = now.saturating_duration_since(self.admitted_at);
+            fx.push(Effect::Metric(Metric::Ttft(ttft.as_secs_f64())));
+        }
+        self.last_token_at = Some(now);
+        if self.cfg.recorded && !self.retained.full {
+            self.retain(&delta);
+        }
+        self.tell(GenEvent::Delta(delta), fx);
+    }
+
+    /// Keeps the text, reasoning and tool calls of a lifecycle generation (never the
+    /// logprobs), up to [`MAX_RETAINED_OUTPUT`].
+    fn retain(&mut self, delta: &Piece) {
+        let calls: usize = delta
+            .tool_calls
+            .iter()
+            .filter_map(|c| c.function.as_ref())
+            .map(|f| {
+                f.name.as_ref().map_or(0, String::len) + f.arguments.as_ref().map_or(0, String::len)
+            })
+            .sum();
+        let adds = delta.text.len() + delta.reasoning.len() + calls;
+        if self.retained.bytes + adds <= MAX_RETAINED_OUTPUT {
+            self.retained.bytes += adds;
+            self.retained.text.push_str(&delta.text);
+            if !delta.tool_calls.is_empty() || !delta.reasoning.is_empty() {
+                self.retained.extra.push(&Piece {
+                    text: String::new(),
+                    raw: None,
+                    logprobs: None,
+                    ..delta.clone()
+                });
+            }
+        } else {
+            // A retained result is a prefix of the answer, never one with a hole.
+            self.retained.full = true;
+        }
+    }
+
+    /// The reader fell behind its bound: cancel the generation now, as if it had left,
+    /// without the grace period (it is still connected, only too slow).
+    fn slow_reader(&mut self, fx: &mut Fx<N>) {
+        fx.push(Effect::Metric(Metric::SlowReader));
+        tracing::info!(request_id = %self.cfg.request_id, "reader fell behind the stream bound; cancelling");
+        self.record(Event::RequestCancel, fx);
+        self.count("slow_reader", fx);
+        self.cancel_on_node(Stop::Cancelled, fx);
+    }
+
+    /// Tells the node to stop and waits for its `done` with the usage so far. Already
+    /// stopping, only the reason and the wait change.
+    fn cancel_on_node(&mut self, stop: Stop, fx: &mut Fx<N>) {
+        match &self.at {
+            Where::Running { node } => {
+                fx.push(Effect::CancelOnNode {
+                    node: node.clone(),
+                    attempt: self.attempt.epoch,
+                });
+                self.at = Where::Cancelling { stop };
+            }
+            Where::Cancelling { .. } | Where::AwaitingDone { .. } => {
+                self.at = Where::AwaitingDone { stop: Some(stop) };
+            }
+            _ => return,
+        }
+        self.arm(Timer::SettleWait, self.cfg.timeouts.settle_wait, fx);
+    }
+
+    /// Stops the actor, once.
+    fn end(&mut self, fx: &mut Fx<N>) {
+        let before_work = matches!(
+            self.at,
+            Where::New
+                | Where::Admitting(_)
+                | Where::Queued { .. }
+                | Where::Requeueing { .. }
+                | Where::Rejecting { .. }
+                | Where::Dispatching {
+                    step: Dispatching::RecordingEpoch | Dispatching::RecordingHolders,
+                    ..
+                }
+        );
+        self.at = Where::Ended { before_work };
+        fx.push(Effect::Stop);
+    }
+
+    /// The actor stopped: whatever the path, the row is not leaked when nothing ran, the
+    /// client hears an end, and the active-streams gauge comes down.
+    fn stopped(&mut self, fx: &mut Fx<N>) {
+        let before_work = match &self.at {
+            Where::Ended { before_work } => *before_work,
+            Where::New | Where::Admitting(_) | Where::Queued { .. } | Where::Requeueing { .. } => {
+                true
+            }
+            Where::Dispatching { step, .. } => *step != Dispatching::Assigning,
+            _ => false,
+        };
+        if self.row == Row::Reserved {
+            if before_work {
+                // Stopped before any GPU work: release the reservation rather than leak it.
+                fx.push(Effect::CancelRow);
+            } else {
+                // Stopped (a replica shutting down) while a node may still be working: the
+                // row stays reserved for the node's `done`, which it resends to whichever
+                // replica it reconnects to; the record is expired by the sweeper.
+                tracing::info!(request_id = %self.cfg.request_id, "stopped mid-flight; the row awaits the node's done");
+            }
+        }
+        if !self.told {
+            self.tell(
+                GenEvent::Failed(Failure::new(
+                    ErrorCode::ModelBackendError,
+                    "The generation ended unexpectedly.",
+                )),
+                fx,
+            );
+        }
+        if std::mem::take(&mut self.active) {
+            fx.push(Effect::Metric(Metric::ActiveStreams(false)));
+        }
+        self.at = Where::Ended { before_work };
+    }
+
+    /// Prompt plus completion tokens this generation settled, for the end hook.
+    pub(crate) fn settled_tokens(&self) -> Option<u64> {
+        self.settled_tokens
+    }
+}
