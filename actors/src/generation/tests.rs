@@ -21,6 +21,7 @@ use crate::ports::{CoordError, Coordinator, LimitVerdict, Reservation, SystemClo
 use crate::protocol::{NodeFrame, ServerFrame};
 
 mod fuzz;
+mod properties;
 mod trust;
 
 const MODEL: &str = "llama-3.1-8b-instruct";
