@@ -290,7 +290,7 @@ impl GenerationState {
                 Some(Input::Told(self.args.events.send(event, now)))
             }
             Effect::Count(code) => {
-                metrics::counter!(REQUESTS_TOTAL, "model" => self.args.model.clone(), "code" => code)
+                metrics::counter!(REQUESTS_TOTAL, "model" => self.args.model.clone(), "code" => code.as_str())
                     .increment(1);
                 None
             }

@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use super::Claim;
-use crate::error::Failure;
+use crate::error::{ErrorCode, Failure};
 use crate::generation::events::SendError;
 use crate::generation::msg::{GenEvent, Timer};
 use crate::lifecycle::{Event, Refusal};
@@ -180,8 +180,8 @@ pub(crate) enum Effect<N> {
     CancelRow,
     /// Hand an event to the client's sender (which journals it and, if it can, delivers it).
     Tell(GenEvent),
-    /// Count the outcome in `switchyard_requests_total` under this code (once per generation).
-    Count(String),
+    /// Count the outcome in `switchyard_requests_total` (once per generation).
+    Count(Tally),
     /// A metric sample.
     Metric(Metric),
     /// Fire `timer` after `after`.
@@ -212,4 +212,32 @@ pub(crate) enum Metric {
     UsageClamped,
     /// `ACTIVE_STREAMS` up (admitted) or down (ended).
     ActiveStreams(bool),
+}
+
+/// How a generation's outcome is counted in `switchyard_requests_total`'s `code` label.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Tally {
+    /// Completed.
+    Ok,
+    /// Cancelled by its owner.
+    Cancelled,
+    /// Its client left.
+    ClientGone,
+    /// Its reader fell behind the stream's bound.
+    SlowReader,
+    /// Failed with this code.
+    Failed(ErrorCode),
+}
+
+impl Tally {
+    /// The label's value.
+    pub(crate) fn as_str(self) -> &'static str {
+        match self {
+            Self::Ok => "ok",
+            Self::Cancelled => "cancelled",
+            Self::ClientGone => "client_gone",
+            Self::SlowReader => "slow_reader",
+            Self::Failed(code) => code.as_str(),
+        }
+    }
 }

@@ -3,7 +3,7 @@
 //! back, a cancel, a deadline. Each path settles or cancels the row at most once and moves the
 //! record only through transitions its state machine allows; settle retries are timers.
 
-use super::{AfterSettle, Core, Effect, Fx, Metric, NodeRef, Reader, Row, Stop, Where};
+use super::{AfterSettle, Core, Effect, Fx, Metric, NodeRef, Reader, Row, Stop, Tally, Where};
 use crate::error::{ErrorCode, Failure};
 use crate::generation::msg::{GenEvent, Timer, Usage};
 use crate::lifecycle::{Event, Outcome, Refusal};
@@ -310,7 +310,7 @@ impl<N: NodeRef> Core<N> {
         match &self.at {
             Where::New | Where::Queued { .. } => {
                 fx.push(Effect::Withdraw);
-                self.count("client_gone", fx);
+                self.count(Tally::ClientGone, fx);
                 self.record(Event::RequestCancel, fx);
                 self.end_cancelled_without_work(fx);
             }
@@ -330,7 +330,7 @@ impl<N: NodeRef> Core<N> {
             }
             // Nothing reads the answer any more: the fence ends it as cancelled.
             Where::Fencing { stop: None } => {
-                self.count("client_gone", fx);
+                self.count(Tally::ClientGone, fx);
                 self.record(Event::RequestCancel, fx);
                 self.at = Where::Fencing {
                     stop: Some(Stop::Cancelled),
@@ -354,7 +354,7 @@ impl<N: NodeRef> Core<N> {
     fn grace_over(&mut self, fx: &mut Fx<N>) {
         if matches!(self.at, Where::Running { .. }) {
             self.grace = None;
-            self.count("client_gone", fx);
+            self.count(Tally::ClientGone, fx);
             self.record(Event::RequestCancel, fx);
             self.cancel_on_node(Stop::Cancelled, fx);
         }
@@ -393,7 +393,7 @@ impl<N: NodeRef> Core<N> {
         let usage = self.fallback_usage();
         self.finish_record(false, Outcome::Cancelled, &usage, fx);
         if !self.told {
-            self.count("cancelled", fx);
+            self.count(Tally::Cancelled, fx);
             self.tell(GenEvent::Cancelled(usage), fx);
         }
         self.cancel_row(fx);
@@ -517,7 +517,7 @@ impl<N: NodeRef> Core<N> {
             );
         }
         if admission {
-            self.count(failure.code.as_str(), fx);
+            self.count(Tally::Failed(failure.code), fx);
             self.told = true;
             fx.push(Effect::Reply(Err(failure)));
         } else {

@@ -28,7 +28,7 @@ use crate::node::Violation;
 use crate::output::Assembled;
 use crate::ports::UsageBounds;
 
-pub(crate) use effects::{Effect, Input, Metric};
+pub(crate) use effects::{Effect, Input, Metric, Tally};
 pub(super) use ending::Claim;
 use settle::AfterSettle;
 
@@ -443,17 +443,17 @@ impl<N: NodeRef> Core<N> {
     }
 
     /// Counts the generation's outcome, once.
-    fn count(&mut self, code: &str, fx: &mut Fx<N>) {
+    fn count(&mut self, tally: Tally, fx: &mut Fx<N>) {
         if !self.counted {
             self.counted = true;
-            fx.push(Effect::Count(code.to_owned()));
+            fx.push(Effect::Count(tally));
         }
     }
 
     /// Tells the client about a failure once and counts the outcome.
     fn fail_client(&mut self, failure: Failure, fx: &mut Fx<N>) {
         if !self.told {
-            self.count(failure.code.as_str(), fx);
+            self.count(Tally::Failed(failure.code), fx);
             self.tell(GenEvent::Failed(failure), fx);
         }
     }
@@ -475,7 +475,7 @@ impl<N: NodeRef> Core<N> {
         fx.push(Effect::Metric(Metric::SlowReader));
         tracing::info!(request_id = %self.cfg.request_id, "reader fell behind the stream bound; cancelling");
         self.record(Event::RequestCancel, fx);
-        self.count("slow_reader", fx);
+        self.count(Tally::SlowReader, fx);
         self.cancel_on_node(Stop::Cancelled, fx);
     }
 

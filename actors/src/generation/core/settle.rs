@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use super::{Core, Effect, Fx, NodeRef, Row, Stop, Where};
+use super::{Core, Effect, Fx, NodeRef, Row, Stop, Tally, Where};
 use crate::error::{ErrorCode, Failure};
 use crate::generation::msg::{GenEvent, Timer, Usage};
 use crate::lifecycle::Outcome;
@@ -279,7 +279,7 @@ impl<N: NodeRef> Core<N> {
         self.finish_record(true, outcome.clone(), &usage, fx);
         match outcome {
             Outcome::Cancelled => {
-                self.count("cancelled", fx);
+                self.count(Tally::Cancelled, fx);
                 self.tell(GenEvent::Cancelled(usage), fx);
             }
             Outcome::Failed(_) if failure.is_some() => {
@@ -306,7 +306,7 @@ impl<N: NodeRef> Core<N> {
             Outcome::Completed => {
                 if !self.told {
                     self.record_rate(usage.completion_tokens, fx);
-                    self.count("ok", fx);
+                    self.count(Tally::Ok, fx);
                     self.tell(GenEvent::Finished(usage), fx);
                 }
             }
