@@ -65,6 +65,8 @@ enum Op {
     Cancel,
     /// Fires the n-th armed timer (any order, any kind).
     Fire(usize),
+    /// The replica shuts down: the actor stops from outside (its `post_stop` runs).
+    Shutdown,
 }
 
 fn which() -> impl Strategy<Value = Which> {
@@ -93,7 +95,7 @@ fn op() -> impl Strategy<Value = Op> {
         6 => (which(), from(), 0u64..6).prop_map(|(w, f, s)| Op::Chunk(w, f, s)),
         2 => (which(), from(), 0u64..300, 0u64..300, 0u8..4)
             .prop_map(|(w, f, p, c, r)| Op::Done(w, f, p, c, r)),
-        2 => (which(), proptest::option::of(from()), 0u8..5)
+        2 => (which(), proptest::option::of(from()), 0u8..8)
             .prop_map(|(w, f, c)| Op::EngineError(w, f, c)),
         1 => which().prop_map(Op::NodeLost),
         1 => any::<bool>().prop_map(Op::NodeGone),
@@ -102,6 +104,7 @@ fn op() -> impl Strategy<Value = Op> {
         1 => Just(Op::ClientBack),
         1 => Just(Op::Cancel),
         3 => (0usize..8).prop_map(Op::Fire),
+        1 => Just(Op::Shutdown),
     ]
 }
 
@@ -145,6 +148,11 @@ struct World {
     /// Dispatches in the current run of the core (each gives its slot back or is sent).
     slots_back: u32,
     sent: u32,
+    /// Stopped from outside while a node may have been working: its row waits for the
+    /// node's resent `done`.
+    shut_mid_flight: bool,
+    /// Stopped from outside at all.
+    shut: bool,
 }
 
 fn record(recorded: bool) -> Option<GenerationRecord> {
@@ -216,6 +224,8 @@ impl World {
             may_run: BTreeSet::new(),
             slots_back: 0,
             sent: 0,
+            shut_mid_flight: false,
+            shut: false,
         }
     }
 
@@ -263,7 +273,7 @@ impl World {
     }
 
     fn apply(&mut self, op: Op) {
-        if self.stopped() {
+        if self.stopped() || self.shut {
             return;
         }
         let input = match op {
@@ -322,8 +332,11 @@ impl World {
                     "invalid_request",
                     "draining",
                     "engine_unreachable",
+                    "model_backend_error",
+                    "model_not_found",
+                    "not_sent",
                     "oom",
-                ][usize::from(c % 5)];
+                ][usize::from(c % 8)];
                 Input::EngineError {
                     attempt,
                     code: code.into(),
@@ -347,6 +360,18 @@ impl World {
                     let _ = lifecycle::apply(rec, &Event::RequestCancel, 0);
                 }
                 Input::Cancel
+            }
+            Op::Shutdown => {
+                self.shut = true;
+                self.shut_mid_flight = matches!(
+                    self.core.at,
+                    Where::Running { .. }
+                        | Where::Fencing { .. }
+                        | Where::Cancelling { .. }
+                        | Where::AwaitingDone { .. }
+                        | Where::Settling(_)
+                );
+                Input::Stopped
             }
             Op::Fire(n) => {
                 if self.timers.is_empty() {
@@ -609,6 +634,9 @@ impl World {
     /// Fires what is armed and lets the queue's deadline pass until the generation stops,
     /// with every I/O succeeding; then the actor's `post_stop` runs.
     fn quiesce(&mut self) {
+        if self.shut {
+            return;
+        }
         self.calm = true;
         for _ in 0..64 {
             if self.stopped() {
@@ -629,7 +657,7 @@ impl World {
     fn check_end(&self) {
         let admitted = matches!(self.replies.as_slice(), [Ok(())]);
         let refused = matches!(self.replies.as_slice(), [Err(_)]);
-        if admitted || refused {
+        if (admitted || refused) && !self.shut {
             assert_eq!(
                 self.stops, 1,
                 "an admitted generation did not stop: {:?}",
@@ -646,12 +674,19 @@ impl World {
         // (then it waits for the node's resent done or the sweeper).
         assert!(self.finalised <= 1);
         if self.ledger == Ledger::Reserved {
-            assert!(self.row_io_failed, "the row was left reserved");
+            assert!(
+                self.row_io_failed || self.shut_mid_flight,
+                "the row was left reserved"
+            );
         }
         if let (Some(rec), false) = (&self.record, self.record_io_failed) {
-            // Driven to its end, and its message spent exactly when output went out.
+            // Driven to its end (unless the replica shut it down), and its message spent
+            // exactly when output went out.
             assert!(
-                rec.status.is_terminal() || rec.status == Status::Rejected || !admitted,
+                rec.status.is_terminal()
+                    || rec.status == Status::Rejected
+                    || !admitted
+                    || self.shut,
                 "record left {:?}",
                 rec.status
             );
