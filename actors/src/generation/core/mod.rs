@@ -1,9 +1,8 @@
 //! One generation's control logic as a pure state machine: [`Core::step`] takes an input (a
 //! message, a fired timer, or the answer of an I/O it asked for) and the time, and returns the
 //! [`Effect`]s to carry out. No I/O, no clock, no ractor: the actor in `actor.rs` carries out
-//! the effects; this file holds the state and routes inputs, `forward.rs` the forward path,
-//! `ending.rs` every way it ends,
-//! `settle.rs` the row's settle and `effects.rs` the inputs and effects.
+//! the effects. This file holds the state and routes inputs; `forward.rs` the forward path,
+//! `ending.rs` every way it ends, `settle.rs` the row's settle, `effects.rs` the vocabulary.
 //!
 //! The contract with whoever carries the effects out: effects run in order, and the answer of
 //! one (see [`Effect`]) is stepped at once, its effects carried out before the rest of the
