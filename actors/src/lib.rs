@@ -22,18 +22,21 @@
 //! on every exit path (completion, engine error, node loss, client gone, timeout).
 //!
 //! Where things happen:
-//! - a frame believed only from the node holding its attempt: `GenerationState::vouch` in
-//!   `generation/actor.rs`; violations counted and a node disconnected: `violation` in
+//! - a generation's decisions: the pure `Core::step` in `generation/core/mod.rs` (admission
+//!   and dispatch in `core/forward.rs`), carried out by the actor in `generation/actor.rs`;
+//! - a frame believed only from the node holding its attempt: `Core::vouch` in
+//!   `generation/core/mod.rs`; violations counted and a node disconnected: `violation` in
 //!   `node/actor.rs`; a `done` outliving its generation checked against [`attempts`]:
 //!   `settle_orphan` in `node/actor.rs`;
 //! - usage billed within the request's bounds: [`ports::UsageBounds::bill`], applied by
-//!   `done` in `generation/ending.rs` and by every ledger's settle;
+//!   `done` in `generation/core/ending.rs` and by every ledger's settle;
 //! - a retry away from the failing node, and a node suspended after refusals:
 //!   `dispatch_waiting` in `model_queue/actor.rs`, `refused` in `node/actor.rs`;
 //! - a client disconnect becoming an engine cancel: the stream's drop guard in
-//!   `generation/supervisor.rs`, then `client_gone` in `generation/ending.rs`;
-//! - who settles a row: every path in `generation/ending.rs`, the supervisor for a crashed
-//!   generation, `settle_orphan` for a `done` without a generation;
+//!   `generation/supervisor.rs`, then `client_gone` in `generation/core/ending.rs`;
+//! - who settles a row: every path in `generation/core/ending.rs` (the settle and its retry
+//!   timers in `generation/core/settle.rs`), the supervisor for a crashed generation,
+//!   `settle_orphan` for a `done` without a generation;
 //! - what each crash costs and who repairs it: [`supervision`] (restart policies in
 //!   `supervision/mod.rs`, a queue's rebuild in `supervision/queues.rs`, a node's cleanup in
 //!   `supervision/nodes.rs`).

@@ -1,12 +1,13 @@
 //! One [`GenerationActor`] per request: it owns the request's lifecycle — admitted and
 //! reserved, queued, dispatched with an attempt epoch, streaming, terminal — relays the
 //! node's frames to the HTTP layer as [`GenEvent`]s, and settles its ledger row on every
-//! exit path. [`Generations`] starts them under a supervisor that settles what a crashed
-//! generation held.
+//! exit path. The decisions are a pure state machine (`core/`: `step(input, now)` returns
+//! effects); the actor (`actor.rs`) only carries them out. [`Generations`] starts them under
+//! a supervisor that settles what a crashed generation held.
 
 mod actor;
+mod core;
 mod directory;
-mod ending;
 pub mod events;
 mod msg;
 mod supervisor;

@@ -151,18 +151,21 @@ pub struct GenerationArgs {
 }
 
 /// Deadlines a generation arms.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Timer {
     /// No first token yet.
     FirstToken,
     /// The whole request took too long.
     Total,
-    /// The client's grace after leaving is over.
-    CancelGrace,
+    /// The client's grace after leaving is over: the grace with this serial (a client that
+    /// came back and left again runs a new one; the older timer does nothing).
+    CancelGrace(u64),
     /// Waited long enough for the node's `done`.
     SettleWait,
     /// The lost node's lease on this attempt has run out: the attempt is fenced.
     Lease(u64),
+    /// Time to try the settle that failed again (its backoff is over).
+    SettleRetry,
 }
 
 /// What a [`super::GenerationActor`] handles.
@@ -229,21 +232,24 @@ pub enum GenerationMsg {
     },
     /// The client went away.
     ClientGone,
-    /// The owner asked to cancel (its record already says so).
-    Cancel,
-    /// A deadline fired.
-    Timer(Timer),
-    /// The queue of `model` crashed and was restarted empty (or given up on): a generation
-    /// waiting for that model enqueues itself again at the front, or ends with the typed
-    /// refusal the queue gives.
+    /// A reader re-attached after the client left (a resumed stream): while the cancel grace
+    /// still runs the generation goes on (the grace no longer cancels); once the cancel was
+    /// sent it changes nothing.
+    ClientBack,
+    /// The model's queue crashed and was restarted: a generation waiting in that model's
+    /// queue enqueues itself again (at the front); anything else ignores it.
     QueueRestarted {
         /// The restarted queue's model.
         model: String,
     },
-    /// The node actor of `node_id` crashed: a generation whose current attempt runs there
-    /// behaves exactly as on `NodeLost { attempt: current }`; any other ignores it.
+    /// The node actor of `node_id` crashed: if the current attempt runs there, this is
+    /// `NodeLost { attempt: current }`; else it is ignored.
     NodeGone {
-        /// The crashed node's id.
+        /// The crashed node actor's node.
         node_id: String,
     },
+    /// The owner asked to cancel (its record already says so).
+    Cancel,
+    /// A deadline fired.
+    Timer(Timer),
 }

@@ -21,6 +21,7 @@ use crate::ports::{CoordError, Coordinator, LimitVerdict, Reservation, SystemClo
 use crate::protocol::{NodeFrame, ServerFrame};
 
 mod fuzz;
+mod properties;
 mod trust;
 
 const MODEL: &str = "llama-3.1-8b-instruct";
@@ -803,4 +804,116 @@ async fn mid_upgrade_work_only_new_agents_run_goes_to_them_and_never_holds_up_ch
         "c1 waits for the new node's room"
     );
     assert!(old_out.try_recv().is_err(), "never on the old node");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_crashed_node_actor_is_a_lost_node_for_the_attempt_it_held_and_nothing_else() {
+    let h = harness(8, 4).await;
+    let (_n1, mut out1) = connect(&h, "n1").await;
+    let (n2, mut out2) = connect(&h, "n2").await;
+    let mut stream = start(&h, "r1").await.unwrap();
+    assert_eq!(expect_assign(&mut out1).await.1, 1);
+    let generation = h.gens.directory().get("r1").unwrap();
+    generation
+        .cast(GenerationMsg::NodeGone {
+            node_id: "n2".into(),
+        })
+        .unwrap();
+    settle_a_moment().await;
+    assert!(
+        out2.try_recv().is_err(),
+        "another node's crash changes nothing"
+    );
+    let lost_at = tokio::time::Instant::now();
+    generation
+        .cast(GenerationMsg::NodeGone {
+            node_id: "n1".into(),
+        })
+        .unwrap();
+    // As on a lost connection: the attempt is fenced by its lease, then retried elsewhere.
+    assert_eq!(expect_assign(&mut out2).await, ("r1".into(), 2));
+    assert!(lost_at.elapsed() >= Timeouts::default().lease);
+    n2.deliver(chunk("r1", 2, 0, "fresh"));
+    n2.deliver(done("r1", 2, 12, 1, "stop"));
+    assert_eq!(stream.next().await, Some(GenEvent::Delta("fresh".into())));
+    assert!(matches!(stream.next().await, Some(GenEvent::Finished(_))));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_client_back_within_the_grace_keeps_the_generation_running() {
+    let h = harness(8, 4).await;
+    let (node, mut out) = connect(&h, "n1").await;
+    let store = Arc::new(crate::lifecycle::memory::MemoryGenerations::default());
+    let mut stream = start_recorded(&h, "r1", &store).await;
+    expect_assign(&mut out).await;
+    node.deliver(chunk("r1", 1, 0, "a"));
+    assert_eq!(stream.next().await, Some(GenEvent::Delta("a".into())));
+    let generation = h.gens.directory().get("r1").unwrap();
+    generation.cast(GenerationMsg::ClientGone).unwrap();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    generation.cast(GenerationMsg::ClientBack).unwrap();
+    tokio::time::sleep(Timeouts::default().cancel_grace * 2).await;
+    assert!(
+        out.try_recv().is_err(),
+        "no cancel for a client that came back"
+    );
+    node.deliver(chunk("r1", 1, 1, "b"));
+    node.deliver(done("r1", 1, 12, 2, "stop"));
+    assert_eq!(stream.next().await, Some(GenEvent::Delta("b".into())));
+    assert!(matches!(stream.next().await, Some(GenEvent::Finished(_))));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_client_back_after_the_cancel_went_out_changes_nothing() {
+    let h = harness(8, 4).await;
+    let (node, mut out) = connect(&h, "n1").await;
+    let store = Arc::new(crate::lifecycle::memory::MemoryGenerations::default());
+    let mut stream = start_recorded(&h, "r1", &store).await;
+    expect_assign(&mut out).await;
+    node.deliver(chunk("r1", 1, 0, "a"));
+    assert_eq!(stream.next().await, Some(GenEvent::Delta("a".into())));
+    let generation = h.gens.directory().get("r1").unwrap();
+    generation.cast(GenerationMsg::ClientGone).unwrap();
+    assert!(matches!(
+        out.recv().await,
+        Some(ServerFrame::Cancel { attempt: 1, .. })
+    ));
+    generation.cast(GenerationMsg::ClientBack).unwrap();
+    node.deliver(done("r1", 1, 12, 1, "abort"));
+    // The terminal event still reaches the sender (a resumed stream would read it).
+    assert!(matches!(stream.next().await, Some(GenEvent::Cancelled(_))));
+    let row = h.ledger.row("r1").unwrap();
+    assert_eq!((row.status, row.completion_tokens), (RowStatus::Settled, 1));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_settle_that_fails_is_retried_after_a_backoff_without_blocking_the_actor() {
+    let h = harness(8, 4).await;
+    let (node, mut out) = connect(&h, "n1").await;
+    let mut stream = start(&h, "r1").await.unwrap();
+    expect_assign(&mut out).await;
+    node.deliver(chunk("r1", 1, 0, "a"));
+    assert_eq!(stream.next().await, Some(GenEvent::Delta("a".into())));
+    h.ledger.set_unavailable(true);
+    node.deliver(done("r1", 1, 12, 1, "stop"));
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert_eq!(h.ledger.row("r1").unwrap().status, RowStatus::Reserved);
+    // Between tries the actor answers at once: a stray admission is dropped unanswered
+    // (sender error), not held up behind a sleep (timeout).
+    let generation = h.gens.directory().get("r1").unwrap();
+    let answered = generation
+        .call(GenerationMsg::Admit, Some(Duration::from_millis(10)))
+        .await
+        .unwrap();
+    assert!(
+        matches!(answered, ractor::rpc::CallResult::SenderError),
+        "{answered:?}"
+    );
+    h.ledger.set_unavailable(false);
+    assert!(matches!(stream.next().await, Some(GenEvent::Finished(_))));
+    let row = h.ledger.row("r1").unwrap();
+    assert_eq!(
+        (row.status, row.completion_tokens, row.transitions),
+        (RowStatus::Settled, 1, 1)
+    );
 }
