@@ -541,6 +541,11 @@ async fn admit(state: &AppState, mut plan: Plan, id: &str) -> Result<Admission, 
         bound.max_bytes = bound.max_bytes.max(EMBEDDINGS_BUFFER_BYTES);
     }
     let (tx, events) = events::channel(bound);
+    // A generation with a record can be come back to: every event it produces is journaled.
+    let tx = match &lifecycle {
+        Some(_) => tx.journaled(super::generations::journal(state, &id)),
+        None => tx,
+    };
     let args = GenerationArgs {
         request_id: id.clone(),
         model: plan.model.name.clone(),

@@ -85,6 +85,9 @@ pub struct GenerationState {
     pub(super) client_gone: bool,
     /// The reader fell behind its bound: it gets no more deltas, only the end.
     pub(super) reader_behind: bool,
+    /// A reader came back to this resumable generation ([`GenerationMsg::ClientBack`]):
+    /// the cancel grace no longer cancels it.
+    pub(super) reader_back: bool,
     /// The outcome was counted in `switchyard_requests_total` (once per generation).
     pub(super) counted: bool,
     /// The client has been sent its terminal event.
@@ -135,6 +138,7 @@ impl Actor for GenerationActor {
             stop: None,
             client_gone: false,
             reader_behind: false,
+            reader_back: false,
             counted: false,
             told_client: false,
             ledger_final: true,
@@ -233,6 +237,9 @@ impl Actor for GenerationActor {
                 }
             }
             GenerationMsg::ClientGone => state.client_gone(&myself).await,
+            // Only a generation someone can come back to (it has a record) is kept alive.
+            GenerationMsg::ClientBack => state.reader_back |= state.args.lifecycle.is_some(),
+            GenerationMsg::Timer(Timer::CancelGrace) if state.reader_back => {}
             GenerationMsg::Cancel => state.cancel(&myself).await,
             GenerationMsg::Timer(timer) => state.timer(&myself, timer).await,
         }
@@ -316,7 +323,9 @@ impl GenerationState {
 
     /// Sends an event to the client. A closed channel means the client left; a reader
     /// further behind than the stream's bound is treated as gone (and cancelled by the
-    /// caller, see [`Self::slow_reader`]).
+    /// caller, see [`Self::slow_reader`]). A resumable generation (one with a record) hands
+    /// every event to its sender even then, so its journal has them all; each way of losing
+    /// the reader is reported once.
     pub(super) fn tell(&mut self, event: GenEvent) -> Option<SendError> {
         let terminal = !matches!(event, GenEvent::Delta(_));
         // The client's stream is deltas and then one end: text that arrives after the end
@@ -327,16 +336,19 @@ impl GenerationState {
         if terminal {
             self.told_client = true;
         }
-        if self.client_gone || (self.reader_behind && !terminal) {
+        let resumable = self.args.lifecycle.is_some();
+        if !resumable && (self.client_gone || (self.reader_behind && !terminal)) {
             return None;
         }
         let now = self.args.clock.now();
         match self.args.events.send(event, now) {
             Ok(()) => None,
+            Err(SendError::Overflow) if self.reader_behind => None,
             Err(SendError::Overflow) => {
                 self.reader_behind = true;
                 Some(SendError::Overflow)
             }
+            Err(SendError::Closed) if self.client_gone => None,
             Err(SendError::Closed) => {
                 self.client_gone = true;
                 Some(SendError::Closed)

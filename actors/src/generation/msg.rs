@@ -229,6 +229,10 @@ pub enum GenerationMsg {
     },
     /// The client went away.
     ClientGone,
+    /// A reader re-attached to this resumable generation (`GET /v1/generations/{id}/events`
+    /// or a retry of its Idempotency-Key): the generation goes on, and a cancel grace that
+    /// is running no longer cancels it when it runs out.
+    ClientBack,
     /// The owner asked to cancel (its record already says so).
     Cancel,
     /// A deadline fired.
