@@ -482,6 +482,48 @@ async fn the_journal_writer_batches_appends() {
     assert!(appends < 100, "{appends} appends for 2001 events");
     // The live reader still gets its events beside the journal.
     assert_eq!(rx.recv().await, Some(GenEvent::Delta("t0 ".into())));
+
+    // At a token rate (a token per 10 ms for a second): an append per 50 ms, not per token.
+    counting
+        .appends
+        .store(0, std::sync::atomic::Ordering::Relaxed);
+    let spec = JournalSpec {
+        key: "journal:paced".to_owned(),
+        running_ttl: Duration::from_secs(60),
+        retention: Duration::from_secs(60),
+        max_bytes: 1 << 20,
+    };
+    let (tx, _rx) = switchyard_actors::generation::events::channel(Default::default());
+    let mut tx = tx.journaled(Journal::spawn(counting.clone(), spec));
+    for i in 0..100 {
+        let _ = tx.send(
+            GenEvent::Delta(format!("p{i}").into()),
+            tokio::time::Instant::now(),
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    tx.send(end, tokio::time::Instant::now()).unwrap();
+    drop(tx);
+    let mut got: u64 = 0;
+    while got < 101 {
+        let page = read_journal(
+            redis.as_ref(),
+            "journal:paced",
+            got.checked_sub(1),
+            500,
+            Duration::from_secs(5),
+        )
+        .await
+        .unwrap();
+        assert!(!page.is_empty(), "the paced journal stalled at {got}");
+        got += page.len() as u64;
+    }
+    let appends = counting.appends.load(std::sync::atomic::Ordering::Relaxed);
+    println!("paced: {appends} appends for 101 events over ~1 s");
+    assert!(
+        (10..=40).contains(&appends),
+        "{appends} appends for 101 events over a second"
+    );
     clean_redis(&prefix).await;
 }
 

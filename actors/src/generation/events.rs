@@ -182,6 +182,13 @@ pub fn journal_key(id: &str) -> String {
 /// Most events one append carries (a reader far behind the writer catches up in pages).
 const MAX_BATCH: usize = 256;
 
+/// How long the writer gathers events after the first of a batch before appending them: at
+/// token rates (tens per second per stream) draining only what already waits would append
+/// each token alone; this makes it one append per stream per 50 ms at most, at the price
+/// of a resuming reader trailing the live one by as much. A terminal event is appended at
+/// once.
+const FLUSH_EVERY: Duration = Duration::from_millis(50);
+
 /// Waits before a failed append is tried again (an append is idempotent by number).
 const APPEND_RETRIES: [Duration; 3] = [
     Duration::from_millis(50),
@@ -227,9 +234,9 @@ pub struct Journal {
 }
 
 impl Journal {
-    /// Starts the writer task of one generation's journal. It appends whatever accumulated
-    /// since its last append in one call (so a fast stream costs a round trip per batch, not
-    /// per token), and ends once the generation's sender is dropped and everything is written.
+    /// Starts the writer task of one generation's journal. It appends what accumulated over
+    /// [`FLUSH_EVERY`] in one call (a round trip per batch, not per token), and ends once
+    /// the generation's sender is dropped and everything is written.
     pub fn spawn(coordinator: Arc<dyn Coordinator>, spec: JournalSpec) -> Self {
         let (tx, rx) = mpsc::unbounded_channel();
         let max_bytes = spec.max_bytes;
@@ -269,11 +276,13 @@ async fn write_journal(
     let _guard = TaskGuard::new("journal");
     let mut ended = false;
     while let Some(first) = rx.recv().await {
+        let flush_at = Instant::now() + FLUSH_EVERY;
         let mut batch = vec![first];
-        while batch.len() < MAX_BATCH {
-            match rx.try_recv() {
-                Ok(entry) => batch.push(entry),
-                Err(_) => break,
+        while batch.len() < MAX_BATCH && !batch.iter().any(|e| e.terminal) {
+            match tokio::time::timeout_at(flush_at, rx.recv()).await {
+                Ok(Some(entry)) => batch.push(entry),
+                // The sender is gone or the time is up: write what there is.
+                Ok(None) | Err(_) => break,
             }
         }
         ended |= batch.iter().any(|e| e.terminal);
