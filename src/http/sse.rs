@@ -429,17 +429,24 @@ const JOURNAL_FAILURES: u32 = 3;
 /// numbers (events past the journal's byte bound, or lost) ends it with
 /// `result_unavailable`.
 pub(super) struct JournalSource {
+    /// Where the journal is (any replica's view of it).
     coordinator: Arc<dyn Coordinator>,
+    /// Where the record is, for an end the journal never got.
     store: Arc<dyn Store>,
+    /// The generation.
     id: String,
+    /// Its journal's key.
     key: String,
     /// The number of the last event returned.
     after: Option<u64>,
+    /// Read and not yet returned.
     buffered: VecDeque<(u64, GenEvent)>,
     /// Reads that found nothing while the record said the generation was over: after one
     /// such read (the writer's last batch had time to land), the record's end is given.
     idle_after_end: u32,
+    /// Failed reads in a row.
     failures: u32,
+    /// The terminal event (or the stream's end) was returned.
     ended: bool,
 }
 

@@ -224,9 +224,11 @@ struct Entry {
 /// never waiting on the coordinator.
 #[derive(Debug)]
 pub struct Journal {
+    /// To the writer task.
     tx: mpsc::UnboundedSender<Entry>,
     /// Encoded bytes handed over so far, against `max_bytes`.
     bytes: usize,
+    /// [`JournalSpec::max_bytes`].
     max_bytes: usize,
     /// A delta was left out for the byte bound: later ones are left out too, so the journal
     /// is a prefix of the stream and its end, never a stream with holes in the middle.
