@@ -635,3 +635,41 @@ impl Coordinator for Counting {
         self.inner.read_events(key, after, max, block).await
     }
 }
+
+/// The embedded mode (SQLite, in-process coordinator), one replica: the reader comes back
+/// where the generation runs, so it is told directly rather than over pub/sub.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_embedded_mode_resumes_on_its_one_replica() {
+    let f = common::fleet(&[("small", 1)], 1.0, |c| {
+        c.server.timeouts.cancel_grace_ms = 300;
+    })
+    .await;
+    let generations = format!("{}/v1/generations", f.server.base_url());
+    let whole = Frames::new(submit(&generations, &f.api_key, "e-whole", &body(100, true)).await)
+        .rest()
+        .await;
+    assert_whole(&whole);
+    let mut first = Frames::new(submit(&generations, &f.api_key, "e-drop", &body(100, true)).await);
+    let mut seen = Vec::new();
+    for _ in 0..4 {
+        seen.push(first.next().await.unwrap());
+    }
+    drop(first);
+    let last = seen.last().unwrap().id.unwrap();
+    // The retry of the key, streaming, with the last id seen: the same stream, resumed.
+    let retry = http()
+        .post(&generations)
+        .bearer_auth(&f.api_key)
+        .header("idempotency-key", "e-drop")
+        .header("last-event-id", last.to_string())
+        .json(&body(100, true))
+        .send()
+        .await
+        .unwrap();
+    let rest = Frames::new(retry).rest().await;
+    let all: Vec<Frame> = seen.iter().chain(&rest).cloned().collect();
+    assert_whole(&all);
+    assert_eq!(text(&all), text(&whole));
+    assert_eq!(json_of(all.last().unwrap())["usage"]["output_tokens"], 100);
+    f.shutdown(Duration::from_secs(2)).await;
+}
