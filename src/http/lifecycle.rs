@@ -541,10 +541,13 @@ async fn admit(state: &AppState, mut plan: Plan, id: &str) -> Result<Admission, 
         bound.max_bytes = bound.max_bytes.max(EMBEDDINGS_BUFFER_BYTES);
     }
     let (tx, events) = events::channel(bound);
-    // A generation with a record can be come back to: every event it produces is journaled.
+    // A generation with a record can be come back to: every event it produces is journaled
+    // (not an embedding: one answer, never streamed, computed again more cheaply than kept).
     let tx = match &lifecycle {
-        Some(_) => tx.journaled(super::generations::journal(state, &id)),
-        None => tx,
+        Some(_) if plan.prompt.api() != Api::Embeddings => {
+            tx.journaled(super::generations::journal(state, &id))
+        }
+        _ => tx,
     };
     let args = GenerationArgs {
         request_id: id.clone(),
