@@ -134,14 +134,46 @@ fn jwt_verifier(
 /// subscription (Redis restarted, the connection dropped) is taken again, with a growing
 /// pause up to 5 s, until the replica shuts down.
 async fn spawn_cancel_listener(state: &Arc<AppState>) {
+    spawn_generation_listener(
+        state,
+        crate::http::CANCEL_CHANNEL,
+        "cancel_listener",
+        |generations, id| {
+            generations.cancel(id);
+        },
+    );
+}
+
+/// Hears of readers that came back to a generation through another replica
+/// (`GET /v1/generations/{id}/events`, a retried Idempotency-Key) and tells the generation,
+/// if it runs here, so its cancel grace no longer ends it.
+async fn spawn_client_back_listener(state: &Arc<AppState>) {
+    spawn_generation_listener(
+        state,
+        crate::http::CLIENT_BACK_CHANNEL,
+        "client_back_listener",
+        |generations, id| {
+            crate::http::client_back(generations, id);
+        },
+    );
+}
+
+/// Runs `act` on this replica's generations for every id published on `channel`, until
+/// the replica shuts down; a lost subscription is renewed with backoff.
+fn spawn_generation_listener(
+    state: &Arc<AppState>,
+    channel: &'static str,
+    kind: &'static str,
+    act: fn(&Generations, &str),
+) {
     let coordinator = state.coordinator.clone();
     let generations = state.generations.clone();
     let stop = state.shutdown.clone();
     tokio::spawn(async move {
-        let _guard = switchyard_actors::tasks::TaskGuard::new("cancel_listener");
+        let _guard = switchyard_actors::tasks::TaskGuard::new(kind);
         let mut pause = Duration::from_millis(100);
         loop {
-            match coordinator.subscribe(crate::http::CANCEL_CHANNEL).await {
+            match coordinator.subscribe(channel).await {
                 Ok(mut cancels) => {
                     pause = Duration::from_millis(100);
                     loop {
@@ -150,17 +182,20 @@ async fn spawn_cancel_listener(state: &Arc<AppState>) {
                             msg = cancels.recv() => match msg {
                                 Some(id) => {
                                     if let Ok(id) = String::from_utf8(id) {
-                                        generations.cancel(&id);
+                                        act(&generations, &id);
                                     }
                                 }
                                 None => break,
                             },
                         }
                     }
-                    tracing::warn!("the cancel subscription closed; subscribing again");
+                    tracing::warn!(
+                        channel,
+                        "a generation subscription closed; subscribing again"
+                    );
                 }
                 Err(e) => {
-                    tracing::warn!(error = %e, "cannot hear cancels from other replicas; retrying")
+                    tracing::warn!(channel, error = %e, "cannot hear other replicas on a generation channel; retrying")
                 }
             }
             tokio::select! {
@@ -282,6 +317,7 @@ impl Server {
             state.shutdown.clone(),
         ));
         spawn_cancel_listener(&state).await;
+        spawn_client_back_listener(&state).await;
         let addr = listener.local_addr()?;
         let app = crate::http::router(state.clone());
         let shutdown = state.shutdown.clone();

@@ -63,6 +63,8 @@ pub async fn conformance_suite(c: &dyn Coordinator, prefix: &str) -> Outcome {
     leases_and_other_kinds_do_not_mix(c, prefix).await?;
     slots_bound_renew_release_and_expire(c, prefix).await?;
     sliding_window_is_exact_at_the_boundary(c, prefix).await?;
+    journal_appends_in_order_skips_repeats_and_expires(c, prefix).await?;
+    journal_reader_waits_for_the_next_append(c, prefix).await?;
     Ok(())
 }
 
@@ -538,4 +540,124 @@ pub async fn sliding_window_is_exact_at_the_boundary(c: &dyn Coordinator, prefix
     })?;
     expect_eq(CHECK, admitted.count, 3)?;
     c.delete(&key).await.map_err(ConformanceError::from)
+}
+
+fn numbered(events: &[(u64, Vec<u8>)]) -> Vec<(u64, String)> {
+    events
+        .iter()
+        .map(|(n, e)| (*n, String::from_utf8_lossy(e).into_owned()))
+        .collect()
+}
+
+fn payloads(from: u64, to: u64) -> Vec<Vec<u8>> {
+    (from..to).map(|n| format!("e{n}").into_bytes()).collect()
+}
+
+/// A journal reads back in number order from any point, in pages of `max`; a repeated or
+/// overlapping append adds only what is new; a gap stays visible; a missing journal reads
+/// empty; it expires `ttl` after its last append; it is a kind of its own in the keyspace.
+pub async fn journal_appends_in_order_skips_repeats_and_expires(
+    c: &dyn Coordinator,
+    prefix: &str,
+) -> Outcome {
+    const CHECK: &str = "journal_appends_in_order_skips_repeats_and_expires";
+    let key = format!("{prefix}journal:a");
+    let none = Duration::ZERO;
+    expect_eq(CHECK, c.read_events(&key, None, 10, none).await?, vec![])?;
+    c.append_events(&key, 0, payloads(0, 3), LONG).await?;
+    // A retried batch overlapping what is there adds only 3 and 4.
+    c.append_events(&key, 1, payloads(1, 5), LONG).await?;
+    let want: Vec<(u64, String)> = (0..5).map(|n| (n, format!("e{n}"))).collect();
+    expect_eq(
+        CHECK,
+        numbered(&c.read_events(&key, None, 100, none).await?),
+        want.clone(),
+    )?;
+    expect_eq(
+        CHECK,
+        numbered(&c.read_events(&key, Some(1), 2, none).await?),
+        want[2..4].to_vec(),
+    )?;
+    expect_eq(CHECK, c.read_events(&key, Some(4), 10, none).await?, vec![])?;
+    // Binary-safe, and a gap (events never journaled) shows as a jump in numbers.
+    c.append_events(&key, 7, vec![vec![0, 255, b'\n', 0]], LONG)
+        .await?;
+    expect_eq(
+        CHECK,
+        c.read_events(&key, Some(4), 10, none).await?,
+        vec![(7, vec![0, 255, b'\n', 0])],
+    )?;
+    // Another kind at the key is an error both ways.
+    let counter = format!("{prefix}journal:counter");
+    c.incr(&counter, 1, LONG).await?;
+    expect(
+        CHECK,
+        c.append_events(&counter, 0, payloads(0, 1), LONG)
+            .await
+            .is_err(),
+        || "append on a counter succeeded".to_owned(),
+    )?;
+    expect(
+        CHECK,
+        c.read_events(&counter, None, 1, none).await.is_err(),
+        || "read of a counter as a journal succeeded".to_owned(),
+    )?;
+    // Expiry counts from the last append.
+    let short = format!("{prefix}journal:short");
+    c.append_events(&short, 0, payloads(0, 1), MEDIUM).await?;
+    tokio::time::sleep(HALF).await;
+    c.append_events(&short, 1, payloads(1, 2), MEDIUM).await?;
+    tokio::time::sleep(HALF).await;
+    expect_eq(CHECK, c.read_events(&short, None, 10, none).await?.len(), 2)?;
+    tokio::time::sleep(PAST).await;
+    expect_eq(CHECK, c.read_events(&short, None, 10, none).await?, vec![])?;
+    c.delete(&key).await?;
+    c.delete(&counter).await?;
+    expect_eq(CHECK, c.read_events(&key, None, 10, none).await?, vec![])?;
+    Ok(())
+}
+
+/// A reader that is caught up waits for the next append and gets it at once; with nothing
+/// appended it answers empty after `block`; a reader behind never waits.
+pub async fn journal_reader_waits_for_the_next_append(
+    c: &dyn Coordinator,
+    prefix: &str,
+) -> Outcome {
+    const CHECK: &str = "journal_reader_waits_for_the_next_append";
+    let key = format!("{prefix}journal:wait");
+    c.append_events(&key, 0, payloads(0, 1), LONG).await?;
+    // Nothing comes: empty after the block.
+    let started = tokio::time::Instant::now();
+    expect_eq(
+        CHECK,
+        c.read_events(&key, Some(0), 10, SHORT).await?,
+        vec![],
+    )?;
+    expect(CHECK, started.elapsed() >= SHORT, || {
+        format!("answered after {:?}, before the block", started.elapsed())
+    })?;
+    // Behind: answered without waiting for the long block.
+    let behind = tokio::time::timeout(DELIVERY, c.read_events(&key, None, 10, LONG)).await;
+    expect(CHECK, matches!(&behind, Ok(Ok(e)) if e.len() == 1), || {
+        format!("a reader behind got {behind:?}")
+    })?;
+    // Caught up: woken by the append, long before its block of 30 s.
+    let appender = async {
+        tokio::time::sleep(HALF).await;
+        c.append_events(&key, 1, payloads(1, 3), LONG).await
+    };
+    let reader = tokio::time::timeout(DELIVERY, c.read_events(&key, Some(0), 10, LONG));
+    let (appended, read) = tokio::join!(appender, reader);
+    appended?;
+    let read = read.map_err(|_| ConformanceError::Violated {
+        check: CHECK,
+        detail: format!("no event within {DELIVERY:?}"),
+    })??;
+    expect_eq(
+        CHECK,
+        numbered(&read),
+        vec![(1, "e1".to_owned()), (2, "e2".to_owned())],
+    )?;
+    c.delete(&key).await?;
+    Ok(())
 }

@@ -31,6 +31,9 @@ pub struct MemoryCoordinator {
     /// Everything behind one lock, never held across an `.await`: each operation is atomic,
     /// as a Redis command or script is.
     inner: Mutex<Inner>,
+    /// Woken on every journal append, so blocked [`Coordinator::read_events`] calls look
+    /// again (each rechecks its own key; appends are rare next to the lock's cost).
+    appended: tokio::sync::Notify,
 }
 
 #[derive(Debug, Default)]
@@ -71,6 +74,8 @@ enum Value {
     },
     /// Member → score (a Redis sorted set): bounded slots and sliding windows.
     Scored(BTreeMap<String, i64>),
+    /// Number → event (a Redis stream with ids `0-<number + 1>`): a generation's journal.
+    Journal(BTreeMap<u64, Vec<u8>>),
 }
 
 impl Value {
@@ -80,6 +85,7 @@ impl Value {
             Value::Counter(_) => "counter",
             Value::Lease { .. } => "lease",
             Value::Scored(_) => "sorted set",
+            Value::Journal(_) => "stream",
         }
     }
 }
@@ -161,6 +167,32 @@ impl MemoryCoordinator {
         // No operation can panic halfway through a change, so a poisoned lock still guards
         // consistent data.
         self.inner.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Up to `max` events of the journal at `key` after `after`, without waiting.
+    fn journal_after(
+        &self,
+        key: &str,
+        after: Option<u64>,
+        max: usize,
+    ) -> Result<Vec<(u64, Vec<u8>)>, CoordError> {
+        let now = Instant::now();
+        let mut inner = self.lock();
+        match inner.live(key, now) {
+            None => Ok(Vec::new()),
+            Some(Entry {
+                value: Value::Journal(events),
+                ..
+            }) => {
+                let from = after.map_or(0, |a| a.saturating_add(1));
+                Ok(events
+                    .range(from..)
+                    .take(max)
+                    .map(|(n, e)| (*n, e.clone()))
+                    .collect())
+            }
+            Some(entry) => Err(wrong_type(key, &entry.value, "stream")),
+        }
     }
 
     /// Subscribers currently registered on `channel`, closed ones included until the next
@@ -398,6 +430,76 @@ impl Coordinator for MemoryCoordinator {
         inner.note_write(now);
         Ok(rx)
     }
+
+    async fn append_events(
+        &self,
+        key: &str,
+        first_seq: u64,
+        events: Vec<Vec<u8>>,
+        ttl: Duration,
+    ) -> Result<(), CoordError> {
+        let now = Instant::now();
+        {
+            let mut inner = self.lock();
+            match inner.live(key, now) {
+                Some(Entry {
+                    value: Value::Journal(_),
+                    expires_at,
+                }) => *expires_at = Some(now + ttl),
+                Some(entry) => return Err(wrong_type(key, &entry.value, "stream")),
+                None => {
+                    inner.keys.insert(
+                        key.to_owned(),
+                        Entry {
+                            value: Value::Journal(BTreeMap::new()),
+                            expires_at: Some(now + ttl),
+                        },
+                    );
+                }
+            }
+            let Some(Entry {
+                value: Value::Journal(journal),
+                ..
+            }) = inner.keys.get_mut(key)
+            else {
+                return Err(CoordError::Unavailable("journal vanished".to_owned()));
+            };
+            // As Redis refuses a stream id at or below the last one.
+            let next = journal.keys().next_back().map_or(0, |last| last + 1);
+            for (seq, event) in (first_seq..).zip(events) {
+                if seq >= next {
+                    journal.insert(seq, event);
+                }
+            }
+            inner.note_write(now);
+        }
+        self.appended.notify_waiters();
+        Ok(())
+    }
+
+    async fn read_events(
+        &self,
+        key: &str,
+        after: Option<u64>,
+        max: usize,
+        block: Duration,
+    ) -> Result<Vec<(u64, Vec<u8>)>, CoordError> {
+        let deadline = Instant::now() + block;
+        loop {
+            // Registered before looking, so an append between the look and the wait still
+            // wakes this reader.
+            let appended = self.appended.notified();
+            tokio::pin!(appended);
+            appended.as_mut().enable();
+            let found = self.journal_after(key, after, max)?;
+            if !found.is_empty() || Instant::now() >= deadline {
+                return Ok(found);
+            }
+            if tokio::time::timeout_at(deadline, appended).await.is_err() {
+                return self.journal_after(key, after, max);
+            }
+        }
+    }
 }
 
 #[cfg(test)]
@@ -488,6 +590,23 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn wrong_kind_is_an_error() {
         conformance::wrong_kind_is_an_error(&MemoryCoordinator::new(), P)
+            .await
+            .unwrap();
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn journal_appends_in_order_skips_repeats_and_expires() {
+        conformance::journal_appends_in_order_skips_repeats_and_expires(
+            &MemoryCoordinator::new(),
+            P,
+        )
+        .await
+        .unwrap();
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn journal_reader_waits_for_the_next_append() {
+        conformance::journal_reader_waits_for_the_next_append(&MemoryCoordinator::new(), P)
             .await
             .unwrap();
     }

@@ -256,6 +256,12 @@ fn generation_args(
     }
     let (tx, events) = events::channel(bound);
     let id = ready.request_id;
+    // A generation with a record can be come back to: every event it produces is journaled
+    // (not an embedding: one answer, never streamed, computed again more cheaply than kept).
+    let tx = match &ready.lifecycle {
+        Some(_) if api != Api::Embeddings => tx.journaled(super::generations::journal(state, &id)),
+        _ => tx,
+    };
     let args = GenerationArgs {
         // Unique per generation: vLLM takes the header as its own request id, and two clients
         // may send the same one; the client's id leads, so the engine's logs find it.

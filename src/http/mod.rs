@@ -7,7 +7,7 @@ mod admin;
 mod completions;
 mod embeddings;
 mod generations;
-pub use generations::CANCEL_CHANNEL;
+pub use generations::{CANCEL_CHANNEL, CLIENT_BACK_CHANNEL, client_back};
 pub mod error;
 mod health;
 mod lifecycle;
@@ -39,6 +39,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/models/{id}", get(openai::model))
         .route("/v1/generations", post(generations::create))
         .route("/v1/generations/{id}", get(generations::get))
+        .route("/v1/generations/{id}/events", get(generations::events))
         .route("/v1/generations/{id}/cancel", post(generations::cancel))
         .route("/v1/usage", get(usage::usage))
         .route("/v1/nodes/connect", get(nodes_ws::connect))

@@ -65,6 +65,12 @@ pub(super) async fn run(
         .inspect_err(lifecycle::count_refusal)?;
     let model = plan.request.model.name.clone();
     let created = state.clock.wall().timestamp();
+    // Only a key the client chose can be retried: its stream is numbered for resuming.
+    let resumable = plan
+        .request
+        .idempotency
+        .as_ref()
+        .is_some_and(|(key, _)| !key.starts_with("auto:"));
     let (generation, id, rate) = match lifecycle::start(state, plan, request_id).await? {
         Started::Running {
             generation,
@@ -73,10 +79,17 @@ pub(super) async fn run(
         } => (generation, id, rate),
         Started::Existing(rec) => {
             let render = Render::with_dialect(dialect, &rec.id, &model, include_usage, created);
+            // A retry while it runs resumes its stream from the journal.
+            if stream && !rec.status.is_terminal() {
+                return lifecycle::counted_replay(sse::resume(state, &rec, render, headers).await);
+            }
             return lifecycle::counted_replay(replay(state, &rec, render, stream).await);
         }
     };
-    let render = Render::with_dialect(dialect, &id, &model, include_usage, created);
+    let mut render = Render::with_dialect(dialect, &id, &model, include_usage, created);
+    if resumable {
+        render = render.resumable();
+    }
     let mut response = if stream {
         sse::stream(generation, render)
     } else {

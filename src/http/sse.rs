@@ -3,19 +3,29 @@
 //! `chat.completion`. `: keep-alive` comments flow while the request waits for a node. A
 //! failure after the headers becomes `data: {"error": …}` and the stream ends without
 //! `[DONE]`. The response stream owns the [`GenerationStream`]: when the client leaves, it
-//! is dropped and the generation is told.
+//! is dropped and the generation is told. A resumable generation's stream numbers its
+//! events (`id:`), and [`resume`] replays it from its journal after the client's
+//! `Last-Event-ID`, following it live.
 
+use std::collections::VecDeque;
 use std::convert::Infallible;
+use std::sync::Arc;
 use std::time::Duration;
 
+use axum::http::HeaderMap;
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use serde_json::{Value, json};
 use switchyard_actors::error::{ErrorCode, Failure};
+use switchyard_actors::generation::events::{journal_key, read_journal};
 use switchyard_actors::generation::{GenEvent, GenerationStream, Usage};
+use switchyard_actors::lifecycle::{GenerationRecord, Status};
 use switchyard_actors::output::{Assembled, Piece};
+use switchyard_actors::ports::Coordinator;
 
 use super::error::ApiError;
+use crate::server::AppState;
+use crate::store::Store;
 
 /// How often a comment is sent while nothing else is.
 pub const KEEP_ALIVE: Duration = Duration::from_secs(5);
@@ -44,6 +54,8 @@ pub struct Render {
     /// `{"id":…,"object":…,"created":…,"model":…,` (and the fingerprint for chat): every
     /// chunk starts with it, so a relayed delta is copied between fixed bytes.
     head: String,
+    /// Each SSE event carries `id: <n>` (n from 0): the stream can be resumed after it.
+    ids: bool,
 }
 
 impl Render {
@@ -79,7 +91,14 @@ impl Render {
             created,
             dialect,
             head,
+            ids: false,
         }
+    }
+
+    /// Numbers each SSE event (`id:`), so the client can resume after the last it saw.
+    pub fn resumable(mut self) -> Self {
+        self.ids = true;
+        self
     }
 
     /// One chunk around `choice` (a JSON object's text).
@@ -311,10 +330,11 @@ impl Renderer {
     }
 }
 
-/// The events of a stream: a running generation's, or a retained result's.
+/// The events of a stream: a running generation's, a retained result's, or a journal's.
 enum Source {
     Live(GenerationStream),
     Replay(std::vec::IntoIter<GenEvent>),
+    Journal(Box<JournalSource>),
 }
 
 impl Source {
@@ -322,19 +342,33 @@ impl Source {
         match self {
             Self::Live(g) => g.next().await,
             Self::Replay(events) => events.next(),
+            Self::Journal(j) => j.next().await,
         }
     }
 }
 
 fn sse_response(source: Source, render: Render) -> Response {
-    let state = (source, Renderer::new(render));
-    let events = futures::stream::unfold(state, |(mut source, mut r)| async move {
+    sse_response_after(source, render, None)
+}
+
+/// The stream of `source`, leaving out the events numbered up to `skip_through` (what a
+/// resuming client already has).
+fn sse_response_after(source: Source, render: Render, skip_through: Option<u64>) -> Response {
+    let ids = render.ids;
+    let state = (source, Renderer::new(render), 0u64);
+    let events = futures::stream::unfold(state, move |(mut source, mut r, mut n)| async move {
         loop {
             if let Some(data) = r.pending.pop_front() {
-                return Some((
-                    Ok::<Event, Infallible>(Event::default().data(data)),
-                    (source, r),
-                ));
+                let number = n;
+                n += 1;
+                if skip_through.is_some_and(|last| number <= last) {
+                    continue;
+                }
+                let mut event = Event::default().data(data);
+                if ids {
+                    event = event.id(number.to_string());
+                }
+                return Some((Ok::<Event, Infallible>(event), (source, r, n)));
             }
             if r.ended {
                 return None;
@@ -346,6 +380,177 @@ fn sse_response(source: Source, render: Render) -> Response {
     Sse::new(events)
         .keep_alive(KeepAlive::new().interval(KEEP_ALIVE).text("keep-alive"))
         .into_response()
+}
+
+/// A retry of a running generation's Idempotency-Key with `stream: true`: its stream from
+/// the journal, after the client's `Last-Event-ID` (numbered as the first response was),
+/// followed live to its end. Its generation is told a reader came back.
+pub async fn resume(
+    state: &AppState,
+    rec: &GenerationRecord,
+    render: Render,
+    headers: &HeaderMap,
+) -> Result<Response, ApiError> {
+    let last = last_event_id(headers)?;
+    super::generations::reader_back(state, &rec.id).await;
+    let source = Source::Journal(Box::new(JournalSource::new(state, &rec.id)));
+    Ok(sse_response_after(source, render.resumable(), last))
+}
+
+/// The `Last-Event-ID` header: the number of the last event the client saw.
+pub(super) fn last_event_id(headers: &HeaderMap) -> Result<Option<u64>, ApiError> {
+    let Some(value) = headers.get("last-event-id") else {
+        return Ok(None);
+    };
+    value
+        .to_str()
+        .ok()
+        .and_then(|v| v.trim().parse::<u64>().ok())
+        .map(Some)
+        .ok_or_else(|| {
+            ApiError::new(
+                ErrorCode::InvalidRequest,
+                "`Last-Event-ID` must be the number of an event of this stream.",
+            )
+        })
+}
+
+/// Events per journal read.
+const JOURNAL_PAGE: usize = 256;
+/// How long one journal read waits for the next event before the record is looked at.
+const JOURNAL_WAIT: Duration = Duration::from_secs(2);
+/// Failed journal reads in a row before the stream gives up (interrupted: the client may
+/// resume again).
+const JOURNAL_FAILURES: u32 = 3;
+
+/// A generation's events read back from its journal, from the first, following appends
+/// until the terminal event. A generation that ended without journaling its end (its
+/// replica stopped, the sweeper ended it) ends with what its record says; a hole in the
+/// numbers (events past the journal's byte bound, or lost) ends it with
+/// `result_unavailable`.
+pub(super) struct JournalSource {
+    /// Where the journal is (any replica's view of it).
+    coordinator: Arc<dyn Coordinator>,
+    /// Where the record is, for an end the journal never got.
+    store: Arc<dyn Store>,
+    /// The generation.
+    id: String,
+    /// Its journal's key.
+    key: String,
+    /// The number of the last event returned.
+    after: Option<u64>,
+    /// Read and not yet returned.
+    buffered: VecDeque<(u64, GenEvent)>,
+    /// Reads that found nothing while the record said the generation was over: after one
+    /// such read (the writer's last batch had time to land), the record's end is given.
+    idle_after_end: u32,
+    /// Failed reads in a row.
+    failures: u32,
+    /// The terminal event (or the stream's end) was returned.
+    ended: bool,
+}
+
+impl JournalSource {
+    pub(super) fn new(state: &AppState, id: &str) -> Self {
+        Self {
+            coordinator: state.coordinator.clone(),
+            store: state.store.clone(),
+            id: id.to_owned(),
+            key: journal_key(id),
+            after: None,
+            buffered: VecDeque::new(),
+            idle_after_end: 0,
+            failures: 0,
+            ended: false,
+        }
+    }
+
+    /// The next event; `None` after the last, or when the journal cannot be read (the
+    /// stream then ends without a terminal event: interrupted).
+    pub(super) async fn next(&mut self) -> Option<GenEvent> {
+        loop {
+            if let Some((seq, event)) = self.buffered.pop_front() {
+                let expected = self.after.map_or(0, |a| a + 1);
+                self.after = Some(seq);
+                if seq != expected {
+                    self.ended = true;
+                    return Some(GenEvent::Failed(Failure::new(
+                        ErrorCode::ResultUnavailable,
+                        "Part of this generation's stream is no longer available; its retained output is at GET /v1/generations/{id}.",
+                    )));
+                }
+                if !matches!(event, GenEvent::Delta(_)) {
+                    self.ended = true;
+                }
+                return Some(event);
+            }
+            if self.ended {
+                return None;
+            }
+            let read = read_journal(
+                self.coordinator.as_ref(),
+                &self.key,
+                self.after,
+                JOURNAL_PAGE,
+                JOURNAL_WAIT,
+            )
+            .await;
+            match read {
+                Ok(events) if !events.is_empty() => {
+                    self.failures = 0;
+                    self.buffered.extend(events);
+                }
+                Ok(_) => {
+                    self.failures = 0;
+                    if let Some(end) = self.recorded_end().await {
+                        self.ended = true;
+                        return Some(end);
+                    }
+                }
+                Err(e) => {
+                    self.failures += 1;
+                    tracing::warn!(generation_id = %self.id, error = %e, "could not read a generation's journal");
+                    if self.failures >= JOURNAL_FAILURES {
+                        self.ended = true;
+                        return None;
+                    }
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+            }
+        }
+    }
+
+    /// The end the record holds, once the journal had time to deliver its own.
+    async fn recorded_end(&mut self) -> Option<GenEvent> {
+        let rec = self.store.get_generation(&self.id).await.ok()??;
+        if !rec.status.is_terminal() && rec.status != Status::Rejected {
+            return None;
+        }
+        self.idle_after_end += 1;
+        (self.idle_after_end > 1).then(|| end_of_record(&rec))
+    }
+}
+
+/// A terminal record's end as an event (without its output).
+fn end_of_record(rec: &GenerationRecord) -> GenEvent {
+    let usage = Usage {
+        prompt_tokens: rec.input_tokens,
+        completion_tokens: rec.output_tokens,
+        finish_reason: rec.finish_reason.clone().unwrap_or_else(|| "stop".into()),
+        cached_tokens: None,
+    };
+    match rec.status {
+        Status::Completed => GenEvent::Finished(usage),
+        Status::Cancelled => GenEvent::Cancelled(usage),
+        _ => {
+            let code = rec
+                .error_code
+                .as_deref()
+                .and_then(ErrorCode::parse)
+                .unwrap_or(ErrorCode::ModelBackendError);
+            GenEvent::Failed(Failure::new(code, "This generation failed."))
+        }
+    }
 }
 
 /// A streaming response. Headers go out at once (the request is admitted); keep-alive

@@ -307,6 +307,41 @@ pub trait Coordinator: Send + Sync + Debug + 'static {
         &self,
         channel: &str,
     ) -> Result<tokio::sync::mpsc::UnboundedReceiver<Vec<u8>>, CoordError>;
+    /// Appends `events` to the event journal at `key`, numbered `first_seq`, `first_seq + 1`,
+    /// …; numbers the journal already holds (or below its last) are skipped, so a retried
+    /// append is harmless, while a number past the last leaves a gap the reader sees. The
+    /// journal expires `ttl` after this append. Wakes readers blocked on `key`.
+    ///
+    /// The default keeps no journal (test doubles that never journal); both real
+    /// coordinators implement it.
+    async fn append_events(
+        &self,
+        key: &str,
+        first_seq: u64,
+        events: Vec<Vec<u8>>,
+        ttl: Duration,
+    ) -> Result<(), CoordError> {
+        let _ = (key, first_seq, events, ttl);
+        Err(CoordError::Unavailable(
+            "this coordinator keeps no event journal".to_owned(),
+        ))
+    }
+    /// Up to `max` events of the journal at `key` numbered after `after` (`None`: from the
+    /// first), in order, with their numbers. When there is none yet, waits up to `block` for
+    /// an append before answering (possibly empty). A missing or expired journal reads as
+    /// empty.
+    async fn read_events(
+        &self,
+        key: &str,
+        after: Option<u64>,
+        max: usize,
+        block: Duration,
+    ) -> Result<Vec<(u64, Vec<u8>)>, CoordError> {
+        let _ = (key, after, max, block);
+        Err(CoordError::Unavailable(
+            "this coordinator keeps no event journal".to_owned(),
+        ))
+    }
 }
 
 /// Time, injected so tests and simulations control it (STYLE item 16).

@@ -137,3 +137,34 @@ return redis.call('GET', KEYS[1])
 ",
     )
 });
+
+/// `append_events`: KEYS[1] the journal (a stream whose ids are `0-<number + 1>`); ARGV[1]
+/// TTL in ms, ARGV[2] the wake-up channel, ARGV[3] the first event's number, then the
+/// events. Numbers at or below the stream's last are skipped (a retried append), so XADD
+/// never sees an id it would refuse. One PUBLISH per append wakes blocked readers; it is
+/// inside the script, so a reader that subscribed and then found nothing cannot miss it.
+pub(super) static APPEND_EVENTS: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r"
+local next = 1
+local top = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
+if top[1] then
+  next = tonumber(string.match(top[1][1], '^0%-(%d+)$')) + 1
+end
+local first = tonumber(ARGV[3]) + 1
+local added = 0
+for i = 4, #ARGV do
+  local id = first + (i - 4)
+  if id >= next then
+    redis.call('XADD', KEYS[1], string.format('0-%d', id), 'e', ARGV[i])
+    added = added + 1
+  end
+end
+redis.call('PEXPIRE', KEYS[1], ARGV[1])
+if added > 0 then
+  redis.call('PUBLISH', ARGV[2], 'a')
+end
+return added
+",
+    )
+});

@@ -1,22 +1,28 @@
 //! The Generations API (SPEC section 5): `POST /v1/generations` (Idempotency-Key required),
-//! `GET /v1/generations/{id}`, `POST /v1/generations/{id}/cancel`. It runs the same pipeline
-//! as `/v1/chat/completions` (see `lifecycle.rs`) and renders it as named SSE events with a
-//! `sequence` from 0, or as one JSON document.
+//! `GET /v1/generations/{id}`, `GET /v1/generations/{id}/events` (resume),
+//! `POST /v1/generations/{id}/cancel`. It runs the same pipeline as `/v1/chat/completions`
+//! (see `lifecycle.rs`) and renders it as named SSE events with a `sequence` from 0 (also
+//! their `id:`, which a client sends back as `Last-Event-ID` to resume), or as one JSON
+//! document.
 
 mod render;
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use serde_json::{Map, Value, json};
 use switchyard_actors::error::ErrorCode;
+use switchyard_actors::generation::events::{Journal, JournalSpec, journal_key};
+use switchyard_actors::generation::{GenerationMsg, Generations};
 use switchyard_actors::lifecycle::{Event, GenerationRecord, Refusal};
 use tracing::instrument;
 
-use self::render::{collect, document, stream_events};
+use self::render::{collect, document, journal_stream, stream_events};
 use super::error::{ApiError, Json, Path};
+use super::sse::last_event_id;
 use super::lifecycle::{self, Plan, Started};
 use crate::admission::{Prompt, Request};
 use crate::server::AppState;
@@ -47,6 +53,14 @@ const PASSED: [&str; 6] = [
 
 /// The pub/sub channel on which a cancel reaches the replica running the generation.
 pub const CANCEL_CHANNEL: &str = "generations:cancel";
+
+/// The pub/sub channel on which a reader's return reaches the replica running the
+/// generation ([`GenerationMsg::ClientBack`]).
+pub const CLIENT_BACK_CHANNEL: &str = "generations:client_back";
+
+/// Encoded bytes of one generation's journal at most (four times the retained output's
+/// bound: the engine's deltas as sent, with logprobs, take more than their text).
+const JOURNAL_MAX_BYTES: usize = 4 << 20;
 
 /// `POST /v1/generations`.
 #[instrument(skip_all, fields(generation_id, team_id, model))]
@@ -87,7 +101,85 @@ async fn submit(
             super::error::rate_headers(&rate, response.headers_mut());
             Ok(response)
         }
+        // A retry while it runs resumes its stream, as `GET …/events` does.
+        Started::Existing(rec) if stream && !rec.status.is_terminal() => {
+            let last = last_event_id(headers)?;
+            reader_back(state, &rec.id).await;
+            lifecycle::counted_replay(Ok(journal_stream(state, &rec.id, last)))
+        }
         Started::Existing(rec) => lifecycle::counted_replay(replay(state, &rec, stream)),
+    }
+}
+
+/// The journal of a resumable generation `id` (one with a record): kept while it runs and
+/// for the result retention after it ends.
+pub(super) fn journal(state: &AppState, id: &str) -> Journal {
+    let timeouts = state.config.generation_timeouts();
+    let retention = Duration::from_millis(u64::try_from(state.config.retention_ms()).unwrap_or(0));
+    let spec = JournalSpec {
+        key: journal_key(id),
+        running_ttl: timeouts.total + timeouts.settle_wait + retention,
+        retention,
+        max_bytes: JOURNAL_MAX_BYTES,
+    };
+    Journal::spawn(state.coordinator.clone(), spec)
+}
+
+/// Tells the live generation `id` on this replica that a reader came back; false when it
+/// does not run here.
+pub fn client_back(generations: &Generations, id: &str) -> bool {
+    generations
+        .directory()
+        .get(id)
+        .is_some_and(|g| g.cast(GenerationMsg::ClientBack).is_ok())
+}
+
+/// A reader came back to `id`: its generation is told, here or through the replica that
+/// runs it.
+pub(super) async fn reader_back(state: &AppState, id: &str) {
+    if !client_back(&state.generations, id)
+        && let Err(e) = state
+            .coordinator
+            .publish(CLIENT_BACK_CHANNEL, id.as_bytes().to_vec())
+            .await
+    {
+        tracing::warn!(generation_id = %id, error = %e, "could not publish a reader's return");
+    }
+}
+
+/// `GET /v1/generations/{id}/events`: the generation's events after `Last-Event-ID` (from
+/// the first without it), each once, in order, followed live to the end. A finished
+/// generation whose journal expired is answered from its record as a retry is (without
+/// `Last-Event-ID`), or 410 `result_unavailable` (with it: the numbers no longer mean
+/// anything).
+pub async fn events(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Response {
+    let answer = async {
+        let rec = owned(&state, &headers, &id).await?;
+        let last = last_event_id(&headers)?;
+        if !rec.status.is_terminal() {
+            reader_back(&state, &rec.id).await;
+            return Ok(journal_stream(&state, &rec.id, last));
+        }
+        let journaled = state
+            .coordinator
+            .read_events(&journal_key(&rec.id), None, 1, Duration::ZERO)
+            .await
+            .map_err(|_| {
+                ApiError::unavailable("The generation's events cannot be read right now.")
+            })?;
+        match (journaled.is_empty(), last) {
+            (false, _) => Ok(journal_stream(&state, &rec.id, last)),
+            (true, None) => replay(&state, &rec, true),
+            (true, Some(_)) => Err(lifecycle::expired(&rec)),
+        }
+    };
+    match answer.await {
+        Ok(response) => response,
+        Err(e) => e.with_request_id(&id).into_response(),
     }
 }
 

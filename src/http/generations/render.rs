@@ -15,7 +15,8 @@ use switchyard_actors::output::{Assembled, Piece};
 
 use super::super::error::ApiError;
 use super::super::lifecycle;
-use super::super::sse::KEEP_ALIVE;
+use super::super::sse::{JournalSource, KEEP_ALIVE};
+use crate::server::AppState;
 
 /// What to tell the client to do after a failure once the stream has begun: capacity
 /// refusals happened before anything ran (the record is `rejected`), so the same key may be
@@ -47,12 +48,16 @@ struct Sequencer {
 }
 
 impl Sequencer {
+    /// The event `name` with the next number, as `sequence` and as the SSE `id:` (what a
+    /// client sends back as `Last-Event-ID`).
     fn event(&mut self, name: &'static str, mut data: Map<String, Value>) -> SseEvent {
+        let number = self.next;
         data.insert("generation_id".into(), Value::String(self.id.clone()));
-        data.insert("sequence".into(), Value::from(self.next));
+        data.insert("sequence".into(), Value::from(number));
         self.next += 1;
         SseEvent::default()
             .event(name)
+            .id(number.to_string())
             .data(Value::Object(data).to_string())
     }
 
@@ -276,4 +281,38 @@ pub(super) fn replayed(rec: &GenerationRecord, out: Assembled, end: GenEvent) ->
     }
     events.extend(seq.render(Some(end)).0);
     sse(futures::stream::iter(events))
+}
+
+/// The generation's stream rebuilt from its journal, numbered exactly as its first response
+/// was (`generation.created` is 0), leaving out what the client has (through `last`).
+pub(super) fn journal_stream(state: &AppState, id: &str, last: Option<u64>) -> Response {
+    let mut seq = Sequencer {
+        id: id.to_owned(),
+        next: 0,
+        partial: false,
+    };
+    let pending = std::collections::VecDeque::from([(0, seq.created("queued"))]);
+    let source = JournalSource::new(state, id);
+    let state = (Some(source), seq, pending);
+    let events = futures::stream::unfold(
+        state,
+        move |(mut source, mut seq, mut pending)| async move {
+            loop {
+                if let Some((number, event)) = pending.pop_front() {
+                    if last.is_some_and(|l| number <= l) {
+                        continue;
+                    }
+                    return Some((event, (source, seq, pending)));
+                }
+                let s = source.as_mut()?;
+                let first = seq.next;
+                let (events, end) = seq.render(s.next().await);
+                pending.extend((first..).zip(events));
+                if end {
+                    source = None;
+                }
+            }
+        },
+    );
+    sse(events)
 }
