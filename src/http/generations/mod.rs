@@ -22,8 +22,8 @@ use tracing::instrument;
 
 use self::render::{collect, document, journal_stream, stream_events};
 use super::error::{ApiError, Json, Path};
-use super::sse::last_event_id;
 use super::lifecycle::{self, Plan, Started};
+use super::sse::last_event_id;
 use crate::admission::{Prompt, Request};
 use crate::server::AppState;
 
