@@ -9,6 +9,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+use switchyard_actors::budget::{BudgetConfig, TeamBudgets};
 use switchyard_actors::generation::{Directory, Generations};
 use switchyard_actors::model_queue::{ModelQueueActor, ModelQueueHandle, QueueArgs};
 use switchyard_actors::node::NodeHandle;
@@ -38,6 +39,9 @@ pub struct AppState {
     pub coordinator: Arc<dyn Coordinator>,
     /// Starts generations.
     pub generations: Generations,
+    /// The ledger generations reserve through: each team's reservations batched by its
+    /// actor (group commit), everything else straight to the store.
+    pub budgets: Arc<TeamBudgets>,
     /// The queue of every model, by resolved name.
     pub queues: BTreeMap<String, ModelQueueHandle>,
     /// Node connections held by this replica, by node id.
@@ -211,6 +215,10 @@ impl Server {
             )
         }))?;
         let ledger: Arc<dyn switchyard_actors::ports::Ledger> = store.clone();
+        let budgets = TeamBudgets::start(ledger.clone(), clock.clone(), BudgetConfig::default())
+            .await
+            .map(Arc::new)
+            .map_err(|e| StartError::Actors(e.to_string()))?;
         let generations = Generations::start(ledger, Directory::default())
             .await
             .map_err(|e| StartError::Actors(e.to_string()))?;
@@ -249,6 +257,7 @@ impl Server {
             store,
             coordinator,
             generations,
+            budgets,
             queues,
             nodes: Mutex::new(BTreeMap::new()),
             metrics: metrics_handle(),
@@ -337,5 +346,6 @@ impl Server {
             queue.stop();
         }
         self.state.generations.stop();
+        self.state.budgets.stop();
     }
 }

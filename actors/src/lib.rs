@@ -6,6 +6,8 @@
 //! │   └─ GenerationActor (one per request, spawn_linked)
 //! │        admitted → queued → dispatched(attempt n) → streaming → settled
 //! ├─ ModelQueueActor (one per model) ─ bounded queue, deadline, node choice
+//! ├─ BudgetSupervisor ──────────────── spawns lazily, replaces crashed, retires idle
+//! │   └─ TeamBudgetActor (one per team, spawn_linked) ─ group-commits its reservations
 //! └─ NodeActor (one per node socket) ─ relays frames, counts its in-flight work
 //! ```
 //!
@@ -26,6 +28,10 @@
 //!   `dispatch_waiting` in `model_queue/actor.rs`, `refused` in `node/actor.rs`;
 //! - a client disconnect becoming an engine cancel: the stream's drop guard in
 //!   `generation/supervisor.rs`, then `client_gone` in `generation/ending.rs`;
+//! - a team's reservations batched into one transaction (group commit): `flush` in
+//!   `budget/actor.rs`, deciding each row as a single reserve would: `plan_batch` in the
+//!   server's `store/sql.rs`; a crashed team actor's callers told `quota_service_unavailable`:
+//!   `reserve` of [`budget::TeamBudgets`] in `budget/supervisor.rs`;
 //! - who settles a row: every path in `generation/ending.rs`, the supervisor for a crashed
 //!   generation, `settle_orphan` for a `done` without a generation.
 //!
@@ -35,6 +41,7 @@
 //! parser shared by the node agent and the load harness.
 
 pub mod attempts;
+pub mod budget;
 pub mod error;
 pub mod generation;
 pub mod lifecycle;

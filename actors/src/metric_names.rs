@@ -37,3 +37,5 @@ pub const CONNECTIONS_OPEN: &str = "switchyard_connections_open";
 /// Counter: requests the listener refused before they reached a handler, by `reason`
 /// (`header_timeout`, `body_timeout`, `head_too_large`, `uri_too_long`, `malformed`).
 pub const LISTENER_REFUSALS_TOTAL: &str = "switchyard_listener_refusals_total";
+/// Counter: supervised actors that crashed and are replaced, by `kind` (`team_budget`, …).
+pub const ACTOR_RESTARTS_TOTAL: &str = "switchyard_actor_restarts_total";
