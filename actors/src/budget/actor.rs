@@ -60,7 +60,10 @@ pub struct TeamBudgetArgs {
 /// A reservation waiting for its batch, with the caller's reply port.
 #[derive(Debug)]
 pub(super) struct Waiting {
+    /// The row to open.
     reservation: Reservation,
+    /// Where its answer goes; dropped unanswered only if the actor dies, which the caller
+    /// reads as `Unavailable`.
     reply: RpcReplyPort<Result<(), LedgerError>>,
 }
 

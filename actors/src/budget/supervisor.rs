@@ -85,9 +85,13 @@ impl BudgetOwners {
 /// What the supervisor starts with.
 #[derive(Debug, Clone)]
 pub struct BudgetSupervisorArgs {
+    /// The ledger every team actor commits to.
     ledger: Arc<dyn Ledger>,
+    /// Time, for the team actors' idleness.
     clock: Arc<dyn Clock>,
+    /// Batching and retirement of every team actor.
     config: BudgetConfig,
+    /// The map it keeps and [`TeamBudgets`] reads.
     owners: BudgetOwners,
 }
 
