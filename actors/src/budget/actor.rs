@@ -11,7 +11,6 @@ use tokio::time::Instant;
 
 use super::msg::{BudgetSupervisorMsg, TeamBudgetMsg, TeamBudgetStats};
 use crate::ports::{Clock, Ledger, LedgerError, Microcredits, Reservation};
-use crate::tasks::TaskGuard;
 
 /// How team actors batch, wait and retire.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -88,8 +87,9 @@ pub struct TeamBudgetState {
     decided: u64,
     /// The largest batch so far.
     largest_batch: usize,
-    /// Counts the actor in `switchyard_tasks_alive`.
-    _guard: TaskGuard,
+    // No `TaskGuard`: a team actor outlives its team's requests by design (it retires after
+    // `idle_after`), so `switchyard_tasks_alive`, the per-request leak detector, would read
+    // every recently active team as a leak. `BudgetOwners::len` counts them instead.
 }
 
 /// What the actor must do after a reservation arrived.
@@ -115,7 +115,6 @@ impl TeamBudgetState {
             batches: 0,
             decided: 0,
             largest_batch: 0,
-            _guard: TaskGuard::new("team_budget"),
         }
     }
 
