@@ -39,8 +39,10 @@ pub struct AppState {
     pub coordinator: Arc<dyn Coordinator>,
     /// Starts generations.
     pub generations: Generations,
-    /// The ledger generations reserve through: each team's reservations batched by its
-    /// actor (group commit), everything else straight to the store.
+    /// The batching ledger (each team's reservations group-committed by its actor,
+    /// everything else straight to the store). Started with the replica; admission still
+    /// reserves through `store` until the token drift it showed in
+    /// `tests/server/invariants.rs` is understood (`ledger:` in `http/lifecycle.rs`).
     pub budgets: Arc<TeamBudgets>,
     /// The queue of every model, by resolved name.
     pub queues: BTreeMap<String, ModelQueueHandle>,

@@ -269,24 +269,32 @@ impl PostgresStore {
         .fetch_all(&mut *tx)
         .await
         .map_err(ledger_unavailable)?;
-        // Separate statements, so their snapshots start after the locks were granted.
-        let held: Vec<(i64, i64)> = sqlx::query_as(
-            "SELECT team_id, COALESCE(SUM(estimated_cost_microcredits), 0)::BIGINT \
-             FROM usage_ledger WHERE team_id = ANY($1) AND status = 'reserved' \
-             GROUP BY team_id",
+        // A separate statement, so its snapshot starts after the locks were granted; one
+        // statement for both reads, since every round trip here is spent holding the lock.
+        let read: Vec<(Option<i64>, Option<i64>, Option<String>)> = sqlx::query_as(
+            "SELECT team_id, COALESCE(SUM(estimated_cost_microcredits), 0)::BIGINT, \
+             NULL::TEXT FROM usage_ledger WHERE team_id = ANY($1) AND status = 'reserved' \
+             GROUP BY team_id \
+             UNION ALL \
+             SELECT NULL::BIGINT, NULL::BIGINT, request_id FROM usage_ledger \
+             WHERE request_id = ANY($2)",
         )
         .bind(&team_ids)
+        .bind(&ids)
         .fetch_all(&mut *tx)
         .await
         .map_err(ledger_unavailable)?;
-        let taken: BTreeSet<String> =
-            sqlx::query_scalar("SELECT request_id FROM usage_ledger WHERE request_id = ANY($1)")
-                .bind(&ids)
-                .fetch_all(&mut *tx)
-                .await
-                .map_err(ledger_unavailable)?
-                .into_iter()
-                .collect();
+        let mut held = Vec::new();
+        let mut taken = BTreeSet::new();
+        for row in read {
+            match row {
+                (Some(team), Some(sum), _) => held.push((team, sum)),
+                (_, _, Some(id)) => {
+                    taken.insert(id);
+                }
+                _ => {}
+            }
+        }
         let held: BTreeMap<i64, i64> = held.into_iter().collect();
         for (id, balance) in locked {
             let held = held.get(&id).copied().unwrap_or(0);
