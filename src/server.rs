@@ -9,6 +9,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+use switchyard_actors::budget::{BudgetConfig, TeamBudgets};
 use switchyard_actors::generation::Generations;
 use switchyard_actors::model_queue::{ModelQueueHandle, QueueArgs};
 use switchyard_actors::node::NodeHandle;
@@ -42,6 +43,11 @@ pub struct AppState {
     pub supervision: Supervision,
     /// Starts generations (the tree's handle, valid across restarts).
     pub generations: Generations,
+    /// The batching ledger (each team's reservations group-committed by its actor,
+    /// everything else straight to the store). Started with the replica; admission still
+    /// reserves through `store` until the token drift it showed in
+    /// `tests/server/invariants.rs` is understood (`ledger:` in `http/lifecycle.rs`).
+    pub budgets: Arc<TeamBudgets>,
     /// The queue of every model, by resolved name (the tree's handles, valid across restarts).
     pub queues: BTreeMap<String, ModelQueueHandle>,
     /// Node connections held by this replica, by node id.
@@ -248,6 +254,10 @@ impl Server {
             )
         }))?;
         let ledger: Arc<dyn switchyard_actors::ports::Ledger> = store.clone();
+        let budgets = TeamBudgets::start(ledger.clone(), clock.clone(), BudgetConfig::default())
+            .await
+            .map(Arc::new)
+            .map_err(|e| StartError::Actors(e.to_string()))?;
         let supervision = Supervision::start(SupervisionArgs {
             ledger,
             queues: config
@@ -299,6 +309,7 @@ impl Server {
             coordinator,
             supervision,
             generations,
+            budgets,
             queues,
             nodes: Mutex::new(BTreeMap::new()),
             metrics: metrics_handle(),
@@ -390,5 +401,6 @@ impl Server {
             queue.stop();
         }
         self.state.supervision.stop();
+        self.state.budgets.stop();
     }
 }

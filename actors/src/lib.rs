@@ -12,7 +12,8 @@
 //! ├─ QueueSupervisor ────────────────── restarts a crashed queue with backoff and rebuilds it
 //! │   │                                  (nodes re-announce, waiters re-queue); escalates
 //! │   └─ ModelQueueActor (one per model) ─ bounded queue, deadline, node choice
-//! └─ (team budgets' supervisor, a ChildSpec)
+//! └─ BudgetSupervisor ──────────────── spawns lazily, replaces crashed, retires idle
+//!     └─ TeamBudgetActor (one per team, spawn_linked) ─ group-commits its reservations
 //! ```
 //!
 //! A request: the HTTP layer calls [`generation::Generations::start_generation`]; the
@@ -34,6 +35,10 @@
 //!   `dispatch_waiting` in `model_queue/actor.rs`, `refused` in `node/actor.rs`;
 //! - a client disconnect becoming an engine cancel: the stream's drop guard in
 //!   `generation/supervisor.rs`, then `client_gone` in `generation/core/ending.rs`;
+//! - a team's reservations batched into one transaction (group commit): `flush` in
+//!   `budget/actor.rs`, deciding each row as a single reserve would: `plan_batch` in the
+//!   server's `store/sql.rs`; a crashed team actor's callers told `quota_service_unavailable`:
+//!   `reserve` of [`budget::TeamBudgets`] in `budget/supervisor.rs`;
 //! - who settles a row: every path in `generation/core/ending.rs` (the settle and its retry
 //!   timers in `generation/core/settle.rs`), the supervisor for a crashed generation,
 //!   `settle_orphan` for a `done` without a generation;
@@ -47,6 +52,7 @@
 //! parser shared by the node agent and the load harness.
 
 pub mod attempts;
+pub mod budget;
 pub mod error;
 pub mod generation;
 pub mod lifecycle;

@@ -7,7 +7,7 @@
 //! and hold at least [`SUITE_BALANCE`]; so does [`bounded_billing_suite`] (bills within a
 //! row's bounds, claims and reviews kept), which reads rows back through [`LedgerProbe`].
 //! [`balance_conformance_suite`] checks the admission rule (balance minus open reservations
-//! must cover the estimate) on a [`Store`], which owns balances, and
+//! must cover the estimate), single and batched, on a [`Store`], which owns balances, and
 //! [`drift_conformance_suite`] the drift report's query; they create their own teams, named
 //! after `prefix`.
 
@@ -21,9 +21,15 @@ use switchyard_actors::ports::{
 
 use super::{LedgerStatus, Store, StoreError};
 
+mod batch;
 mod bounds;
 mod drift;
 
+pub use batch::{
+    BATCH, batch_balance_suite, batch_duplicates_are_refused_in_place, batch_ledger_suite,
+    batches_mixing_teams_decide_each_team_alone, batches_overflowing_midway_admit_what_fits,
+    concurrent_batches_stop_at_the_balance, empty_batches_answer_nothing,
+};
 pub use bounds::{
     BilledRow, FIVE_TOKENS, LedgerProbe, bounded, bounded_billing_suite, expected_row,
     huge_claims_settle_at_the_bounds, in_bound_claims_mark_nothing,
@@ -74,6 +80,7 @@ pub async fn ledger_conformance_suite(l: &dyn Ledger, team_id: i64, prefix: &str
     unknown_rows(l, prefix).await?;
     duplicate_reservations(l, team_id, prefix).await?;
     concurrent_finishes_apply_once(l, team_id, prefix).await?;
+    batch_ledger_suite(l, team_id, prefix).await?;
     Ok(())
 }
 
@@ -82,6 +89,7 @@ pub async fn balance_conformance_suite(s: &dyn Store, prefix: &str) -> Outcome {
     concurrent_reserves_stop_at_the_balance(s, prefix).await?;
     finishing_and_crediting_free_room(s, prefix).await?;
     duplicates_are_refused_before_the_balance(s, prefix).await?;
+    batch_balance_suite(s, prefix).await?;
     Ok(())
 }
 

@@ -2,13 +2,16 @@
 //! the ledger's and the generation store's errors, and the generation statements and row
 //! mapping, so the two backends run the same text.
 
+use std::collections::{BTreeMap, BTreeSet};
+
 use sqlx::{ColumnIndex, Decode, Row, Type};
 use switchyard_actors::lifecycle::{
     AttemptState, Bucket, Effect, Event, GenerationRecord, GenerationStore, LifecycleError,
     MessageState, Status, WindowCounters,
 };
 use switchyard_actors::ports::{
-    LedgerError, MAX_TOKEN_COUNT, ReviewReason, Settlement, UsageBounds, cost_of,
+    LedgerError, MAX_TOKEN_COUNT, Microcredits, Reservation, ReviewReason, Settlement, UsageBounds,
+    cost_of,
 };
 
 /// Columns of `usage_ledger` read into a [`LedgerRow`](super::LedgerRow), the same on both
@@ -145,6 +148,88 @@ impl Settled {
             )))
         }
     }
+}
+
+// ---------------------------------------------------------------------------------------
+// Batched reservations ([`Ledger::reserve_batch`]): one rule for both backends, decided in
+// order against running totals, exactly as the single-row `reserve` decides each row.
+//
+// [`Ledger::reserve_batch`]: switchyard_actors::ports::Ledger::reserve_batch
+
+/// A team as a batch sees it under the team's lock.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct TeamRoom {
+    /// Its balance.
+    pub(super) balance: Microcredits,
+    /// What its open reservations hold, including the ones this batch accepted so far.
+    pub(super) held: Microcredits,
+}
+
+/// How a batch's rows were decided before any is written.
+#[derive(Debug)]
+pub(super) struct BatchPlan {
+    /// One answer per reservation, in order; `Ok` means "to insert".
+    pub(super) results: Vec<Result<(), LedgerError>>,
+    /// Positions of the accepted reservations, in order.
+    pub(super) accepted: Vec<usize>,
+}
+
+/// Decides each reservation of `batch` in order, as `reserve` would one after the other:
+/// a row `refuse` rejects up front (text the backend cannot store) and a row of an unknown
+/// team are `Unavailable`, an id taken before the batch (`taken`) or earlier in it is
+/// `Duplicate`, an estimate the team's room cannot cover is `InsufficientBalance` (a later,
+/// smaller one may still fit), and the rest are accepted and held against their team.
+pub(super) fn plan_batch(
+    batch: &[Reservation],
+    teams: &mut BTreeMap<i64, TeamRoom>,
+    taken: &BTreeSet<String>,
+    refuse: impl Fn(&Reservation) -> Option<LedgerError>,
+) -> BatchPlan {
+    let mut seen = BTreeSet::new();
+    let mut plan = BatchPlan {
+        results: Vec::with_capacity(batch.len()),
+        accepted: Vec::new(),
+    };
+    for (i, r) in batch.iter().enumerate() {
+        let result = if let Some(e) = refuse(r) {
+            Err(e)
+        } else if let Some(room) = teams.get_mut(&r.team_id) {
+            // A retried reservation is a duplicate even when its own estimate fills the
+            // balance; a duplicate inside the batch loses to its first occurrence.
+            if taken.contains(&r.request_id) || !seen.insert(r.request_id.as_str()) {
+                Err(LedgerError::Duplicate)
+            } else if !super::covers(room.balance, room.held, r.estimated_cost) {
+                Err(LedgerError::InsufficientBalance)
+            } else {
+                room.held = room.held.saturating_add(r.estimated_cost);
+                plan.accepted.push(i);
+                Ok(())
+            }
+        } else {
+            Err(LedgerError::Unavailable(format!("no team {}", r.team_id)))
+        };
+        plan.results.push(result);
+    }
+    plan
+}
+
+/// Every team's room after a batch: balance minus open reservations.
+pub(super) fn available(teams: &BTreeMap<i64, TeamRoom>) -> BTreeMap<i64, Microcredits> {
+    teams
+        .iter()
+        .map(|(&id, room)| (id, room.balance.saturating_sub(room.held)))
+        .collect()
+}
+
+/// A batch whose transaction failed: every row it would have inserted is `Unavailable`
+/// (nothing was written), the refusals decided before stand.
+pub(super) fn batch_failed(mut plan: BatchPlan, e: &LedgerError) -> Vec<Result<(), LedgerError>> {
+    for &i in &plan.accepted {
+        if let Some(slot) = plan.results.get_mut(i) {
+            *slot = Err(e.clone());
+        }
+    }
+    plan.results
 }
 
 // ---------------------------------------------------------------------------------------

@@ -191,6 +191,27 @@ pub enum LedgerError {
 pub trait Ledger: Send + Sync + Debug + 'static {
     /// Inserts the `reserved` row.
     async fn reserve(&self, reservation: &Reservation) -> Result<(), LedgerError>;
+    /// Reserves every row of `batch` as [`Ledger::reserve`] would one after the other, in
+    /// order, and answers each in the same position: a taken id is `Duplicate`, one the
+    /// balance cannot cover is `InsufficientBalance` and a later, smaller one may still fit.
+    /// A native implementation decides them all in one transaction (group commit); this
+    /// default reserves one by one, so every ledger works.
+    async fn reserve_batch(&self, batch: &[Reservation]) -> Vec<Result<(), LedgerError>> {
+        self.reserve_batch_report(batch).await.results
+    }
+    /// [`Ledger::reserve_batch`], also reporting what each team of the batch has left once
+    /// it committed (balance minus open reservations), when the implementation knows it
+    /// without another query. The default reserves one by one and knows nothing.
+    async fn reserve_batch_report(&self, batch: &[Reservation]) -> BatchReport {
+        let mut results = Vec::with_capacity(batch.len());
+        for r in batch {
+            results.push(self.reserve(r).await);
+        }
+        BatchReport {
+            results,
+            available: BTreeMap::new(),
+        }
+    }
     /// Moves a `reserved` row to `settled` with the reported usage clamped to the row's bounds
     /// ([`UsageBounds::bill`]; a clamped row keeps the claim and is marked for review), its
     /// cost from the row's prices ([`cost_of`]), and debits the team, in one transaction; a
@@ -201,6 +222,17 @@ pub trait Ledger: Send + Sync + Debug + 'static {
     /// Where the row of `request_id` stands and what it billed (`None`: no such row), so that
     /// what a client or a record is told is what the ledger holds.
     async fn entry(&self, request_id: &str) -> Result<Option<LedgerEntry>, LedgerError>;
+}
+
+/// What [`Ledger::reserve_batch_report`] did.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct BatchReport {
+    /// One answer per reservation, in the batch's order.
+    pub results: Vec<Result<(), LedgerError>>,
+    /// By team: its balance minus its open reservations as the batch committed them. Only a
+    /// snapshot — credits and settles change it at any time — so it may inform metrics and
+    /// logs, never skip the ledger's own check.
+    pub available: BTreeMap<i64, Microcredits>,
 }
 
 /// A ledger row as far as the actors need it.

@@ -1,7 +1,12 @@
 //! The PostgreSQL ledger: reserve, settle within the row's bounds, cancel, and the row as
 //! the actors see it.
 
+use std::collections::{BTreeMap, BTreeSet};
+
+use switchyard_actors::ports::BatchReport;
+
 use super::*;
+use crate::store::sql::{BatchPlan, TeamRoom, available, batch_failed};
 
 #[async_trait]
 impl Ledger for PostgresStore {
@@ -70,6 +75,64 @@ impl Ledger for PostgresStore {
             _ => ledger_unavailable(e),
         })?;
         tx.commit().await.map_err(ledger_unavailable)
+    }
+
+    async fn reserve_batch_report(&self, batch: &[Reservation]) -> BatchReport {
+        if batch.is_empty() {
+            return BatchReport::default();
+        }
+        let mut teams = BTreeMap::new();
+        let plan = match self.plan_batch(batch, &mut teams).await {
+            Ok(planned) => planned,
+            Err(e) => {
+                return BatchReport {
+                    results: batch.iter().map(|_| Err(e.clone())).collect(),
+                    available: BTreeMap::new(),
+                };
+            }
+        };
+        let (mut tx, plan) = plan;
+        if plan.accepted.is_empty() {
+            // Nothing to write: dropping `tx` rolls back and releases the locks.
+            return BatchReport {
+                results: plan.results,
+                available: available(&teams),
+            };
+        }
+        let inserted = match insert_accepted(&mut tx, batch, &plan.accepted, self.now()).await {
+            Ok(inserted) => inserted,
+            Err(e) => {
+                return BatchReport {
+                    results: batch_failed(plan, &e),
+                    available: BTreeMap::new(),
+                };
+            }
+        };
+        if let Err(e) = tx.commit().await.map_err(ledger_unavailable) {
+            return BatchReport {
+                results: batch_failed(plan, &e),
+                available: BTreeMap::new(),
+            };
+        }
+        let mut results = plan.results;
+        for &i in &plan.accepted {
+            if let (Some(r), Some(slot)) = (batch.get(i), results.get_mut(i))
+                && !inserted.contains(&r.request_id)
+            {
+                // The same id committed by another team's transaction after our check
+                // (we don't hold that team's lock). Its estimate stays counted in this
+                // batch's running total, which only ever refuses more, never admits beyond
+                // the balance.
+                *slot = Err(LedgerError::Duplicate);
+                if let Some(room) = teams.get_mut(&r.team_id) {
+                    room.held = room.held.saturating_sub(r.estimated_cost);
+                }
+            }
+        }
+        BatchReport {
+            results,
+            available: available(&teams),
+        }
     }
 
     async fn settle(&self, s: &Settlement) -> Result<SettleOutcome, LedgerError> {
@@ -173,4 +236,119 @@ impl Ledger for PostgresStore {
             .map_err(|e| LedgerError::Unavailable(e.to_string()))?;
         Ok(row.map(|r| r.entry()))
     }
+}
+
+impl PostgresStore {
+    /// Opens a batch's transaction, locks the batch's teams (in id order, so two batches
+    /// over the same teams cannot deadlock), reads their balances, open reservations and
+    /// the batch's taken ids once, and decides every reservation against running totals.
+    async fn plan_batch(
+        &self,
+        batch: &[Reservation],
+        teams: &mut BTreeMap<i64, TeamRoom>,
+    ) -> Result<(Transaction<'static, Postgres>, BatchPlan), LedgerError> {
+        let team_ids: Vec<i64> = batch
+            .iter()
+            .map(|r| r.team_id)
+            .collect::<BTreeSet<_>>()
+            .into_iter()
+            .collect();
+        let ids: Vec<&str> = batch
+            .iter()
+            .filter(|r| storable(&r.request_id))
+            .map(|r| r.request_id.as_str())
+            .collect();
+        let mut tx = self.begin().await.map_err(ledger_unavailable)?;
+        // The same lock the single-row reserve takes: a batch and single reservations,
+        // settles and credits of these teams see no rival between the check and the insert.
+        let locked: Vec<(i64, i64)> = sqlx::query_as(
+            "SELECT id, balance_microcredits FROM teams WHERE id = ANY($1) \
+             ORDER BY id FOR UPDATE",
+        )
+        .bind(&team_ids)
+        .fetch_all(&mut *tx)
+        .await
+        .map_err(ledger_unavailable)?;
+        // A separate statement, so its snapshot starts after the locks were granted; one
+        // statement for both reads, since every round trip here is spent holding the lock.
+        let read: Vec<(Option<i64>, Option<i64>, Option<String>)> = sqlx::query_as(
+            "SELECT team_id, COALESCE(SUM(estimated_cost_microcredits), 0)::BIGINT, \
+             NULL::TEXT FROM usage_ledger WHERE team_id = ANY($1) AND status = 'reserved' \
+             GROUP BY team_id \
+             UNION ALL \
+             SELECT NULL::BIGINT, NULL::BIGINT, request_id FROM usage_ledger \
+             WHERE request_id = ANY($2)",
+        )
+        .bind(&team_ids)
+        .bind(&ids)
+        .fetch_all(&mut *tx)
+        .await
+        .map_err(ledger_unavailable)?;
+        let mut held = Vec::new();
+        let mut taken = BTreeSet::new();
+        for row in read {
+            match row {
+                (Some(team), Some(sum), _) => held.push((team, sum)),
+                (_, _, Some(id)) => {
+                    taken.insert(id);
+                }
+                _ => {}
+            }
+        }
+        let held: BTreeMap<i64, i64> = held.into_iter().collect();
+        for (id, balance) in locked {
+            let held = held.get(&id).copied().unwrap_or(0);
+            teams.insert(id, TeamRoom { balance, held });
+        }
+        let plan = crate::store::sql::plan_batch(batch, teams, &taken, |r| {
+            (!storable(&r.request_id) || !storable(&r.model)).then(|| {
+                LedgerError::Unavailable("request id or model contains a NUL character".into())
+            })
+        });
+        Ok((tx, plan))
+    }
+}
+
+/// Inserts the accepted reservations in one statement; returns the ids it inserted. An id
+/// another transaction committed meanwhile is skipped (`ON CONFLICT DO NOTHING`) rather
+/// than failing the batch, and reported `Duplicate` by the caller.
+async fn insert_accepted(
+    tx: &mut Transaction<'static, Postgres>,
+    batch: &[Reservation],
+    accepted: &[usize],
+    now: DateTime<Utc>,
+) -> Result<BTreeSet<String>, LedgerError> {
+    let rows: Vec<&Reservation> = accepted.iter().filter_map(|&i| batch.get(i)).collect();
+    let column = |f: fn(&Reservation) -> i64| rows.iter().map(|r| f(r)).collect::<Vec<i64>>();
+    let ids: Vec<&str> = rows.iter().map(|r| r.request_id.as_str()).collect();
+    let models: Vec<&str> = rows.iter().map(|r| r.model.as_str()).collect();
+    let keys: Vec<Option<i64>> = rows.iter().map(|r| r.key_id).collect();
+    let inserted: Vec<String> = sqlx::query_scalar(
+        "INSERT INTO usage_ledger \
+         (request_id, team_id, key_id, model, estimated_cost_microcredits, \
+         price_input_per_mtok, price_output_per_mtok, status, created_at, \
+         prompt_token_bound, completion_token_bound) \
+         SELECT r.request_id, r.team_id, r.key_id, r.model, r.estimate, r.price_in, \
+         r.price_out, 'reserved', $8, r.prompt_bound, r.completion_bound \
+         FROM UNNEST($1::TEXT[], $2::BIGINT[], $3::BIGINT[], $4::TEXT[], $5::BIGINT[], \
+         $6::BIGINT[], $7::BIGINT[], $9::BIGINT[], $10::BIGINT[]) \
+         AS r(request_id, team_id, key_id, model, estimate, price_in, price_out, \
+         prompt_bound, completion_bound) \
+         ON CONFLICT (request_id) DO NOTHING RETURNING request_id",
+    )
+    .bind(&ids)
+    .bind(column(|r| r.team_id))
+    .bind(&keys)
+    .bind(&models)
+    .bind(column(|r| r.estimated_cost))
+    .bind(column(|r| r.price_input_per_mtok))
+    .bind(column(|r| r.price_output_per_mtok))
+    .bind(now)
+    // A bound beyond the ledger's range is no bound: the same as `i64::MAX`.
+    .bind(column(|r| saturated(r.bounds.prompt_tokens)))
+    .bind(column(|r| saturated(r.bounds.completion_tokens)))
+    .fetch_all(&mut **tx)
+    .await
+    .map_err(ledger_unavailable)?;
+    Ok(inserted.into_iter().collect())
 }

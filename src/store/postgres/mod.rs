@@ -127,6 +127,12 @@ impl PostgresStore {
     /// [`POOL_SIZE`] connections and a 5 s acquire timeout, and opens one connection to
     /// prove the database answers. Does not migrate: call [`PostgresStore::migrate`].
     pub async fn connect(url: &str) -> Result<Self, StoreError> {
+        Self::connect_with_pool(url, POOL_SIZE).await
+    }
+
+    /// [`PostgresStore::connect`] with a pool of `connections` (at least one): for tests
+    /// and benchmarks of behaviour under a scarce pool.
+    pub async fn connect_with_pool(url: &str, connections: u32) -> Result<Self, StoreError> {
         // Without this check a `sqlite:` URL would fail later with a less helpful parse error.
         if !(url.starts_with("postgres://") || url.starts_with("postgresql://")) {
             return Err(StoreError::Invalid(
@@ -140,7 +146,7 @@ impl PostgresStore {
             options = options.application_name("switchyard");
         }
         let pool = PgPoolOptions::new()
-            .max_connections(POOL_SIZE)
+            .max_connections(connections.max(1))
             .acquire_timeout(ACQUIRE_TIMEOUT)
             .connect_with(options)
             .await
