@@ -9,12 +9,12 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
-use switchyard_actors::budget::{BudgetConfig, TeamBudgets};
+use switchyard_actors::budget::{BudgetConfig, BudgetSupervisor, TeamBudgets};
 use switchyard_actors::generation::Generations;
 use switchyard_actors::model_queue::{ModelQueueHandle, QueueArgs};
 use switchyard_actors::node::NodeHandle;
 use switchyard_actors::ports::{Clock, Coordinator, SystemClock};
-use switchyard_actors::supervision::{RestartPolicy, Supervision, SupervisionArgs};
+use switchyard_actors::supervision::{RestartPolicy, Spec, Supervision, SupervisionArgs};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
@@ -254,10 +254,9 @@ impl Server {
             )
         }))?;
         let ledger: Arc<dyn switchyard_actors::ports::Ledger> = store.clone();
-        let budgets = TeamBudgets::start(ledger.clone(), clock.clone(), BudgetConfig::default())
-            .await
-            .map(Arc::new)
-            .map_err(|e| StartError::Actors(e.to_string()))?;
+        let (budgets, budget_args) =
+            TeamBudgets::unstarted(ledger.clone(), clock.clone(), BudgetConfig::default());
+        let budgets = Arc::new(budgets);
         let supervision = Supervision::start(SupervisionArgs {
             ledger,
             queues: config
@@ -271,9 +270,11 @@ impl Server {
                 .collect(),
             queue_policy: RestartPolicy::QUEUES,
             supervisor_policy: RestartPolicy::SUPERVISORS,
-            // MERGE(budget): the team budgets' supervisor joins the tree here, as a
-            // `switchyard_actors::supervision::Spec` of its BudgetSupervisor.
-            extra: Vec::new(),
+            extra: vec![Box::new(Spec::new(
+                "team_budgets",
+                BudgetSupervisor,
+                budget_args,
+            ))],
         })
         .await
         .map_err(|e| StartError::Actors(e.to_string()))?;

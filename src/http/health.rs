@@ -1,5 +1,6 @@
 //! Probes and metrics: `/healthz` (the process lives), `/readyz` (the database and the
-//! coordinator answer), `/metrics` (Prometheus text, SPEC section 10 names).
+//! coordinator answer, and no actor subsystem was given up on by its supervisor), `/metrics`
+//! (Prometheus text, SPEC section 10 names).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -20,7 +21,11 @@ pub async fn readyz(State(state): State<Arc<AppState>>) -> Response {
     let coord =
         tokio::time::timeout(Duration::from_secs(2), state.coordinator.get_hash("readyz")).await;
     match (db, coord) {
-        (Ok(Ok(())), Ok(Ok(_))) if !state.shutdown.is_cancelled() => {
+        // A subsystem the supervision tree gave up on refuses every request typed: take the
+        // replica out of the load balancer so it is replaced rather than sent traffic.
+        (Ok(Ok(())), Ok(Ok(_)))
+            if !state.shutdown.is_cancelled() && state.supervision.down().is_empty() =>
+        {
             (StatusCode::OK, "ready").into_response()
         }
         _ => (StatusCode::SERVICE_UNAVAILABLE, "not ready").into_response(),

@@ -52,4 +52,7 @@ pub enum BudgetSupervisorMsg {
     /// A team actor found itself idle: forget it and drain it (reservations already in its
     /// mailbox are still answered; later sends fail and their callers ask again).
     Retire(i64, ActorId),
+    /// Test-only fault hook: the supervisor panics while handling it.
+    #[cfg(any(test, feature = "fault-injection"))]
+    Crash,
 }

@@ -93,7 +93,14 @@ pub struct BudgetSupervisorArgs {
     config: BudgetConfig,
     /// The map it keeps and [`TeamBudgets`] reads.
     owners: BudgetOwners,
+    /// Where each incarnation binds itself, so [`TeamBudgets`] reaches the live one after the
+    /// root restarted it.
+    slot: SupervisorSlot,
 }
+
+/// The live budget supervisor, rebound by each incarnation; `None` before the first start
+/// and once it stopped.
+type SupervisorSlot = Arc<RwLock<Option<ActorRef<BudgetSupervisorMsg>>>>;
 
 /// The supervisor's state.
 #[derive(Debug)]
@@ -115,9 +122,12 @@ impl Actor for BudgetSupervisor {
 
     async fn pre_start(
         &self,
-        _myself: ActorRef<BudgetSupervisorMsg>,
+        myself: ActorRef<BudgetSupervisorMsg>,
         args: BudgetSupervisorArgs,
     ) -> Result<BudgetSupervisorState, ActorProcessingErr> {
+        // Team actors listed by a crashed incarnation died with it (they were linked): a
+        // listed one that no longer takes messages is replaced on its team's next request.
+        *args.slot.write().unwrap_or_else(PoisonError::into_inner) = Some(myself);
         Ok(BudgetSupervisorState {
             args,
             _guard: TaskGuard::new("budget_supervisor"),
@@ -166,6 +176,8 @@ impl Actor for BudgetSupervisor {
                 };
                 let _ = reply.send(result);
             }
+            #[cfg(any(test, feature = "fault-injection"))]
+            BudgetSupervisorMsg::Crash => crate::supervision::fault::inject("budget supervisor"),
             BudgetSupervisorMsg::Retire(team_id, actor) => {
                 if let Some(retiring) = state.args.owners.get(team_id)
                     && retiring.get_id() == actor
@@ -216,32 +228,69 @@ impl Actor for BudgetSupervisor {
 #[derive(Debug, Clone)]
 pub struct TeamBudgets {
     inner: Arc<dyn Ledger>,
-    supervisor: ActorRef<BudgetSupervisorMsg>,
+    supervisor: SupervisorSlot,
     owners: BudgetOwners,
     config: BudgetConfig,
 }
 
 impl TeamBudgets {
-    /// Starts the supervisor over `ledger`.
+    /// Starts the supervisor over `ledger`, on its own (tests; the server puts it under the
+    /// root supervisor through [`Self::unstarted`]).
     pub async fn start(
         ledger: Arc<dyn Ledger>,
         clock: Arc<dyn Clock>,
         config: BudgetConfig,
     ) -> Result<Self, ractor::SpawnErr> {
+        let (budgets, args) = Self::unstarted(ledger, clock, config);
+        Actor::spawn(None, BudgetSupervisor, args).await?;
+        Ok(budgets)
+    }
+
+    /// The handle, and the arguments its [`BudgetSupervisor`] is (re)started with by
+    /// whoever supervises it: every incarnation binds itself where the handle looks.
+    pub fn unstarted(
+        ledger: Arc<dyn Ledger>,
+        clock: Arc<dyn Clock>,
+        config: BudgetConfig,
+    ) -> (Self, BudgetSupervisorArgs) {
         let owners = BudgetOwners::default();
+        let slot = SupervisorSlot::default();
         let args = BudgetSupervisorArgs {
             ledger: ledger.clone(),
             clock,
             config,
             owners: owners.clone(),
+            slot: slot.clone(),
         };
-        let (supervisor, _) = Actor::spawn(None, BudgetSupervisor, args).await?;
-        Ok(Self {
+        let budgets = Self {
             inner: ledger,
-            supervisor,
+            supervisor: slot,
             owners,
             config,
-        })
+        };
+        (budgets, args)
+    }
+
+    /// Test-only fault hook: makes the budget supervisor panic.
+    #[cfg(any(test, feature = "fault-injection"))]
+    pub fn crash_supervisor(&self) {
+        if let Some(s) = self.supervisor() {
+            let _ = s.cast(BudgetSupervisorMsg::Crash);
+        }
+    }
+
+    /// Which incarnation of the supervisor is bound (tests see a restart by it).
+    #[cfg(test)]
+    pub(crate) fn supervisor_id(&self) -> Option<ractor::ActorId> {
+        self.supervisor().map(|s| s.get_id())
+    }
+
+    /// The live supervisor, if one is bound.
+    fn supervisor(&self) -> Option<ActorRef<BudgetSupervisorMsg>> {
+        self.supervisor
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
     }
 
     /// Which team actors run here.
@@ -264,7 +313,14 @@ impl TeamBudgets {
 
     /// Stops the supervisor and every team actor.
     pub fn stop(&self) {
-        self.supervisor.stop(None);
+        if let Some(supervisor) = self
+            .supervisor
+            .write()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take()
+        {
+            supervisor.stop(None);
+        }
     }
 
     /// The running actor of `team_id`, spawned if none runs.
@@ -278,8 +334,10 @@ impl TeamBudgets {
     /// Asks the supervisor for the team's actor, spawned now if none runs (it also replaces
     /// one that is listed but no longer takes messages).
     async fn fresh_owner(&self, team_id: i64) -> Result<ActorRef<TeamBudgetMsg>, LedgerError> {
-        match self
-            .supervisor
+        let Some(supervisor) = self.supervisor() else {
+            return Err(unavailable("the budget supervisor is not running"));
+        };
+        match supervisor
             .call(
                 |reply| BudgetSupervisorMsg::Owner(team_id, reply),
                 Some(self.config.reply_timeout),

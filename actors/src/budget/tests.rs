@@ -331,3 +331,54 @@ async fn settles_and_reads_go_to_the_inner_ledger() {
     );
     budgets.stop();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crashed_budget_supervisor_is_restarted_by_the_root_and_reservations_go_on() {
+    use crate::supervision::{RestartPolicy, Spec, Supervision, SupervisionArgs};
+
+    let ledger = BankLedger::with(Duration::ZERO, &[(TEAM, 1_000_000), (8, 1_000)]);
+    let (budgets, args) = TeamBudgets::unstarted(
+        ledger.clone(),
+        Arc::new(SystemClock),
+        BudgetConfig::default(),
+    );
+    let tree = Supervision::start(SupervisionArgs {
+        ledger: ledger.clone(),
+        queues: Vec::new(),
+        queue_policy: RestartPolicy::QUEUES,
+        supervisor_policy: RestartPolicy {
+            max_restarts: 2,
+            window: Duration::from_secs(600),
+            backoff: Duration::from_millis(10),
+            max_backoff: Duration::from_millis(10),
+        },
+        extra: vec![Box::new(Spec::new(
+            "team_budgets",
+            super::BudgetSupervisor,
+            args,
+        ))],
+    })
+    .await
+    .unwrap();
+    budgets.reserve(&reservation(1, TEAM, 100)).await.unwrap();
+    let first = budgets.supervisor_id().unwrap();
+
+    budgets.crash_supervisor();
+    // The root restarts it at once (the first restart has no backoff); the new incarnation
+    // binds itself where the handle looks.
+    let mut restarted = false;
+    for _ in 0..200 {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        if budgets.supervisor_id().is_some_and(|id| id != first) {
+            restarted = true;
+            break;
+        }
+    }
+    assert!(restarted, "the root did not restart the budget supervisor");
+    assert!(tree.down().is_empty());
+    // The team's reservations go on, and a team new to this replica gets its actor from the
+    // new incarnation.
+    budgets.reserve(&reservation(2, TEAM, 100)).await.unwrap();
+    budgets.reserve(&reservation(3, 8, 100)).await.unwrap();
+    tree.stop();
+}

@@ -195,9 +195,8 @@ pub struct SupervisionArgs {
     pub queue_policy: RestartPolicy,
     /// Child supervisors' restart policy (under the root).
     pub supervisor_policy: RestartPolicy,
-    /// More child supervisors, started after the built-in ones.
-    // MERGE(budget): the server pushes the team budgets' `Spec` (its BudgetSupervisor, kind
-    // `team_budget`) here.
+    /// More child supervisors, started after the built-in ones (the server adds the team
+    /// budgets' `BudgetSupervisor`).
     pub extra: Vec<Box<dyn ChildSpec>>,
 }
 
