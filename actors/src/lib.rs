@@ -16,8 +16,11 @@
 //!     └─ TeamBudgetActor (one per team, spawn_linked) ─ group-commits its reservations
 //! ```
 //!
-//! A request: the HTTP layer calls [`generation::Generations::start_generation`]; the
-//! generation reserves its ledger row and enters its model's queue; the queue dispatches it
+//! A request: the HTTP layer authenticates and validates it, runs its admission (the
+//! [`ports::admission::AdmissionJob`] port, implemented by the server's `src/admission/`:
+//! idempotency, limits, message window, pricing) and calls
+//! [`generation::Generations::start_generation`]; the generation reserves its ledger row
+//! and enters its model's queue; the queue dispatches it
 //! to a node with room; the node actor relays `assign` and routes `accepted`, `chunk`,
 //! `done` and `error` back; the generation streams deltas to the client and settles the row
 //! on every exit path (completion, engine error, node loss, client gone, timeout).
@@ -39,6 +42,12 @@
 //!   `budget/actor.rs`, deciding each row as a single reserve would: `plan_batch` in the
 //!   server's `store/sql.rs`; a crashed team actor's callers told `quota_service_unavailable`:
 //!   `reserve` of [`budget::TeamBudgets`] in `budget/supervisor.rs`;
+//! - every way a generation can end, checked over random input sequences (one terminal
+//!   event, the row final once, the slot and the message released or consumed once):
+//!   `generation/tests/properties.rs`;
+//! - a resumable generation's events journaled for a reader who comes back (any replica,
+//!   through the [`ports::Coordinator`]): `Journal` in `generation/events.rs`; the reader's
+//!   return (`ClientBack`) keeping it past its cancel grace: `generation/core/ending.rs`;
 //! - who settles a row: every path in `generation/core/ending.rs` (the settle and its retry
 //!   timers in `generation/core/settle.rs`), the supervisor for a crashed generation,
 //!   `settle_orphan` for a `done` without a generation;
