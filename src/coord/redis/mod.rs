@@ -35,10 +35,9 @@ use tokio_util::sync::CancellationToken;
 
 use switchyard_actors::ports::{CoordError, Coordinator, LimitVerdict};
 
+mod journal;
 mod scripts;
-use scripts::{
-    ACQUIRE_LEASE, ACQUIRE_SLOT, APPEND_EVENTS, INCR, PUT_HASH, RELEASE_LEASE, WINDOW_ADMIT,
-};
+use scripts::{ACQUIRE_LEASE, ACQUIRE_SLOT, INCR, PUT_HASH, RELEASE_LEASE, WINDOW_ADMIT};
 
 /// How long one call may wait for Redis before it fails with `Unavailable`.
 pub const DEFAULT_COMMAND_TIMEOUT: Duration = Duration::from_secs(2);
@@ -235,37 +234,6 @@ impl RedisCoordinator {
 
     fn channel(&self, channel: &str) -> String {
         format!("{}c:{channel}", self.prefix)
-    }
-
-    /// The journal's wake-up channel, as [`Coordinator::subscribe`] names it.
-    fn journal_channel(key: &str) -> String {
-        format!("journal:{key}")
-    }
-
-    /// Up to `max` journal events after `after`, without waiting: one XRANGE.
-    async fn journal_after(
-        &self,
-        key: &str,
-        after: Option<u64>,
-        max: usize,
-    ) -> Result<Vec<(u64, Vec<u8>)>, CoordError> {
-        // Ids are `0-<number + 1>`, so "after n" starts at `0-<n + 2>` inclusive.
-        let start = after.map_or(1, |a| a.saturating_add(2));
-        let (generation, mut conn) = self.commands();
-        let reply: redis::Value = self
-            .bounded(
-                "read_events",
-                generation,
-                redis::cmd("XRANGE")
-                    .arg(self.key(key))
-                    .arg(format!("0-{start}"))
-                    .arg("+")
-                    .arg("COUNT")
-                    .arg(max.max(1))
-                    .query_async(&mut conn),
-            )
-            .await?;
-        parse_journal(reply)
     }
 
     fn commands(&self) -> (u64, ConnectionManager) {
@@ -567,26 +535,7 @@ impl Coordinator for RedisCoordinator {
         events: Vec<Vec<u8>>,
         ttl: Duration,
     ) -> Result<(), CoordError> {
-        if events.is_empty() {
-            return Ok(());
-        }
-        let mut invocation = APPEND_EVENTS.prepare_invoke();
-        invocation
-            .key(self.key(key))
-            .arg(ttl_millis(ttl))
-            .arg(self.channel(&Self::journal_channel(key)))
-            .arg(first_seq);
-        for event in events {
-            invocation.arg(event);
-        }
-        let (generation, mut conn) = self.commands();
-        self.bounded(
-            "append_events",
-            generation,
-            invocation.invoke_async::<redis::Value>(&mut conn),
-        )
-        .await?;
-        Ok(())
+        self.journal_append(key, first_seq, events, ttl).await
     }
 
     async fn read_events(
@@ -596,55 +545,8 @@ impl Coordinator for RedisCoordinator {
         max: usize,
         block: Duration,
     ) -> Result<Vec<(u64, Vec<u8>)>, CoordError> {
-        let found = self.journal_after(key, after, max).await?;
-        if !found.is_empty() || block.is_zero() {
-            return Ok(found);
-        }
-        // Caught up: listen for the next append, then look again (an append between the
-        // first look and the subscription would otherwise be waited for in vain).
-        let mut woken = self.subscribe(&Self::journal_channel(key)).await?;
-        let found = self.journal_after(key, after, max).await?;
-        if !found.is_empty() {
-            return Ok(found);
-        }
-        let _ = tokio::time::timeout(block, woken.recv()).await;
-        self.journal_after(key, after, max).await
+        self.journal_read(key, after, max, block).await
     }
-}
-
-/// Reads an XRANGE reply of a journal: `[[id, [field, event]], …]` with ids `0-<n + 1>`.
-fn parse_journal(reply: redis::Value) -> Result<Vec<(u64, Vec<u8>)>, CoordError> {
-    use redis::Value as V;
-    let bad = || CoordError::Unavailable("redis read_events: malformed journal entry".to_owned());
-    let entries = match reply {
-        V::Array(entries) => entries,
-        V::Nil => return Ok(Vec::new()),
-        _ => return Err(bad()),
-    };
-    let mut out = Vec::with_capacity(entries.len());
-    for entry in entries {
-        let V::Array(mut parts) = entry else {
-            return Err(bad());
-        };
-        if parts.len() != 2 {
-            return Err(bad());
-        }
-        let fields = parts.pop().ok_or_else(bad)?;
-        let id = parts.pop().ok_or_else(bad)?;
-        let id: String = redis::from_redis_value(id).map_err(|_| bad())?;
-        let number = id
-            .strip_prefix("0-")
-            .and_then(|n| n.parse::<u64>().ok())
-            .and_then(|n| n.checked_sub(1))
-            .ok_or_else(bad)?;
-        let V::Array(mut fields) = fields else {
-            return Err(bad());
-        };
-        let event = fields.pop().ok_or_else(bad)?;
-        let event: Vec<u8> = redis::from_redis_value(event).map_err(|_| bad())?;
-        out.push((number, event));
-    }
-    Ok(out)
 }
 
 /// One pub/sub connection and the routes from its Redis channels to subscribers.
