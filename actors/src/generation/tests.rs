@@ -4,10 +4,9 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::collections::BTreeMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
-use async_trait::async_trait;
 use tokio::sync::mpsc;
 
 use super::*;
@@ -16,8 +15,8 @@ use crate::model_queue::{
     ModelQueueActor, ModelQueueHandle, QueueArgs, QueueConfig, RoutingStrategy,
 };
 use crate::node::{NodeActor, NodeArgs, NodeHandle};
-use crate::ports::memory::{MemoryLedger, RowStatus};
-use crate::ports::{CoordError, Coordinator, LimitVerdict, Reservation, SystemClock};
+use crate::ports::memory::{MapCoordinator, MemoryLedger, RowStatus};
+use crate::ports::{Coordinator, Reservation, SystemClock};
 use crate::protocol::{NodeFrame, ServerFrame};
 
 mod fuzz;
@@ -25,81 +24,6 @@ mod properties;
 mod trust;
 
 const MODEL: &str = "llama-3.1-8b-instruct";
-
-/// Just enough coordination for node actors: heartbeats land in a map.
-#[derive(Debug, Default)]
-struct MapCoordinator(Mutex<BTreeMap<String, BTreeMap<String, String>>>);
-
-#[async_trait]
-impl Coordinator for MapCoordinator {
-    async fn put_hash(
-        &self,
-        key: &str,
-        fields: &BTreeMap<String, String>,
-        _ttl: Duration,
-    ) -> Result<(), CoordError> {
-        self.0.lock().unwrap().insert(key.into(), fields.clone());
-        Ok(())
-    }
-    async fn get_hash(&self, key: &str) -> Result<Option<BTreeMap<String, String>>, CoordError> {
-        Ok(self.0.lock().unwrap().get(key).cloned())
-    }
-    async fn delete(&self, key: &str) -> Result<(), CoordError> {
-        self.0.lock().unwrap().remove(key);
-        Ok(())
-    }
-    async fn acquire_lease(
-        &self,
-        _: &str,
-        _: &str,
-        _: Duration,
-    ) -> Result<Option<u64>, CoordError> {
-        Ok(Some(1))
-    }
-    async fn release_lease(&self, _: &str, _: &str) -> Result<(), CoordError> {
-        Ok(())
-    }
-    async fn incr(&self, _: &str, by: i64, _: Duration) -> Result<i64, CoordError> {
-        Ok(by)
-    }
-    async fn acquire_slot(
-        &self,
-        _: &str,
-        _: &str,
-        _: u32,
-        _: i64,
-        _: Duration,
-    ) -> Result<LimitVerdict, CoordError> {
-        Ok(LimitVerdict {
-            admitted: true,
-            count: 1,
-            wait_ms: 0,
-        })
-    }
-    async fn release_slot(&self, _: &str, _: &str) -> Result<(), CoordError> {
-        Ok(())
-    }
-    async fn window_admit(
-        &self,
-        _: &str,
-        _: &str,
-        _: i64,
-        _: Duration,
-        _: u32,
-    ) -> Result<LimitVerdict, CoordError> {
-        Ok(LimitVerdict {
-            admitted: true,
-            count: 1,
-            wait_ms: 0,
-        })
-    }
-    async fn publish(&self, _: &str, _: Vec<u8>) -> Result<(), CoordError> {
-        Ok(())
-    }
-    async fn subscribe(&self, _: &str) -> Result<mpsc::UnboundedReceiver<Vec<u8>>, CoordError> {
-        Ok(mpsc::unbounded_channel().1)
-    }
-}
 
 struct Harness {
     ledger: Arc<MemoryLedger>,

@@ -184,3 +184,100 @@ impl Ledger for MemoryLedger {
         }))
     }
 }
+
+#[cfg(test)]
+pub(crate) use map_coordinator::MapCoordinator;
+
+#[cfg(test)]
+mod map_coordinator {
+    //! Just enough coordination for the actors' tests: hashes land in a map, every limit
+    //! admits, pub/sub carries nothing.
+    #![allow(clippy::unwrap_used)]
+
+    use std::collections::BTreeMap;
+    use std::sync::Mutex;
+    use std::time::Duration;
+
+    use async_trait::async_trait;
+    use tokio::sync::mpsc;
+
+    use crate::ports::{CoordError, Coordinator, LimitVerdict};
+
+    /// Just enough coordination for node actors: heartbeats land in a map.
+    #[derive(Debug, Default)]
+    pub(crate) struct MapCoordinator(Mutex<BTreeMap<String, BTreeMap<String, String>>>);
+
+    #[async_trait]
+    impl Coordinator for MapCoordinator {
+        async fn put_hash(
+            &self,
+            key: &str,
+            fields: &BTreeMap<String, String>,
+            _ttl: Duration,
+        ) -> Result<(), CoordError> {
+            self.0.lock().unwrap().insert(key.into(), fields.clone());
+            Ok(())
+        }
+        async fn get_hash(
+            &self,
+            key: &str,
+        ) -> Result<Option<BTreeMap<String, String>>, CoordError> {
+            Ok(self.0.lock().unwrap().get(key).cloned())
+        }
+        async fn delete(&self, key: &str) -> Result<(), CoordError> {
+            self.0.lock().unwrap().remove(key);
+            Ok(())
+        }
+        async fn acquire_lease(
+            &self,
+            _: &str,
+            _: &str,
+            _: Duration,
+        ) -> Result<Option<u64>, CoordError> {
+            Ok(Some(1))
+        }
+        async fn release_lease(&self, _: &str, _: &str) -> Result<(), CoordError> {
+            Ok(())
+        }
+        async fn incr(&self, _: &str, by: i64, _: Duration) -> Result<i64, CoordError> {
+            Ok(by)
+        }
+        async fn acquire_slot(
+            &self,
+            _: &str,
+            _: &str,
+            _: u32,
+            _: i64,
+            _: Duration,
+        ) -> Result<LimitVerdict, CoordError> {
+            Ok(LimitVerdict {
+                admitted: true,
+                count: 1,
+                wait_ms: 0,
+            })
+        }
+        async fn release_slot(&self, _: &str, _: &str) -> Result<(), CoordError> {
+            Ok(())
+        }
+        async fn window_admit(
+            &self,
+            _: &str,
+            _: &str,
+            _: i64,
+            _: Duration,
+            _: u32,
+        ) -> Result<LimitVerdict, CoordError> {
+            Ok(LimitVerdict {
+                admitted: true,
+                count: 1,
+                wait_ms: 0,
+            })
+        }
+        async fn publish(&self, _: &str, _: Vec<u8>) -> Result<(), CoordError> {
+            Ok(())
+        }
+        async fn subscribe(&self, _: &str) -> Result<mpsc::UnboundedReceiver<Vec<u8>>, CoordError> {
+            Ok(mpsc::unbounded_channel().1)
+        }
+    }
+}

@@ -9,7 +9,6 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use async_trait::async_trait;
 use metrics::{
     Counter, CounterFn, Gauge, Histogram, Key, KeyName, Metadata, Recorder, SharedString, Unit,
 };
@@ -22,84 +21,11 @@ use crate::generation::{
 };
 use crate::model_queue::{QueueConfig, RoutingStrategy};
 use crate::node::{NodeArgs, NodeHandle};
-use crate::ports::memory::{MemoryLedger, RowStatus};
-use crate::ports::{CoordError, Coordinator, LimitVerdict, Reservation, SystemClock};
+use crate::ports::memory::{MapCoordinator, MemoryLedger, RowStatus};
+use crate::ports::{Reservation, SystemClock};
 use crate::protocol::{Api, NodeFrame, ServerFrame};
 
 const MODEL: &str = "llama-3.1-8b-instruct";
-
-/// Coordination the node actors need and these tests never read.
-#[derive(Debug, Default)]
-struct NullCoordinator;
-
-#[async_trait]
-impl Coordinator for NullCoordinator {
-    async fn put_hash(
-        &self,
-        _: &str,
-        _: &BTreeMap<String, String>,
-        _: Duration,
-    ) -> Result<(), CoordError> {
-        Ok(())
-    }
-    async fn get_hash(&self, _: &str) -> Result<Option<BTreeMap<String, String>>, CoordError> {
-        Ok(None)
-    }
-    async fn delete(&self, _: &str) -> Result<(), CoordError> {
-        Ok(())
-    }
-    async fn acquire_lease(
-        &self,
-        _: &str,
-        _: &str,
-        _: Duration,
-    ) -> Result<Option<u64>, CoordError> {
-        Ok(Some(1))
-    }
-    async fn release_lease(&self, _: &str, _: &str) -> Result<(), CoordError> {
-        Ok(())
-    }
-    async fn incr(&self, _: &str, by: i64, _: Duration) -> Result<i64, CoordError> {
-        Ok(by)
-    }
-    async fn acquire_slot(
-        &self,
-        _: &str,
-        _: &str,
-        _: u32,
-        _: i64,
-        _: Duration,
-    ) -> Result<LimitVerdict, CoordError> {
-        Ok(LimitVerdict {
-            admitted: true,
-            count: 1,
-            wait_ms: 0,
-        })
-    }
-    async fn release_slot(&self, _: &str, _: &str) -> Result<(), CoordError> {
-        Ok(())
-    }
-    async fn window_admit(
-        &self,
-        _: &str,
-        _: &str,
-        _: i64,
-        _: Duration,
-        _: u32,
-    ) -> Result<LimitVerdict, CoordError> {
-        Ok(LimitVerdict {
-            admitted: true,
-            count: 1,
-            wait_ms: 0,
-        })
-    }
-    async fn publish(&self, _: &str, _: Vec<u8>) -> Result<(), CoordError> {
-        Ok(())
-    }
-    async fn subscribe(&self, _: &str) -> Result<mpsc::UnboundedReceiver<Vec<u8>>, CoordError> {
-        Ok(mpsc::unbounded_channel().1)
-    }
-}
 
 /// Counts `switchyard_actor_restarts_total` by `kind` (installed on the test's only thread:
 /// a paused-clock test runs every actor there).
@@ -201,7 +127,7 @@ async fn connect(h: &Harness, id: &str) -> (NodeHandle, mpsc::Receiver<ServerFra
         directory: h.sup.nodes.directory().clone(),
         ledger: h.ledger.clone(),
         lifecycle: None,
-        coordinator: Arc::new(NullCoordinator),
+        coordinator: Arc::new(MapCoordinator::default()),
         replica_id: "r1".into(),
         heartbeat_timeout: Duration::from_secs(3600),
         clock: Arc::new(SystemClock),
