@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 
-use super::core::{Claim, Config, Core, Effect, Input, Metric, NodeRef};
+use super::core::{Claim, Config, Core, Effect, Input, Metric, NodeRef, Where};
 use super::directory::Directory;
 use super::msg::{GenerationArgs, GenerationMsg};
 use crate::error::Failure;
@@ -89,9 +89,15 @@ impl Actor for GenerationActor {
     ) -> Result<(), ActorProcessingErr> {
         let input = match msg {
             GenerationMsg::Admit(reply) => {
-                state.admit_reply = Some(reply);
+                // A second `Admit` is answered by its dropped port: the caller sees an error,
+                // never a hang. The first one's port is kept until the core answers it (after
+                // the row committed), or dropped with the actor.
+                if matches!(state.core.at, Where::New) {
+                    state.admit_reply = Some(reply);
+                }
                 Input::Admit
             }
+            GenerationMsg::Reserved(result) => Input::Reserved(result),
             GenerationMsg::Dispatch { node } => Input::Dispatch { node },
             GenerationMsg::QueueTimeout => Input::QueueTimeout,
             GenerationMsg::Accepted { attempt, from } => Input::Accepted { attempt, from },
@@ -143,9 +149,6 @@ impl Actor for GenerationActor {
             GenerationMsg::Timer(timer) => Input::Timer(timer),
         };
         state.run(&myself, input).await;
-        // An admission the core did not answer (a second `Admit`) is answered by the
-        // dropped port: the caller sees an error, never a hang.
-        state.admit_reply = None;
         Ok(())
     }
 
@@ -175,17 +178,22 @@ impl Actor for GenerationActor {
 
 impl GenerationState {
     /// Steps the core with `input` and carries out its effects in order, stepping each
-    /// answer at once (its effects go before the rest of the batch).
+    /// answer at once (its effects go before the rest of the batch); then the inputs the core
+    /// held while its row was being opened, one batch each, before any new message.
     async fn run(&mut self, myself: &ActorRef<GenerationMsg>, input: Input<NodeHandle>) {
-        let now = self.args.clock.now();
-        let mut todo: VecDeque<Effect<NodeHandle>> = self.core.step(input, now).into();
-        while let Some(effect) = todo.pop_front() {
-            if let Some(answer) = self.carry_out(myself, effect).await {
-                let now = self.args.clock.now();
-                for e in self.core.step(answer, now).into_iter().rev() {
-                    todo.push_front(e);
+        let mut next = Some(input);
+        while let Some(input) = next {
+            let now = self.args.clock.now();
+            let mut todo: VecDeque<Effect<NodeHandle>> = self.core.step(input, now).into();
+            while let Some(effect) = todo.pop_front() {
+                if let Some(answer) = self.carry_out(myself, effect).await {
+                    let now = self.args.clock.now();
+                    for e in self.core.step(answer, now).into_iter().rev() {
+                        todo.push_front(e);
+                    }
                 }
             }
+            next = self.core.next_held();
         }
     }
 
@@ -203,9 +211,19 @@ impl GenerationState {
                 }
                 None
             }
-            Effect::Reserve => Some(Input::Reserved(
-                self.args.ledger.reserve(&self.args.reservation).await,
-            )),
+            Effect::Reserve => {
+                // Beside the rest of admission and the dispatch; the answer is a message. The
+                // task is not aborted with the actor: a reservation in flight finishes, and a
+                // row nobody answers for is the sweeper's (or settled by the node's `done`).
+                let (ledger, reservation) =
+                    (self.args.ledger.clone(), self.args.reservation.clone());
+                let me = myself.clone();
+                tokio::spawn(async move {
+                    let result = ledger.reserve(&reservation).await;
+                    let _ = me.cast(GenerationMsg::Reserved(result));
+                });
+                None
+            }
             Effect::RecordHolders(holders) => {
                 Some(Input::HoldersRecorded(self.record_holders(&holders).await))
             }

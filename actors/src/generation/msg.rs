@@ -172,8 +172,10 @@ pub enum Timer {
 #[derive(Debug)]
 pub enum GenerationMsg {
     /// Reserve the ledger row and enter the model's queue; the reply says whether the request
-    /// was admitted (before any response header is sent).
+    /// was admitted (before any response header is sent), once the row has committed.
     Admit(RpcReplyPort<Result<(), Failure>>),
+    /// The ledger's answer to the reservation the actor started at admission.
+    Reserved(Result<(), crate::ports::LedgerError>),
     /// The queue picked a node (it already counted the assignment against the node).
     Dispatch {
         /// The chosen node.

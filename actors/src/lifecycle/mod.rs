@@ -138,7 +138,9 @@ pub enum AttemptState {
     Dispatched,
     /// The node accepted it (its `accepted` frame, or output proving it).
     Accepted,
-    /// The node refused it before starting: proven never started.
+    /// The node refused it before starting (proven never started), or the server refused it
+    /// before believing anything from it (its ledger row was refused after the work went
+    /// out): never billed either way.
     Refused,
     /// Its lease expired: whatever it still computes is rejected and it stops on its own.
     Fenced,
@@ -264,7 +266,8 @@ pub enum Event {
         /// The frame's epoch.
         attempt: u64,
     },
-    /// The node refused the attempt before starting it.
+    /// The node refused the attempt before starting it, or the server did before believing
+    /// any frame of it.
     Refuse {
         /// The frame's epoch.
         attempt: u64,

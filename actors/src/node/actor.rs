@@ -681,7 +681,14 @@ async fn settle_orphan(
     if let Some(store) = &state.args.lifecycle {
         match store.get_generation(&request_id).await {
             Ok(Some(rec)) => {
-                if rec.attempt != attempt || rec.attempt_state == AttemptState::Fenced {
+                // A refused attempt is never billed either: its node refused it, or the
+                // server did when its row was refused after the work went out.
+                if rec.attempt != attempt
+                    || matches!(
+                        rec.attempt_state,
+                        AttemptState::Fenced | AttemptState::Refused
+                    )
+                {
                     metrics::counter!(STALE_FRAMES_TOTAL, "reason" => "old_attempt").increment(1);
                     tracing::info!(%request_id, attempt, "rejected a done from a fenced attempt");
                     send(

@@ -86,7 +86,8 @@ pub(crate) enum Input<N> {
     Cancel,
     /// A deadline fired.
     Timer(Timer),
-    /// Answer of [`Effect::Reserve`].
+    /// Answer of [`Effect::Reserve`], which comes as a message (the row commits beside
+    /// the rest of admission and the dispatch), never stepped at once.
     Reserved(Result<(), LedgerError>),
     /// Answer of [`Effect::RecordHolders`]: whether the record was written.
     HoldersRecorded(bool),
@@ -109,13 +110,13 @@ pub(crate) enum Input<N> {
     Stopped,
 }
 
-/// What the core asks to be done. Answered (see [`Input`]): `Reserve`, `RecordHolders`,
+/// What the core asks to be done. Answered at once (see [`Input`]): `RecordHolders`,
 /// `Enqueue`, `Record` with `answer`, `Assign`, `Tell`, `Settle`, `LookUpRow`, `CancelRow`.
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) enum Effect<N> {
     /// Answer the admission.
     Reply(Result<(), Failure>),
-    /// Open the ledger row.
+    /// Open the ledger row in the background; the answer comes later as [`Input::Reserved`].
     Reserve,
     /// Write which node holds each attempt to the coordinator (before any node hears of it).
     RecordHolders(BTreeMap<u64, String>),

@@ -516,10 +516,17 @@ impl<N: NodeRef> Core<N> {
                 fx,
             );
         }
+        // An admission still waiting for its row is answered with the failure instead: its
+        // client has no stream to be told on yet.
+        let admission = admission || self.reply_waits.is_some();
         if admission {
             self.count(Tally::Failed(failure.code), fx);
             self.told = true;
-            fx.push(Effect::Reply(Err(failure)));
+            if self.row == Row::Reserving {
+                self.reply_waits = Some(Err(failure));
+            } else {
+                fx.push(Effect::Reply(Err(failure)));
+            }
         } else {
             self.fail_client(failure, fx);
             self.cancel_row(fx);

@@ -5,7 +5,7 @@
 use tokio::time::Instant;
 
 use super::{
-    Admitting, Attempt, Core, Dispatching, Effect, Fx, Metric, NodeRef, Reader, Row, Where,
+    Admitting, Attempt, Core, Dispatching, Effect, Fx, Input, Metric, NodeRef, Reader, Row, Where,
 };
 use crate::error::{ErrorCode, Failure};
 use crate::generation::msg::{GenEvent, Timer};
@@ -18,24 +18,45 @@ use crate::ports::LedgerError;
 pub(super) const MAX_RETAINED_OUTPUT: usize = 1 << 20;
 
 impl<N: NodeRef> Core<N> {
+    /// Admission: the row is opened (its answer comes later, as a message) while the holders
+    /// record is written and the queue entered, so a node may start on the work before the
+    /// row has committed; nothing reaches the client until it has.
     pub(super) fn admit(&mut self, fx: &mut Fx<N>) {
         if matches!(self.at, Where::New) {
-            self.at = Where::Admitting(Admitting::Reserving);
+            self.row = Row::Reserving;
             fx.push(Effect::Reserve);
+            // Known from admission on, so a `done` for it from a node it was never
+            // dispatched to is refused wherever it arrives.
+            self.at = Where::Admitting(Admitting::RecordingHolders);
+            fx.push(Effect::RecordHolders(self.holders.clone()));
         }
     }
 
+    /// The row's answer. Committed: the admission is answered if it waited, and the held
+    /// inputs are stepped in order ([`Core::next_held`]). Refused: nothing was billed and
+    /// nothing will be — work already sent is stopped and fenced (its `done` is stale), the
+    /// held inputs are dropped, and the admission is refused as it would have been before any
+    /// dispatch.
     pub(super) fn reserved(&mut self, result: Result<(), LedgerError>, fx: &mut Fx<N>) {
-        if !matches!(self.at, Where::Admitting(Admitting::Reserving)) {
+        if self.row != Row::Reserving {
             return;
         }
         let failure = match result {
             Ok(()) => {
                 self.row = Row::Reserved;
-                // Known from admission on, so a `done` for it from a node it was never
-                // dispatched to is refused wherever it arrives.
-                self.at = Where::Admitting(Admitting::RecordingHolders);
-                fx.push(Effect::RecordHolders(self.holders.clone()));
+                if let Where::Ended { before_work } = self.at {
+                    // Ended (refused) while it committed: released before the refusal is
+                    // answered (the safety net tries again if this fails).
+                    if before_work {
+                        fx.push(Effect::CancelRow);
+                    }
+                    if let Some(reply) = self.reply_waits.take() {
+                        fx.push(Effect::Reply(reply));
+                    }
+                    fx.push(Effect::Stop);
+                } else if let Some(reply) = self.reply_waits.take() {
+                    fx.push(Effect::Reply(reply));
+                }
                 return;
             }
             Err(LedgerError::InsufficientBalance) => Failure::new(
@@ -51,6 +72,55 @@ impl<N: NodeRef> Core<N> {
             )
             .retry_after(1),
         };
+        // No row: nothing to settle or release, ever.
+        self.row = Row::Done;
+        let decided = self.reply_waits.take();
+        for input in std::mem::take(&mut self.held) {
+            // A `done` that came meanwhile is acked: its node may forget it (it bills nothing).
+            if let Input::Done { attempt, from, .. } = input
+                && self.holders.get(&attempt).map(String::as_str) == Some(from.node_id())
+            {
+                fx.push(Effect::Ack {
+                    node: from,
+                    attempt,
+                });
+            }
+        }
+        match std::mem::replace(&mut self.at, Where::New) {
+            Where::Ended { before_work } => {
+                // Already ended: a refusal decided meanwhile is the answer, else this one.
+                self.at = Where::Ended { before_work };
+                match decided {
+                    Some(Err(earlier)) => fx.push(Effect::Reply(Err(earlier))),
+                    Some(Ok(())) => fx.push(Effect::Reply(Err(failure))),
+                    None => {}
+                }
+                fx.push(Effect::Stop);
+                return;
+            }
+            Where::Queued { .. } => fx.push(Effect::Withdraw),
+            Where::Running { node } => {
+                fx.push(Effect::CancelOnNode {
+                    node,
+                    attempt: self.attempt.epoch,
+                });
+                // Nothing from the node was believed yet (it waited for the row): the server
+                // refuses the attempt, so nothing of it is ever billed (its `done` is stale
+                // wherever it lands), the message is released and the key may be retried.
+                self.record(
+                    Event::Refuse {
+                        attempt: self.attempt.epoch,
+                    },
+                    fx,
+                );
+            }
+            other => self.at = other,
+        }
+        if self.active {
+            // Counted as running when it was queued; it never was.
+            self.active = false;
+            fx.push(Effect::Metric(Metric::ActiveStreams(false)));
+        }
         self.reject(failure, true, fx);
     }
 
@@ -122,7 +192,12 @@ impl<N: NodeRef> Core<N> {
                 self.active = true;
                 fx.push(Effect::Metric(Metric::ActiveStreams(true)));
                 self.arm(Timer::Total, self.cfg.timeouts.total, fx);
-                fx.push(Effect::Reply(Ok(())));
+                if self.row == Row::Reserved {
+                    fx.push(Effect::Reply(Ok(())));
+                } else {
+                    // Answered once the row has committed (or refused).
+                    self.reply_waits = Some(Ok(()));
+                }
             }
             (Where::Admitting(Admitting::Enqueueing), Err(failure)) => {
                 self.cancel_row(fx);

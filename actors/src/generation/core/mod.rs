@@ -47,11 +47,10 @@ pub(crate) enum Stop {
     Timeout,
 }
 
-/// The steps of admission, each waiting for its answer.
+/// The steps of admission, each waiting for its answer. The ledger row is opened beside them
+/// (see [`Row::Reserving`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Admitting {
-    /// The ledger row is being opened.
-    Reserving,
     /// The holders record (admitted, no attempt yet) is being written.
     RecordingHolders,
     /// The queue is being entered.
@@ -178,6 +177,11 @@ pub(crate) enum Reader {
 pub(crate) enum Row {
     /// Never opened.
     Unopened,
+    /// Being opened, beside the rest of admission and the dispatch: its answer comes as a
+    /// message ([`Input::Reserved`]). Until it does, nothing reaches the client, the admission
+    /// is not answered, the actor does not stop, and every input that could end or advance
+    /// the attempt waits in [`Core::held`].
+    Reserving,
     /// Reserved: this generation still has to finalise it.
     Reserved,
     /// Final, or left to the node's resent `done` and the sweeper: never touched again.
@@ -238,10 +242,39 @@ pub(crate) struct Core<N> {
     pub last_token_at: Option<Instant>,
     /// Output kept for the record.
     pub retained: Retained,
+    /// Inputs that arrived while the row was [`Row::Reserving`], in order: stepped once it is
+    /// reserved (see [`Core::next_held`]), dropped if it is refused.
+    pub held: std::collections::VecDeque<Input<N>>,
+    /// The admission's answer, decided while the row was still being opened: given once the
+    /// row has answered, so a client is admitted only on a committed row and refused only
+    /// once nothing of it stays reserved.
+    pub reply_waits: Option<Result<(), Failure>>,
 }
 
 /// The effects of one step.
 type Fx<N> = Vec<Effect<N>>;
+
+/// Whether `input` waits while the row is being opened: everything from the node, the client,
+/// the owner and the clock. The answers of the core's own I/O never wait (they are stepped
+/// at once), nor does a dispatch: the work goes to the node while the row commits, so the
+/// engine's prefill overlaps the reservation.
+fn waits_for_row<N>(input: &Input<N>) -> bool {
+    matches!(
+        input,
+        Input::QueueTimeout
+            | Input::QueueRestarted { .. }
+            | Input::Accepted { .. }
+            | Input::Chunk { .. }
+            | Input::Done { .. }
+            | Input::EngineError { .. }
+            | Input::NodeLost { .. }
+            | Input::NodeGone { .. }
+            | Input::ClientGone
+            | Input::ClientBack
+            | Input::Cancel
+            | Input::Timer(_)
+    )
+}
 
 impl<N: NodeRef> Core<N> {
     /// A generation spawned at `now`.
@@ -265,16 +298,52 @@ impl<N: NodeRef> Core<N> {
             first_token_at: None,
             last_token_at: None,
             retained: Retained::default(),
+            held: std::collections::VecDeque::new(),
+            reply_waits: None,
         }
+    }
+
+    /// The next held input to step, once the row is reserved: the actor steps it (and carries
+    /// out its effects) before any new message, so held inputs keep their order.
+    pub(crate) fn next_held(&mut self) -> Option<Input<N>> {
+        if self.row == Row::Reserving {
+            return None;
+        }
+        self.held.pop_front()
     }
 
     /// Takes one input at `now` and says what to do.
     pub(crate) fn step(&mut self, input: Input<N>, now: Instant) -> Fx<N> {
         let mut fx = Vec::new();
         if matches!(self.at, Where::Ended { .. }) && !matches!(input, Input::Stopped) {
-            // Stopped: answers of the last effects only matter for the row.
-            if let Input::RowCancelled(ok) = input {
-                self.row_cancelled(ok);
+            // Stopped: answers of the last effects only matter for the row, and a dispatch that
+            // raced the end gives its slot back (the actor may still wait for its row).
+            match input {
+                Input::RowCancelled(ok) => self.row_cancelled(ok),
+                Input::Reserved(r) => self.reserved(r, &mut fx),
+                Input::Dispatch { node } => {
+                    fx.push(Effect::ReleaseSlot(node.node_id().to_owned()));
+                }
+                _ => {}
+            }
+            return fx;
+        }
+        if self.row == Row::Reserving && waits_for_row(&input) {
+            // A frame is vouched for as it arrives (its node must hold its attempt now), and
+            // again when it is stepped.
+            let stranger = match &input {
+                Input::Accepted { attempt, from }
+                | Input::Chunk { attempt, from, .. }
+                | Input::Done { attempt, from, .. }
+                | Input::EngineError {
+                    attempt,
+                    from: Some(from),
+                    ..
+                } => !self.vouch(from, *attempt, &mut fx),
+                _ => false,
+            };
+            if !stranger {
+                self.held.push_back(input);
             }
             return fx;
         }
@@ -512,7 +581,11 @@ impl<N: NodeRef> Core<N> {
                 }
         );
         self.at = Where::Ended { before_work };
-        fx.push(Effect::Stop);
+        // A row still being opened is waited for: its answer decides whether there is a row
+        // to release (see `reserved`), and an actor gone before it would leave it to the sweeper.
+        if self.row != Row::Reserving {
+            fx.push(Effect::Stop);
+        }
     }
 
     /// The actor stopped: whatever the path, the row is not leaked when nothing ran, the
@@ -526,6 +599,12 @@ impl<N: NodeRef> Core<N> {
             Where::Dispatching { step, .. } => *step != Dispatching::Assigning,
             _ => false,
         };
+        if self.row == Row::Reserving {
+            // Stopped from outside while the row was being opened: if it commits, nothing
+            // ever ran for it unless the work was sent, and then the node's resent `done`
+            // settles it; otherwise the sweeper releases it.
+            tracing::info!(request_id = %self.cfg.request_id, "stopped while its row was being opened");
+        }
         if self.row == Row::Reserved {
             if before_work {
                 // Stopped before any GPU work: release the reservation rather than leak it.
@@ -537,14 +616,22 @@ impl<N: NodeRef> Core<N> {
                 tracing::info!(request_id = %self.cfg.request_id, "stopped mid-flight; the row awaits the node's done");
             }
         }
-        if !self.told {
-            self.tell(
-                GenEvent::Failed(Failure::new(
-                    ErrorCode::ModelBackendError,
-                    "The generation ended unexpectedly.",
-                )),
-                fx,
-            );
+        let unexpected = || {
+            Failure::new(
+                ErrorCode::ModelBackendError,
+                "The generation ended unexpectedly.",
+            )
+        };
+        match self.reply_waits.take() {
+            // The admission waited for a row that never answered: it is refused, never
+            // admitted on a row that did not commit.
+            Some(Ok(())) => {
+                self.told = true;
+                fx.push(Effect::Reply(Err(unexpected())));
+            }
+            Some(Err(refusal)) => fx.push(Effect::Reply(Err(refusal))),
+            None if !self.told => self.tell(GenEvent::Failed(unexpected()), fx),
+            None => {}
         }
         if std::mem::take(&mut self.active) {
             fx.push(Effect::Metric(Metric::ActiveStreams(false)));

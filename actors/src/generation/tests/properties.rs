@@ -67,6 +67,8 @@ enum Op {
     Fire(usize),
     /// The replica shuts down: the actor stops from outside (its `post_stop` runs).
     Shutdown,
+    /// The ledger answers the reservation in flight (it commits, or refuses).
+    Reserved,
 }
 
 fn which() -> impl Strategy<Value = Which> {
@@ -105,6 +107,7 @@ fn op() -> impl Strategy<Value = Op> {
         1 => Just(Op::Cancel),
         3 => (0usize..8).prop_map(Op::Fire),
         1 => Just(Op::Shutdown),
+        3 => Just(Op::Reserved),
     ]
 }
 
@@ -153,6 +156,10 @@ struct World {
     shut_mid_flight: bool,
     /// Stopped from outside at all.
     shut: bool,
+    /// A reservation is in flight (its answer is a message, delivered by [`Op::Reserved`]).
+    reserving: bool,
+    /// The reservation committed and its answer reached the core.
+    reserved_ok: bool,
 }
 
 fn record(recorded: bool) -> Option<GenerationRecord> {
@@ -226,6 +233,8 @@ impl World {
             sent: 0,
             shut_mid_flight: false,
             shut: false,
+            reserving: false,
+            reserved_ok: false,
         }
     }
 
@@ -363,16 +372,26 @@ impl World {
             }
             Op::Shutdown => {
                 self.shut = true;
-                self.shut_mid_flight = matches!(
-                    self.core.at,
-                    Where::Running { .. }
-                        | Where::Fencing { .. }
-                        | Where::Cancelling { .. }
-                        | Where::AwaitingDone { .. }
-                        | Where::Settling(_)
-                );
+                // The reservation in flight may still commit, with nobody to answer: the
+                // row waits for the node's resent `done` or the sweeper.
+                if std::mem::take(&mut self.reserving) {
+                    self.ledger = Ledger::Reserved;
+                }
+                self.shut_mid_flight = self.ledger == Ledger::Reserved && !self.reserved_ok
+                    || matches!(
+                        self.core.at,
+                        Where::Running { .. }
+                            | Where::Fencing { .. }
+                            | Where::Cancelling { .. }
+                            | Where::AwaitingDone { .. }
+                            | Where::Settling(_)
+                    );
                 Input::Stopped
             }
+            Op::Reserved => match self.reservation_answer() {
+                Some(answer) => answer,
+                None => return,
+            },
             Op::Fire(n) => {
                 if self.timers.is_empty() {
                     return;
@@ -384,18 +403,41 @@ impl World {
         self.step(input);
     }
 
-    /// Steps the core the way the actor does: effects in order, each answer stepped at once.
+    /// The ledger's answer to the reservation in flight, if one is.
+    fn reservation_answer(&mut self) -> Option<Input<Node>> {
+        if !std::mem::take(&mut self.reserving) {
+            return None;
+        }
+        let answer = match self.die() {
+            0..5 => Err(LedgerError::InsufficientBalance),
+            5..10 => Err(LedgerError::Unavailable("down".into())),
+            10..12 => Err(LedgerError::Duplicate),
+            _ => {
+                self.ledger = Ledger::Reserved;
+                self.reserved_ok = true;
+                Ok(())
+            }
+        };
+        Some(Input::Reserved(answer))
+    }
+
+    /// Steps the core the way the actor does: effects in order, each answer stepped at once,
+    /// then the inputs it held while its row was being opened.
     fn step(&mut self, input: Input<Node>) {
-        self.now += Duration::from_millis(7);
-        let fx = self.core.step(input, self.now);
-        let mut todo = self.batch(fx);
-        while let Some(effect) = todo.pop_front() {
-            if let Some(answer) = self.carry_out(effect) {
-                let more = self.core.step(answer, self.now);
-                for e in self.batch(more).into_iter().rev() {
-                    todo.push_front(e);
+        let mut next = Some(input);
+        while let Some(input) = next {
+            self.now += Duration::from_millis(7);
+            let fx = self.core.step(input, self.now);
+            let mut todo = self.batch(fx);
+            while let Some(effect) = todo.pop_front() {
+                if let Some(answer) = self.carry_out(effect) {
+                    let more = self.core.step(answer, self.now);
+                    for e in self.batch(more).into_iter().rev() {
+                        todo.push_front(e);
+                    }
                 }
             }
+            next = self.core.next_held();
         }
     }
 
@@ -405,8 +447,7 @@ impl World {
         for (i, e) in fx.iter().enumerate() {
             let decides = matches!(
                 e,
-                Effect::Reserve
-                    | Effect::RecordHolders(_)
+                Effect::RecordHolders(_)
                     | Effect::Enqueue { .. }
                     | Effect::Record { answer: true, .. }
                     | Effect::Assign { .. }
@@ -437,20 +478,24 @@ impl World {
         match effect {
             Effect::Reply(r) => {
                 assert!(self.replies.is_empty(), "admission answered twice");
+                assert!(
+                    r.is_err() || self.reserved_ok,
+                    "admitted before its row committed"
+                );
+                assert!(
+                    r.is_ok() || self.ledger != Ledger::Reserved || self.row_io_failed || self.shut,
+                    "refused with its row still reserved"
+                );
                 self.replies.push(r);
                 None
             }
             Effect::Reserve => {
-                let answer = match self.die() {
-                    0..5 => Err(LedgerError::InsufficientBalance),
-                    5..10 => Err(LedgerError::Unavailable("down".into())),
-                    10..12 => Err(LedgerError::Duplicate),
-                    _ => {
-                        self.ledger = Ledger::Reserved;
-                        Ok(())
-                    }
-                };
-                Some(Input::Reserved(answer))
+                assert!(
+                    !self.reserving && self.ledger == Ledger::None,
+                    "reserved twice"
+                );
+                self.reserving = true;
+                None
             }
             Effect::RecordHolders(holders) => {
                 for (attempt, node) in &holders {
@@ -572,6 +617,10 @@ impl World {
                     self.terminals
                 );
                 if delta {
+                    assert!(
+                        self.reserved_ok,
+                        "output reached the client before its row committed"
+                    );
                     self.deltas += 1;
                 } else {
                     self.terminals.push(event);
@@ -638,6 +687,9 @@ impl World {
             return;
         }
         self.calm = true;
+        if let Some(answer) = self.reservation_answer() {
+            self.step(answer);
+        }
         for _ in 0..64 {
             if self.stopped() {
                 break;
@@ -664,9 +716,11 @@ impl World {
                 self.core.at
             );
         }
-        // Exactly one terminal event, unless the admission itself answered.
+        // Exactly one terminal event, unless the admission itself answered. A refused
+        // client never gets the stream: an end put in it before the refusal (a cancel while
+        // its row committed) is never read, and no output ever went into it.
         if refused {
-            assert!(self.terminals.is_empty() && self.deltas == 0);
+            assert!(self.terminals.len() <= 1 && self.deltas == 0);
         } else {
             assert_eq!(self.terminals.len(), 1, "terminals: {:?}", self.terminals);
         }
@@ -733,14 +787,20 @@ proptest! {
         chunks in 0u64..5,
         p in 0u64..300,
         c in 0u64..300,
+        commit_at in 0u64..7,
     ) {
+        // The row commits at any point: before the dispatch, between frames, after the done.
         let mut world = World::new(recorded, true, Vec::new());
         world.step(Input::Admit);
         world.apply(Op::Dispatch(true));
         for seq in 0..chunks {
+            if seq == commit_at {
+                world.apply(Op::Reserved);
+            }
             world.apply(Op::Chunk(Which::Current, Src::Holder, seq));
         }
         world.apply(Op::Done(Which::Current, Src::Holder, p, c, 0));
+        prop_assert!(world.terminals.is_empty() || world.reserved_ok);
         world.quiesce();
         world.check_end();
         let billed = world.bounds.bill(p, c);
@@ -749,10 +809,11 @@ proptest! {
     }
 }
 
-/// Drives a fixed script and returns the world.
+/// Drives a fixed script (the row commits at once) and returns the world.
 fn script(recorded: bool, ops: &[Op]) -> World {
     let mut world = World::new(recorded, false, Vec::new());
     world.step(Input::Admit);
+    world.apply(Op::Reserved);
     for op in ops {
         world.apply(op.clone());
     }
@@ -889,5 +950,54 @@ fn a_failed_settle_is_retried_on_timers_not_in_the_handler() {
         [GenEvent::Finished(_)]
     ));
     world.quiesce();
+    world.check_end();
+}
+
+#[test]
+fn the_work_is_sent_while_the_row_commits_and_nothing_is_told_before_it_has() {
+    let mut world = World::new(true, false, Vec::new());
+    world.step(Input::Admit);
+    world.apply(Op::Dispatch(true));
+    // Sent to the node, the admission not yet answered.
+    assert_eq!(world.sent, 1);
+    assert!(matches!(world.core.at, Where::Running { .. }));
+    assert!(world.replies.is_empty());
+    world.apply(Op::Chunk(Which::Current, Src::Holder, 0));
+    world.apply(Op::Chunk(Which::Current, Src::Holder, 1));
+    assert_eq!(world.deltas, 0, "output before the row committed");
+    world.apply(Op::Reserved);
+    assert!(matches!(world.replies.as_slice(), [Ok(())]));
+    assert_eq!(
+        world.deltas, 2,
+        "the held output follows the commit, in order"
+    );
+    world.apply(Op::Done(Which::Current, Src::Holder, 3, 2, 0));
+    world.quiesce();
+    world.check_end();
+    assert_eq!(world.ledger, Ledger::Settled(3, 2));
+}
+
+#[test]
+fn a_row_refused_after_the_dispatch_stops_the_node_and_bills_nothing() {
+    // Dice: the holders record and the enqueue succeed, the record writes succeed, the node
+    // is sent the work, then the ledger refuses (die 0: insufficient balance).
+    let mut world = World::new(true, false, vec![99, 99, 99, 99, 99, 99, 0]);
+    world.step(Input::Admit);
+    world.apply(Op::Dispatch(true));
+    assert_eq!(world.sent, 1);
+    world.apply(Op::Chunk(Which::Current, Src::Holder, 0));
+    world.next_die = 6;
+    world.apply(Op::Reserved);
+    assert!(matches!(
+        world.replies.as_slice(),
+        [Err(f)] if f.code == ErrorCode::InsufficientBalance
+    ));
+    assert_eq!(world.deltas, 0);
+    assert_eq!(world.ledger, Ledger::None);
+    assert_eq!(world.stops, 1);
+    let rec = world.record.as_ref().unwrap();
+    assert_eq!(rec.status, Status::Rejected, "the key may be retried");
+    assert_eq!(rec.attempt_state, AttemptState::Refused);
+    world.step(Input::Stopped);
     world.check_end();
 }
