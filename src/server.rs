@@ -43,10 +43,8 @@ pub struct AppState {
     pub supervision: Supervision,
     /// Starts generations (the tree's handle, valid across restarts).
     pub generations: Generations,
-    /// The batching ledger (each team's reservations group-committed by its actor,
-    /// everything else straight to the store). Started with the replica; admission still
-    /// reserves through `store` until the token drift it showed in
-    /// `tests/server/invariants.rs` is understood (`ledger:` in `http/lifecycle.rs`).
+    /// The ledger every generation reserves through: each team's reservations
+    /// group-committed by its budget actor, everything else straight to the store.
     pub budgets: Arc<TeamBudgets>,
     /// The queue of every model, by resolved name (the tree's handles, valid across restarts).
     pub queues: BTreeMap<String, ModelQueueHandle>,

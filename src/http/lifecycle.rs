@@ -240,7 +240,7 @@ pub async fn start(state: &AppState, plan: Plan, id: &str) -> Result<Started, Ap
 }
 
 /// The one place a generation's arguments are put together: what admission decided, the
-/// request's trace ids, and the replica's ledger, deadlines, clock and coordinator.
+/// request's trace ids, and the replica's team budgets, deadlines, clock and coordinator.
 fn generation_args(
     state: &AppState,
     ready: Ready,
@@ -273,7 +273,10 @@ fn generation_args(
         traceparent,
         reservation: ready.reservation,
         queue: ready.queue,
-        ledger: state.store.clone(),
+        // Reservations go through the team's budget actor (batched: one transaction for
+        // every reservation of a team that arrives while the last one commits); settles and
+        // cancels go straight to the ledger.
+        ledger: state.budgets.clone(),
         events: tx,
         timeouts: state.config.generation_timeouts(),
         clock: state.clock.clone(),
