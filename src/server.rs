@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use switchyard_actors::budget::{BudgetConfig, BudgetSupervisor, TeamBudgets};
-use switchyard_actors::generation::Generations;
+use switchyard_actors::generation::{Generations, Launcher};
 use switchyard_actors::model_queue::{ModelQueueHandle, QueueArgs};
 use switchyard_actors::node::NodeHandle;
 use switchyard_actors::ports::{Clock, Coordinator, SystemClock};
@@ -41,8 +41,9 @@ pub struct AppState {
     pub coordinator: Arc<dyn Coordinator>,
     /// The actors' supervision tree (starts node actors; reports a subsystem given up on).
     pub supervision: Supervision,
-    /// Starts generations (the tree's handle, valid across restarts).
-    pub generations: Generations,
+    /// Starts generations: the one path from a request's admission job to a running
+    /// generation (its `generations` is the tree's handle, valid across restarts).
+    pub launcher: Launcher,
     /// The ledger every generation reserves through: each team's reservations
     /// group-committed by its budget actor, everything else straight to the store.
     pub budgets: Arc<TeamBudgets>,
@@ -171,7 +172,7 @@ fn spawn_generation_listener(
     act: fn(&Generations, &str),
 ) {
     let coordinator = state.coordinator.clone();
-    let generations = state.generations.clone();
+    let generations = state.launcher.generations.clone();
     let stop = state.shutdown.clone();
     tokio::spawn(async move {
         let _guard = switchyard_actors::tasks::TaskGuard::new(kind);
@@ -283,6 +284,15 @@ impl Server {
             Duration::from_secs(config.timeouts.total_secs + config.timeouts.settle_wait_secs + 60);
         let per_second =
             NonZeroU32::new(config.nodes.registrations_per_second).unwrap_or(NonZeroU32::MIN);
+        let launcher = Launcher {
+            generations,
+            ledger: budgets.clone(),
+            timeouts: config.generation_timeouts(),
+            bound: config.stream_bound(),
+            retention: Duration::from_millis(u64::try_from(config.retention_ms()).unwrap_or(0)),
+            clock: clock.clone(),
+            coordinator: coordinator.clone(),
+        };
         let state = Arc::new(AppState {
             auth: Authenticator::new(
                 store.clone(),
@@ -307,7 +317,7 @@ impl Server {
             store,
             coordinator,
             supervision,
-            generations,
+            launcher,
             budgets,
             queues,
             nodes: Mutex::new(BTreeMap::new()),

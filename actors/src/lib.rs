@@ -16,18 +16,23 @@
 //!     └─ TeamBudgetActor (one per team, spawn_linked) ─ group-commits its reservations
 //! ```
 //!
-//! A request: the HTTP layer authenticates and validates it, runs its admission (the
+//! A request: the HTTP layer authenticates and validates it and hands its admission job (the
 //! [`ports::admission::AdmissionJob`] port, implemented by the server's `src/admission/`:
-//! idempotency, limits, message window, pricing) and calls
-//! [`generation::Generations::start_generation`]; the generation reserves its ledger row
-//! and enters its model's queue; the queue dispatches it
-//! to a node with room; the node actor relays `assign` and routes `accepted`, `chunk`,
-//! `done` and `error` back; the generation streams deltas to the client and settles the row
-//! on every exit path (completion, engine error, node loss, client gone, timeout).
+//! idempotency, limits, message window, pricing) to [`generation::Launcher::launch`]
+//! (`generation/launch.rs`), which runs it and starts the generation it admitted; the
+//! generation reserves its ledger row through its team's budget actor *while* it enters its
+//! model's queue and is dispatched to a node with room (the row's answer arrives as a message;
+//! nothing reaches the client before it); the node actor relays `assign` and routes
+//! `accepted`, `chunk`, `done` and `error` back; the generation streams deltas to the client
+//! and settles the row on every exit path (completion, engine error, node loss, client gone,
+//! timeout).
 //!
 //! Where things happen:
 //! - a generation's decisions: the pure `Core::step` in `generation/core/mod.rs` (admission
 //!   and dispatch in `core/forward.rs`), carried out by the actor in `generation/actor.rs`;
+//! - the row committing beside the dispatch, and the inputs held until it has: `reserved` in
+//!   `generation/core/forward.rs`, `Core::held` in `generation/core/mod.rs`; its crash points
+//!   tested in `generation/tests/overlap.rs`;
 //! - a frame believed only from the node holding its attempt: `Core::vouch` in
 //!   `generation/core/mod.rs`; violations counted and a node disconnected: `violation` in
 //!   `node/actor.rs`; a `done` outliving its generation checked against [`attempts`]:

@@ -16,10 +16,11 @@ use switchyard_actors::protocol::Api;
 use tracing::instrument;
 
 use super::error::{ApiError, Json};
-use super::lifecycle::{self, Started};
+use super::lifecycle;
 use super::openai::{self, Validated};
 use crate::admission::Prompt;
 use crate::server::AppState;
+use switchyard_actors::generation::Launched;
 
 /// OpenAI's bound on inputs per request.
 const MAX_INPUTS: usize = 2048;
@@ -56,7 +57,7 @@ async fn run(
         .await
         .inspect_err(lifecycle::count_refusal)?;
     let model = plan.request.model.name.clone();
-    let Started::Running {
+    let Launched::Running {
         mut generation,
         rate,
         ..

@@ -1,21 +1,17 @@
 //! The HTTP side of the one generation pipeline behind every generating route: the
-//! credential, the Idempotency-Key header and the request's fingerprint, the glue that runs
-//! [`crate::admission`] and starts the generation it admitted, and the answer to a repeated
-//! key. `/v1/chat/completions` enters with an optional Idempotency-Key, `/v1/generations`
+//! credential, the Idempotency-Key header and the request's fingerprint, the hand-over of a
+//! request's [`crate::admission`] job to the replica's launcher (which runs it and starts the
+//! generation it admitted), and the answer to a repeated key. `/v1/chat/completions` enters with an optional Idempotency-Key, `/v1/generations`
 //! always with one; each renders the result in its own dialect.
 
 use axum::http::HeaderMap;
 use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
 use switchyard_actors::error::{ErrorCode, Failure};
-use switchyard_actors::generation::{
-    EventReceiver, GenEvent, GenerationArgs, GenerationStream, Usage, events,
-};
-use switchyard_actors::lifecycle::{Event, GenerationRecord, Status};
+use switchyard_actors::generation::{GenEvent, LaunchError, Launched, Trace, Usage};
+use switchyard_actors::lifecycle::{GenerationRecord, Status};
 use switchyard_actors::metric_names::REQUESTS_TOTAL;
 use switchyard_actors::output::Assembled;
-use switchyard_actors::ports::admission::{AdmissionJob, Admit, LimitState, Ready};
-use switchyard_actors::protocol::Api;
 
 use super::error::ApiError;
 use crate::admission::Request;
@@ -36,25 +32,6 @@ pub struct Plan {
     pub x_request_id: Option<String>,
     /// The W3C trace context, passed to the engine.
     pub traceparent: Option<String>,
-}
-
-/// What an embeddings answer may hold unread between the generation and its handler.
-const EMBEDDINGS_BUFFER_BYTES: usize = 256 << 20;
-
-/// What the pipeline produced.
-#[derive(Debug)]
-pub enum Started {
-    /// A generation is running; read its events.
-    Running {
-        /// Its events.
-        generation: GenerationStream,
-        /// Its id (the record's and the ledger row's).
-        id: String,
-        /// The limits' state, for the answer's headers.
-        rate: LimitState,
-    },
-    /// The key names an existing generation with the same fingerprint; it is not rerun.
-    Existing(Box<GenerationRecord>),
 }
 
 /// The request's bearer credential: its `Authorization` headers, all of them, through
@@ -194,9 +171,12 @@ fn canonical(v: &Value, out: &mut String) {
     }
 }
 
-/// Runs admission for `plan` under `id`, then starts the generation it admitted. Refusals
-/// before a generation exists are counted here; a generation counts its own outcome.
-pub async fn start(state: &AppState, plan: Plan, id: &str) -> Result<Started, ApiError> {
+/// Hands `plan`'s admission, under `id`, to the replica's [`Launcher`]: it runs the
+/// admission, then starts the generation it admitted. Refusals before a generation exists are
+/// counted here; a generation counts its own outcome.
+///
+/// [`Launcher`]: switchyard_actors::generation::Launcher
+pub async fn start(state: &AppState, plan: Plan, id: &str) -> Result<Launched, ApiError> {
     let Plan {
         request,
         x_request_id,
@@ -204,87 +184,21 @@ pub async fn start(state: &AppState, plan: Plan, id: &str) -> Result<Started, Ap
     } = plan;
     let api = request.prompt.api();
     let job = Box::new(state.admission.job(request, id));
-    let ready = match job
-        .run()
-        .await
-        .map_err(ApiError::from)
-        .inspect_err(count_refusal)?
-    {
-        Admit::Ready(ready) => *ready,
-        Admit::Existing(rec) => return Ok(Started::Existing(rec)),
-    };
-    let rate = ready.limits;
-    let (args, events) = generation_args(state, ready, api, x_request_id, traceparent);
-    let id = args.request_id.clone();
-    let recorded = args.lifecycle.is_some();
-    let generation = match state.generations.start_generation(args, events).await {
-        Ok(g) => g,
-        Err(failure) => {
-            // The generation's own paths record their refusals; this covers one that could
-            // not be spawned or answer (refused harmlessly when already recorded).
-            if recorded {
-                let reject = Event::Reject {
-                    code: failure.code.as_str().into(),
-                };
-                let now_ms = state.clock.wall().timestamp_millis();
-                let _ = state.store.apply_generation(&id, &reject, now_ms).await;
-            }
-            return Err(ApiError::from(failure).with_rate_headers(rate));
-        }
-    };
-    Ok(Started::Running {
-        generation,
-        id,
-        rate,
-    })
-}
-
-/// The one place a generation's arguments are put together: what admission decided, the
-/// request's trace ids, and the replica's team budgets, deadlines, clock and coordinator.
-fn generation_args(
-    state: &AppState,
-    ready: Ready,
-    api: Api,
-    x_request_id: Option<String>,
-    traceparent: Option<String>,
-) -> (GenerationArgs, EventReceiver) {
-    let mut bound = state.config.stream_bound();
-    if api == Api::Embeddings {
-        // One answer the handler collects at once, as large as its inputs make it (the agent
-        // sends it in slices): the slow-reader bound is for streams read over a network.
-        bound.max_bytes = bound.max_bytes.max(EMBEDDINGS_BUFFER_BYTES);
-    }
-    let (tx, events) = events::channel(bound);
-    let id = ready.request_id;
-    // A generation with a record can be come back to: every event it produces is journaled
-    // (not an embedding: one answer, never streamed, computed again more cheaply than kept).
-    let tx = match &ready.lifecycle {
-        Some(_) if api != Api::Embeddings => tx.journaled(super::generations::journal(state, &id)),
-        _ => tx,
-    };
-    let args = GenerationArgs {
-        // Unique per generation: vLLM takes the header as its own request id, and two clients
-        // may send the same one; the client's id leads, so the engine's logs find it.
-        x_request_id: x_request_id.map(|client| format!("{client}.{id}")),
-        request_id: id,
-        model: ready.model,
-        body: ready.body,
-        api,
+    let trace = Trace {
+        x_request_id,
         traceparent,
-        reservation: ready.reservation,
-        queue: ready.queue,
-        // Reservations go through the team's budget actor (batched: one transaction for
-        // every reservation of a team that arrives while the last one commits); settles and
-        // cancels go straight to the ledger.
-        ledger: state.budgets.clone(),
-        events: tx,
-        timeouts: state.config.generation_timeouts(),
-        clock: state.clock.clone(),
-        on_end: ready.on_end,
-        lifecycle: ready.lifecycle,
-        coordinator: Some(state.coordinator.clone()),
     };
-    (args, events)
+    match state.launcher.launch(job, api, trace).await {
+        Ok(started) => Ok(started),
+        Err(LaunchError::Refused(refusal)) => {
+            let e = ApiError::from(refusal);
+            count_refusal(&e);
+            Err(e)
+        }
+        Err(LaunchError::NotStarted { failure, rate }) => {
+            Err(ApiError::from(failure).with_rate_headers(rate))
+        }
+    }
 }
 
 /// Counts the answer to a repeated key (`replayed`, or its 409/410 code).

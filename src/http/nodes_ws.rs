@@ -85,7 +85,7 @@ async fn serve_node(state: Arc<AppState>, mut socket: WebSocket) {
         models: registered.models.clone(),
         outbound,
         queues,
-        directory: state.generations.directory().clone(),
+        directory: state.launcher.generations.directory().clone(),
         ledger: state.store.clone(),
         lifecycle: Some(state.store.clone()),
         coordinator: state.coordinator.clone(),

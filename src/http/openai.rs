@@ -16,11 +16,12 @@ use switchyard_actors::protocol::Api;
 use tracing::instrument;
 
 use super::error::{ApiError, Json};
-use super::lifecycle::{self, Plan, Started};
+use super::lifecycle::{self, Plan};
 use super::sse::{self, Dialect, Render};
 use crate::admission::{Prompt, Request};
 use crate::config::ModelConfig;
 use crate::server::AppState;
+use switchyard_actors::generation::Launched;
 
 /// A validated request of one of the OpenAI routes.
 pub(super) struct Validated {
@@ -72,12 +73,12 @@ pub(super) async fn run(
         .as_ref()
         .is_some_and(|(key, _)| !key.starts_with("auto:"));
     let (generation, id, rate) = match lifecycle::start(state, plan, request_id).await? {
-        Started::Running {
+        Launched::Running {
             generation,
             id,
             rate,
         } => (generation, id, rate),
-        Started::Existing(rec) => {
+        Launched::Existing(rec) => {
             let render = Render::with_dialect(dialect, &rec.id, &model, include_usage, created);
             // A retry while it runs resumes its stream from the journal.
             if stream && !rec.status.is_terminal() {

@@ -176,7 +176,7 @@ async fn a_done_without_its_actor_settles_the_current_admissions_row() {
     })
     .await;
     // The replica's generations stop mid-flight; the node's done arrives afterwards.
-    f.server.state().generations.stop();
+    f.server.state().launcher.generations.stop();
     let _ = request.await;
     send(
         &mut a,

@@ -15,17 +15,18 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use serde_json::{Map, Value, json};
 use switchyard_actors::error::ErrorCode;
-use switchyard_actors::generation::events::{Journal, JournalSpec, journal_key};
+use switchyard_actors::generation::events::journal_key;
 use switchyard_actors::generation::{GenerationMsg, Generations};
 use switchyard_actors::lifecycle::{Event, GenerationRecord, Refusal};
 use tracing::instrument;
 
 use self::render::{collect, document, journal_stream, stream_events};
 use super::error::{ApiError, Json, Path};
-use super::lifecycle::{self, Plan, Started};
+use super::lifecycle::{self, Plan};
 use super::sse::last_event_id;
 use crate::admission::{Prompt, Request};
 use crate::server::AppState;
+use switchyard_actors::generation::Launched;
 
 /// Fields `POST /v1/generations` accepts; anything else is refused.
 const FIELDS: [&str; 10] = [
@@ -58,10 +59,6 @@ pub const CANCEL_CHANNEL: &str = "generations:cancel";
 /// generation ([`GenerationMsg::ClientBack`]).
 pub const CLIENT_BACK_CHANNEL: &str = "generations:client_back";
 
-/// Encoded bytes of one generation's journal at most (four times the retained output's
-/// bound: the engine's deltas as sent, with logprobs, take more than their text).
-const JOURNAL_MAX_BYTES: usize = 4 << 20;
-
 /// `POST /v1/generations`.
 #[instrument(skip_all, fields(generation_id, team_id, model))]
 pub async fn create(
@@ -88,7 +85,7 @@ async fn submit(
         .inspect_err(lifecycle::count_refusal)?;
     let model = plan.request.model.name.clone();
     match lifecycle::start(state, plan, id).await? {
-        Started::Running {
+        Launched::Running {
             generation,
             id,
             rate,
@@ -102,27 +99,13 @@ async fn submit(
             Ok(response)
         }
         // A retry while it runs resumes its stream, as `GET …/events` does.
-        Started::Existing(rec) if stream && !rec.status.is_terminal() => {
+        Launched::Existing(rec) if stream && !rec.status.is_terminal() => {
             let last = last_event_id(headers)?;
             reader_back(state, &rec.id).await;
             lifecycle::counted_replay(Ok(journal_stream(state, &rec.id, last)))
         }
-        Started::Existing(rec) => lifecycle::counted_replay(replay(state, &rec, stream)),
+        Launched::Existing(rec) => lifecycle::counted_replay(replay(state, &rec, stream)),
     }
-}
-
-/// The journal of a resumable generation `id` (one with a record): kept while it runs and
-/// for the result retention after it ends.
-pub(super) fn journal(state: &AppState, id: &str) -> Journal {
-    let timeouts = state.config.generation_timeouts();
-    let retention = Duration::from_millis(u64::try_from(state.config.retention_ms()).unwrap_or(0));
-    let spec = JournalSpec {
-        key: journal_key(id),
-        running_ttl: timeouts.total + timeouts.settle_wait + retention,
-        retention,
-        max_bytes: JOURNAL_MAX_BYTES,
-    };
-    Journal::spawn(state.coordinator.clone(), spec)
 }
 
 /// Tells the live generation `id` on this replica that a reader came back; false when it
@@ -137,7 +120,7 @@ pub fn client_back(generations: &Generations, id: &str) -> bool {
 /// A reader came back to `id`: its generation is told, here or through the replica that
 /// runs it.
 pub(super) async fn reader_back(state: &AppState, id: &str) {
-    if !client_back(&state.generations, id)
+    if !client_back(&state.launcher.generations, id)
         && let Err(e) = state
             .coordinator
             .publish(CLIENT_BACK_CHANNEL, id.as_bytes().to_vec())
@@ -350,7 +333,7 @@ pub async fn cancel(
     match applied.result {
         Ok(_) => {
             // The replica running it stops it; another replica hears of it over pub/sub.
-            if !state.generations.cancel(&rec.id)
+            if !state.launcher.generations.cancel(&rec.id)
                 && let Err(e) = state
                     .coordinator
                     .publish(CANCEL_CHANNEL, rec.id.clone().into_bytes())
