@@ -20,6 +20,7 @@ use crate::ports::{Coordinator, Reservation, SystemClock};
 use crate::protocol::{NodeFrame, ServerFrame};
 
 mod fuzz;
+mod model;
 mod overlap;
 mod properties;
 mod trust;
