@@ -10,7 +10,10 @@
 #
 # Env: BIN_DIR (target/release), STREAMS ("1 50 200"), DURATION (15s per phase), ROUNDS (2),
 # DATABASE (postgres://postgres@127.0.0.1:5432/postgres: a database `sybench_<random>` is made
-# there and dropped), REDIS_URL (redis://127.0.0.1:6379), WORK (/tmp/switchyard-overhead).
+# there and dropped), REDIS_URL (redis://127.0.0.1:6379), WORK (/tmp/switchyard-overhead),
+# PERF (set: `perf record` the gateway during each concurrency's compare, with DWARF call
+# graphs, to $WORK/gateway-<n>.perf.data; read it with `perf report -i …`; the sampling adds
+# to the CPU figures of that run, so leave it off for them).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN_DIR=${BIN_DIR:-target/release}
@@ -72,10 +75,17 @@ for _ in $(seq 1 60); do adm GET /admin/nodes '' | grep -q '"health":"ready"' &&
 
 for n in $STREAMS; do
   echo "== $n concurrent streams"
+  prof=
+  if [ -n "${PERF:-}" ]; then
+    perf record -q -F 499 --call-graph dwarf,16384 -p "$GW_PID" -o "$WORK/gateway-$n.perf.data" \
+      > "$WORK/perf-$n.log" 2>&1 &
+    prof=$!
+  fi
   "$LT" compare --direct-url "http://127.0.0.1:$ENGINE_PORT/v1" --direct-model tiny \
     --gateway-url "$GW/v1" --gateway-key "$KEY" --gateway-model tiny \
     --streams "$n" --duration "$DURATION" --rounds "$ROUNDS" --prompt-tokens 500 --max-tokens 64 \
     --gateway-pid "$GW_PID" --agent-pid "$AGENT_PID" --engine-pid "$ENGINE_PID" \
     --json "$WORK/compare-$n.json" --no-progress
+  if [ -n "$prof" ]; then kill -INT "$prof" 2>/dev/null || true; wait "$prof" 2>/dev/null || true; fi
 done
 echo "server RSS: $(grep VmHWM /proc/$GW_PID/status)  agent: $(grep VmHWM /proc/$AGENT_PID/status)"

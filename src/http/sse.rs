@@ -1,20 +1,27 @@
 //! Renders a generation's events in OpenAI's shapes: `chat.completion.chunk` SSE events
 //! (role chunk, content chunks, finish chunk, the usage chunk when asked, `[DONE]`), or one
-//! `chat.completion`. `: keep-alive` comments flow while the request waits for a node. A
+//! `chat.completion`. Events are rendered straight into the response's buffer, and all those
+//! ready when the socket can take more go out in one write ([`body`]): a reader that is
+//! behind gets many tokens per write. `: keep-alive` comments flow while the request waits
+//! for a node. A
 //! failure after the headers becomes `data: {"error": …}` and the stream ends without
 //! `[DONE]`. The response stream owns the [`GenerationStream`]: when the client leaves, it
 //! is dropped and the generation is told. A resumable generation's stream numbers its
 //! events (`id:`), and [`resume`] replays it from its journal after the client's
 //! `Last-Event-ID`, following it live.
 
+mod body;
+
 use std::collections::VecDeque;
-use std::convert::Infallible;
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::{Context, Poll, ready};
 use std::time::Duration;
 
 use axum::http::HeaderMap;
-use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
+use bytes::{BufMut, BytesMut};
 use serde_json::{Value, json};
 use switchyard_actors::error::{ErrorCode, Failure};
 use switchyard_actors::generation::events::{journal_key, read_journal};
@@ -26,6 +33,7 @@ use switchyard_actors::ports::Coordinator;
 use super::error::ApiError;
 use crate::server::AppState;
 use crate::store::Store;
+pub(super) use body::{SseEvents, SseText, Step, response};
 
 /// How often a comment is sent while nothing else is.
 pub const KEEP_ALIVE: Duration = Duration::from_secs(5);
@@ -101,29 +109,40 @@ impl Render {
         self
     }
 
-    /// One chunk around `choice` (a JSON object's text).
-    fn chunk(&self, choice: &str) -> String {
-        let usage = if self.include_usage {
-            r#","usage":null"#
+    /// One chunk around the choice that `choice` writes (a JSON object).
+    fn chunk(&self, out: &mut BytesMut, choice: impl FnOnce(&mut BytesMut)) {
+        out.put_slice(self.head.as_bytes());
+        out.put_slice(br#""choices":["#);
+        choice(out);
+        out.put_slice(if self.include_usage {
+            br#"],"usage":null}"#
         } else {
-            ""
-        };
-        format!(r#"{}"choices":[{choice}]{usage}}}"#, self.head)
+            b"]}"
+        });
     }
 
-    /// The chunk of one piece of output: the engine's delta and logprobs as it sent them.
-    fn piece(&self, piece: &Piece) -> String {
+    /// The chunk of one piece of output: the engine's delta and logprobs as it sent them,
+    /// copied between fixed bytes.
+    fn piece(&self, piece: &Piece, out: &mut BytesMut) {
         let logprobs = piece.logprobs.as_ref().map_or("null", |l| l.get());
+        let tail = |out: &mut BytesMut| {
+            out.put_slice(br#","logprobs":"#);
+            out.put_slice(logprobs.as_bytes());
+            out.put_slice(br#","finish_reason":null}"#);
+        };
         match (self.dialect, &piece.raw) {
-            (Dialect::Chat, Some(raw)) => self.chunk(&format!(
-                r#"{{"index":0,"delta":{},"logprobs":{logprobs},"finish_reason":null}}"#,
-                raw.get()
-            )),
+            (Dialect::Chat, Some(raw)) => self.chunk(out, |out| {
+                out.put_slice(br#"{"index":0,"delta":"#);
+                out.put_slice(raw.get().as_bytes());
+                tail(out);
+            }),
             (Dialect::Chat, None) if piece.tool_calls.is_empty() && piece.reasoning.is_empty() => {
-                self.chunk(&format!(
-                    r#"{{"index":0,"delta":{{"content":{}}},"logprobs":{logprobs},"finish_reason":null}}"#,
-                    json_string(&piece.text)
-                ))
+                self.chunk(out, |out| {
+                    out.put_slice(br#"{"index":0,"delta":{"content":"#);
+                    write_json(out, &piece.text);
+                    out.put_u8(b'}');
+                    tail(out);
+                })
             }
             // A replayed answer: its text, reasoning and whole tool calls in one delta.
             (Dialect::Chat, None) => {
@@ -140,46 +159,46 @@ impl Render {
                 if !piece.tool_calls.is_empty() {
                     delta.insert("tool_calls".into(), json!(piece.tool_calls));
                 }
-                self.chunk(&format!(
-                    r#"{{"index":0,"delta":{},"logprobs":{logprobs},"finish_reason":null}}"#,
-                    Value::Object(delta)
-                ))
+                self.chunk(out, |out| {
+                    out.put_slice(br#"{"index":0,"delta":"#);
+                    write_json(out, &delta);
+                    tail(out);
+                })
             }
-            (Dialect::Completions, _) => self.chunk(&format!(
-                r#"{{"index":0,"text":{},"logprobs":{logprobs},"finish_reason":null}}"#,
-                json_string(&piece.text)
-            )),
+            (Dialect::Completions, _) => self.chunk(out, |out| {
+                out.put_slice(br#"{"index":0,"text":"#);
+                write_json(out, &piece.text);
+                tail(out);
+            }),
         }
     }
 
-    fn role(&self) -> String {
-        self.chunk(r#"{"index":0,"delta":{"role":"assistant","content":"","refusal":null},"logprobs":null,"finish_reason":null}"#)
+    fn role(&self, out: &mut BytesMut) {
+        self.chunk(out, |out| out.put_slice(br#"{"index":0,"delta":{"role":"assistant","content":"","refusal":null},"logprobs":null,"finish_reason":null}"#));
     }
 
-    fn finish(&self, reason: &str) -> String {
-        let reason = json_string(reason);
-        match self.dialect {
-            Dialect::Chat => self.chunk(&format!(
-                r#"{{"index":0,"delta":{{}},"logprobs":null,"finish_reason":{reason}}}"#
-            )),
-            Dialect::Completions => self.chunk(&format!(
-                r#"{{"index":0,"text":"","logprobs":null,"finish_reason":{reason}}}"#
-            )),
-        }
+    fn finish(&self, reason: &str, out: &mut BytesMut) {
+        self.chunk(out, |out| {
+            out.put_slice(match self.dialect {
+                Dialect::Chat => br#"{"index":0,"delta":{},"logprobs":null,"finish_reason":"#,
+                Dialect::Completions => br#"{"index":0,"text":"","logprobs":null,"finish_reason":"#,
+            });
+            write_json(out, reason);
+            out.put_u8(b'}');
+        });
     }
 
-    fn usage_chunk(&self, usage: &Usage) -> String {
-        format!(
-            r#"{}"choices":[],"usage":{}}}"#,
-            self.head,
-            usage_json(usage)
-        )
+    fn usage_chunk(&self, usage: &Usage, out: &mut BytesMut) {
+        out.put_slice(self.head.as_bytes());
+        out.put_slice(br#""choices":[],"usage":"#);
+        write_json(out, &usage_json(usage));
+        out.put_u8(b'}');
     }
 
-    fn error(&self, failure: &Failure) -> String {
+    fn error(&self, failure: &Failure, out: &mut BytesMut) {
         let mut err = ApiError::from(failure.clone()).with_request_id(&self.id);
         err.failure.retry_after_secs = None;
-        err.body().to_string()
+        write_json(out, &err.body());
     }
 
     /// The whole answer as one `chat.completion` or `text_completion`.
@@ -245,6 +264,12 @@ pub(super) fn json_string(s: &str) -> String {
     serde_json::to_string(s).unwrap_or_else(|_| "\"\"".into())
 }
 
+/// `value` as JSON at the end of `out` (writing to memory cannot fail, and these values
+/// have no maps with non-string keys).
+fn write_json<T: serde::Serialize + ?Sized>(out: &mut BytesMut, value: &T) {
+    let _ = serde_json::to_writer(out.writer(), value);
+}
+
 /// OpenAI's usage object; the prompt's cached tokens as the engine reported them.
 pub(super) fn usage_json(u: &Usage) -> Value {
     json!({
@@ -269,53 +294,72 @@ fn finish_reason(u: &Usage) -> &str {
     }
 }
 
-/// Turns events into SSE `data:` payloads, in order.
+/// Writes a stream's events as SSE `data:` payloads, numbered from 0 (`id:` when the stream
+/// is resumable), leaving out those a resuming client already has.
 struct Renderer {
     render: Render,
-    pending: std::collections::VecDeque<String>,
     sent_role: bool,
     ended: bool,
+    /// The next payload's number.
+    next: u64,
+    /// Payloads numbered up to this one are not written (the client has them).
+    skip_through: Option<u64>,
 }
 
 impl Renderer {
-    fn new(render: Render) -> Self {
+    fn new(render: Render, skip_through: Option<u64>) -> Self {
         Self {
             render,
-            pending: Default::default(),
             sent_role: false,
             ended: false,
+            next: 0,
+            skip_through,
         }
     }
 
-    fn push_role(&mut self) {
+    /// One numbered payload, written by `write` unless the client has it.
+    fn emit(&mut self, out: &mut SseText, write: impl FnOnce(&Render, &mut BytesMut)) {
+        let number = self.next;
+        self.next += 1;
+        if self.skip_through.is_some_and(|last| number <= last) {
+            return;
+        }
+        out.data(|buf| write(&self.render, buf));
+        if self.render.ids {
+            out.id(number);
+        }
+        out.end();
+    }
+
+    fn push_role(&mut self, out: &mut SseText) {
         if !self.sent_role {
             self.sent_role = true;
             if self.render.dialect == Dialect::Chat {
-                self.pending.push_back(self.render.role());
+                self.emit(out, Render::role);
             }
         }
     }
 
-    fn finish(&mut self, usage: &Usage, reason: &str) {
-        self.push_role();
-        self.pending.push_back(self.render.finish(reason));
+    fn finish(&mut self, usage: &Usage, reason: &str, out: &mut SseText) {
+        self.push_role(out);
+        self.emit(out, |r, buf| r.finish(reason, buf));
         if self.render.include_usage {
-            self.pending.push_back(self.render.usage_chunk(usage));
+            self.emit(out, |r, buf| r.usage_chunk(usage, buf));
         }
-        self.pending.push_back("[DONE]".to_owned());
+        self.emit(out, |_, buf| buf.put_slice(b"[DONE]"));
         self.ended = true;
     }
 
-    fn push(&mut self, event: Option<GenEvent>) {
+    fn push(&mut self, event: Option<GenEvent>, out: &mut SseText) {
         match event {
             Some(GenEvent::Delta(piece)) => {
-                self.push_role();
-                self.pending.push_back(self.render.piece(&piece));
+                self.push_role(out);
+                self.emit(out, |r, buf| r.piece(&piece, buf));
             }
-            Some(GenEvent::Finished(usage)) => self.finish(&usage, finish_reason(&usage)),
-            Some(GenEvent::Cancelled(usage)) => self.finish(&usage, CANCELLED),
+            Some(GenEvent::Finished(usage)) => self.finish(&usage, finish_reason(&usage), out),
+            Some(GenEvent::Cancelled(usage)) => self.finish(&usage, CANCELLED, out),
             Some(GenEvent::Failed(failure)) => {
-                self.pending.push_back(self.render.error(&failure));
+                self.emit(out, |r, buf| r.error(&failure, buf));
                 self.ended = true;
             }
             None => {
@@ -323,7 +367,7 @@ impl Renderer {
                     ErrorCode::ModelBackendError,
                     "The generation ended unexpectedly.",
                 );
-                self.pending.push_back(self.render.error(&failure));
+                self.emit(out, |r, buf| r.error(&failure, buf));
                 self.ended = true;
             }
         }
@@ -331,19 +375,48 @@ impl Renderer {
 }
 
 /// The events of a stream: a running generation's, a retained result's, or a journal's.
-enum Source {
+pub(super) enum Source {
     Live(GenerationStream),
     Replay(std::vec::IntoIter<GenEvent>),
-    Journal(Box<JournalSource>),
+    Journal(JournalRead),
 }
 
 impl Source {
-    async fn next(&mut self) -> Option<GenEvent> {
+    /// The next event if one is ready; otherwise the waker is registered.
+    pub(super) fn poll_next(&mut self, cx: &mut Context<'_>) -> Poll<Option<GenEvent>> {
         match self {
-            Self::Live(g) => g.next().await,
-            Self::Replay(events) => events.next(),
-            Self::Journal(j) => j.next().await,
+            // A fresh receive per poll: dropping a pending one loses nothing (the channel's
+            // receive is cancel-safe) and keeps the waker registered.
+            Self::Live(g) => std::pin::pin!(g.next()).poll(cx),
+            Self::Replay(events) => Poll::Ready(events.next()),
+            Self::Journal(j) => j.poll_next(cx),
         }
+    }
+
+    async fn next(&mut self) -> Option<GenEvent> {
+        std::future::poll_fn(|cx| self.poll_next(cx)).await
+    }
+}
+
+/// A chat or legacy completion stream as SSE: every event ready when the socket can take
+/// more is rendered into the same write.
+struct ChatEvents {
+    source: Source,
+    renderer: Renderer,
+}
+
+impl SseEvents for ChatEvents {
+    fn poll_write(&mut self, cx: &mut Context<'_>, out: &mut SseText) -> Poll<Step> {
+        if self.renderer.ended {
+            return Poll::Ready(Step::End);
+        }
+        let event = ready!(self.source.poll_next(cx));
+        self.renderer.push(event, out);
+        Poll::Ready(if self.renderer.ended {
+            Step::End
+        } else {
+            Step::More
+        })
     }
 }
 
@@ -354,32 +427,10 @@ fn sse_response(source: Source, render: Render) -> Response {
 /// The stream of `source`, leaving out the events numbered up to `skip_through` (what a
 /// resuming client already has).
 fn sse_response_after(source: Source, render: Render, skip_through: Option<u64>) -> Response {
-    let ids = render.ids;
-    let state = (source, Renderer::new(render), 0u64);
-    let events = futures::stream::unfold(state, move |(mut source, mut r, mut n)| async move {
-        loop {
-            if let Some(data) = r.pending.pop_front() {
-                let number = n;
-                n += 1;
-                if skip_through.is_some_and(|last| number <= last) {
-                    continue;
-                }
-                let mut event = Event::default().data(data);
-                if ids {
-                    event = event.id(number.to_string());
-                }
-                return Some((Ok::<Event, Infallible>(event), (source, r, n)));
-            }
-            if r.ended {
-                return None;
-            }
-            let event = source.next().await;
-            r.push(event);
-        }
-    });
-    Sse::new(events)
-        .keep_alive(KeepAlive::new().interval(KEEP_ALIVE).text("keep-alive"))
-        .into_response()
+    body::response(ChatEvents {
+        source,
+        renderer: Renderer::new(render, skip_through),
+    })
 }
 
 /// A retry of a running generation's Idempotency-Key with `stream: true`: its stream from
@@ -393,7 +444,7 @@ pub async fn resume(
 ) -> Result<Response, ApiError> {
     let last = last_event_id(headers)?;
     super::generations::reader_back(state, &rec.id).await;
-    let source = Source::Journal(Box::new(JournalSource::new(state, &rec.id)));
+    let source = Source::Journal(JournalRead::new(JournalSource::new(state, &rec.id)));
     Ok(sse_response_after(source, render.resumable(), last))
 }
 
@@ -469,23 +520,8 @@ impl JournalSource {
     /// stream then ends without a terminal event: interrupted).
     pub(super) async fn next(&mut self) -> Option<GenEvent> {
         loop {
-            if let Some((seq, event)) = self.buffered.pop_front() {
-                let expected = self.after.map_or(0, |a| a + 1);
-                self.after = Some(seq);
-                if seq != expected {
-                    self.ended = true;
-                    return Some(GenEvent::Failed(Failure::new(
-                        ErrorCode::ResultUnavailable,
-                        "Part of this generation's stream is no longer available; its retained output is at GET /v1/generations/{id}.",
-                    )));
-                }
-                if !matches!(event, GenEvent::Delta(_)) {
-                    self.ended = true;
-                }
-                return Some(event);
-            }
-            if self.ended {
-                return None;
+            if let Some(known) = self.known() {
+                return known;
             }
             let read = read_journal(
                 self.coordinator.as_ref(),
@@ -520,6 +556,26 @@ impl JournalSource {
         }
     }
 
+    /// The next event when it is known without a read: one already read, or the end.
+    fn known(&mut self) -> Option<Option<GenEvent>> {
+        let Some((seq, event)) = self.buffered.pop_front() else {
+            return self.ended.then_some(None);
+        };
+        let expected = self.after.map_or(0, |a| a + 1);
+        self.after = Some(seq);
+        if seq != expected {
+            self.ended = true;
+            return Some(Some(GenEvent::Failed(Failure::new(
+                ErrorCode::ResultUnavailable,
+                "Part of this generation's stream is no longer available; its retained output is at GET /v1/generations/{id}.",
+            ))));
+        }
+        if !matches!(event, GenEvent::Delta(_)) {
+            self.ended = true;
+        }
+        Some(Some(event))
+    }
+
     /// The end the record holds, once the journal had time to deliver its own.
     async fn recorded_end(&mut self) -> Option<GenEvent> {
         let rec = self.store.get_generation(&self.id).await.ok()??;
@@ -528,6 +584,47 @@ impl JournalSource {
         }
         self.idle_after_end += 1;
         (self.idle_after_end > 1).then(|| end_of_record(&rec))
+    }
+}
+
+/// A [`JournalSource`] read by polling: events already read come at once; a read that
+/// waits on the coordinator is kept across polls (never dropped half way).
+pub(super) struct JournalRead {
+    /// The source, between reads.
+    idle: Option<Box<JournalSource>>,
+    /// The read under way, which hands the source back with its event.
+    reading: Option<JournalNext>,
+}
+
+type JournalNext = Pin<Box<dyn Future<Output = (Box<JournalSource>, Option<GenEvent>)> + Send>>;
+
+impl JournalRead {
+    pub(super) fn new(source: JournalSource) -> Self {
+        Self {
+            idle: Some(Box::new(source)),
+            reading: None,
+        }
+    }
+
+    /// The next event if one is ready; otherwise the waker is registered.
+    pub(super) fn poll_next(&mut self, cx: &mut Context<'_>) -> Poll<Option<GenEvent>> {
+        if let Some(mut source) = self.idle.take() {
+            if let Some(known) = source.known() {
+                self.idle = Some(source);
+                return Poll::Ready(known);
+            }
+            self.reading = Some(Box::pin(async move {
+                let event = source.next().await;
+                (source, event)
+            }));
+        }
+        let Some(read) = &mut self.reading else {
+            return Poll::Ready(None);
+        };
+        let (source, event) = ready!(read.as_mut().poll(cx));
+        self.reading = None;
+        self.idle = Some(source);
+        Poll::Ready(event)
     }
 }
 
@@ -602,3 +699,6 @@ async fn collect_from(mut source: Source, render: Render) -> Result<Response, Ap
         return Ok(axum::Json(render.document(&out, &usage, &reason)).into_response());
     }
 }
+
+#[cfg(test)]
+mod tests;

@@ -119,7 +119,7 @@ impl NodeActor {
     /// Starts the actor for a registered connection with no supervisor (tests; the server
     /// starts node actors through `crate::supervision::Nodes`) and returns its handle.
     pub async fn start(args: NodeArgs) -> Result<NodeHandle, ractor::SpawnErr> {
-        let node_id = args.node_id.clone();
+        let node_id = args.node_id.as_str().into();
         let protocol = args.protocol;
         let (actor, _) = Actor::spawn(None, NodeActor, args).await?;
         Ok(NodeHandle {
@@ -134,7 +134,7 @@ impl NodeActor {
         args: NodeArgs,
         supervisor: ActorCell,
     ) -> Result<NodeHandle, ractor::SpawnErr> {
-        let node_id = args.node_id.clone();
+        let node_id = args.node_id.as_str().into();
         let protocol = args.protocol;
         let (actor, _) = Actor::spawn_linked(None, NodeActor, args, supervisor).await?;
         Ok(NodeHandle {
@@ -156,7 +156,7 @@ impl Actor for NodeActor {
         args: NodeArgs,
     ) -> Result<NodeState, ActorProcessingErr> {
         let handle = NodeHandle {
-            node_id: args.node_id.clone(),
+            node_id: args.node_id.as_str().into(),
             actor: myself.clone(),
             protocol: args.protocol,
         };

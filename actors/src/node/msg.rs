@@ -1,5 +1,6 @@
 //! Messages of the [`super::NodeActor`] and the handle others hold.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use ractor::{ActorRef, RpcReplyPort};
@@ -111,10 +112,11 @@ pub enum NodeMsg {
     Crash,
 }
 
-/// Cloneable access to a connected node.
+/// Cloneable access to a connected node. Every frame the node relays carries a clone (the
+/// generation checks who sent it), so a clone allocates nothing.
 #[derive(Debug, Clone)]
 pub struct NodeHandle {
-    pub(crate) node_id: String,
+    pub(crate) node_id: Arc<str>,
     pub(crate) actor: ActorRef<NodeMsg>,
     /// The protocol version spoken on this connection.
     pub(crate) protocol: u32,

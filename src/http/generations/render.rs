@@ -2,10 +2,9 @@
 //! (`generation.created`, typed deltas, one end event), one JSON document, and the record
 //! as `GET /v1/generations/{id}` returns it.
 
-use std::convert::Infallible;
+use std::task::{Context, Poll, ready};
 
 use axum::http::HeaderValue;
-use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use serde_json::{Map, Value, json};
 use switchyard_actors::error::{ErrorCode, Failure};
@@ -15,7 +14,7 @@ use switchyard_actors::output::{Assembled, Piece};
 
 use super::super::error::ApiError;
 use super::super::lifecycle;
-use super::super::sse::{JournalSource, KEEP_ALIVE};
+use super::super::sse::{self, JournalRead, JournalSource, Source, SseEvents, SseText, Step};
 use crate::server::AppState;
 
 /// What to tell the client to do after a failure once the stream has begun: capacity
@@ -37,7 +36,7 @@ fn usage_json(u: &Usage) -> Value {
     json!({"input_tokens": u.prompt_tokens, "output_tokens": u.completion_tokens})
 }
 
-/// Numbers a generation's events from 0 and names them.
+/// Numbers a generation's events from 0 and names them, writing them as SSE text.
 struct Sequencer {
     /// The generation every event names.
     id: String,
@@ -45,35 +44,54 @@ struct Sequencer {
     next: u64,
     /// Output was sent: a failure after it cannot be retried under the same key.
     partial: bool,
+    /// Events numbered up to this one are not written (a resuming client has them).
+    skip_through: Option<u64>,
 }
 
 impl Sequencer {
+    fn new(id: String, skip_through: Option<u64>) -> Self {
+        Self {
+            id,
+            next: 0,
+            partial: false,
+            skip_through,
+        }
+    }
+
     /// The event `name` with the next number, as `sequence` and as the SSE `id:` (what a
     /// client sends back as `Last-Event-ID`).
-    fn event(&mut self, name: &'static str, mut data: Map<String, Value>) -> SseEvent {
+    fn event(&mut self, out: &mut SseText, name: &'static str, mut data: Map<String, Value>) {
         let number = self.next;
+        self.next += 1;
+        if self.skip_through.is_some_and(|last| number <= last) {
+            return;
+        }
         data.insert("generation_id".into(), Value::String(self.id.clone()));
         data.insert("sequence".into(), Value::from(number));
-        self.next += 1;
-        SseEvent::default()
-            .event(name)
-            .id(number.to_string())
-            .data(Value::Object(data).to_string())
+        out.field("event", name);
+        out.id(number);
+        out.data(|buf| {
+            let _ = serde_json::to_writer(bytes::BufMut::writer(buf), &data);
+        });
+        out.end();
     }
 
-    fn created(&mut self, status: &str) -> SseEvent {
+    fn created(&mut self, out: &mut SseText, status: &str) {
         let mut data = Map::new();
         data.insert("status".into(), Value::String(status.into()));
-        self.event("generation.created", data)
+        self.event(out, "generation.created", data);
     }
 
-    /// The SSE events for `event`, and whether it ends the stream. A piece of output is a
-    /// typed event per kind: `generation.reasoning.delta`, `generation.text.delta`, and a
+    /// Writes the SSE events for `event`; true when it ends the stream. A piece of output is
+    /// a typed event per kind: `generation.reasoning.delta`, `generation.text.delta`, and a
     /// `generation.tool_call.delta` per tool call fragment.
-    fn render(&mut self, event: Option<GenEvent>) -> (Vec<SseEvent>, bool) {
+    fn render(&mut self, out: &mut SseText, event: Option<GenEvent>) -> bool {
         let mut data = Map::new();
         match event {
-            Some(GenEvent::Delta(piece)) => (self.pieces(piece), false),
+            Some(GenEvent::Delta(piece)) => {
+                self.pieces(out, piece);
+                false
+            }
             Some(GenEvent::Finished(usage)) => {
                 data.insert("usage".into(), usage_json(&usage));
                 if usage.finish_reason != "stop" {
@@ -82,36 +100,41 @@ impl Sequencer {
                         Value::String(usage.finish_reason.clone()),
                     );
                 }
-                (vec![self.event("generation.completed", data)], true)
+                self.event(out, "generation.completed", data);
+                true
             }
             Some(GenEvent::Cancelled(usage)) => {
                 data.insert("usage".into(), usage_json(&usage));
-                (vec![self.event("generation.cancelled", data)], true)
+                self.event(out, "generation.cancelled", data);
+                true
             }
-            Some(GenEvent::Failed(failure)) => (vec![self.error(&failure)], true),
+            Some(GenEvent::Failed(failure)) => {
+                self.error(out, &failure);
+                true
+            }
             None => {
                 let failure = Failure::new(
                     ErrorCode::ModelBackendError,
                     "The generation ended unexpectedly.",
                 );
-                (vec![self.error(&failure)], true)
+                self.error(out, &failure);
+                true
             }
         }
     }
 
-    fn pieces(&mut self, piece: Piece) -> Vec<SseEvent> {
+    fn pieces(&mut self, out: &mut SseText, piece: Piece) {
         self.partial = true;
-        let mut events = Vec::new();
         if !piece.reasoning.is_empty() {
             let mut data = Map::new();
             data.insert("delta".into(), Value::String(piece.reasoning));
-            events.push(self.event("generation.reasoning.delta", data));
+            self.event(out, "generation.reasoning.delta", data);
         }
         if !piece.text.is_empty() {
             let mut data = Map::new();
             data.insert("index".into(), Value::from(0));
             data.insert("delta".into(), Value::String(piece.text));
-            events.push(self.event("generation.text.delta", data));
+            self.event(out, "generation.text.delta", data);
         }
         for call in piece.tool_calls {
             let mut data = Map::new();
@@ -127,12 +150,11 @@ impl Sequencer {
                 "arguments_delta".into(),
                 Value::String(function.arguments.unwrap_or_default()),
             );
-            events.push(self.event("generation.tool_call.delta", data));
+            self.event(out, "generation.tool_call.delta", data);
         }
-        events
     }
 
-    fn error(&mut self, failure: &Failure) -> SseEvent {
+    fn error(&mut self, out: &mut SseText, failure: &Failure) {
         let mut data = Map::new();
         data.insert("code".into(), Value::String(failure.code.as_str().into()));
         data.insert("message".into(), Value::String(failure.message.clone()));
@@ -141,15 +163,42 @@ impl Sequencer {
             Value::String(action(failure.code, self.partial).into()),
         );
         data.insert("partial".into(), Value::Bool(self.partial));
-        self.event("generation.error", data)
+        self.event(out, "generation.error", data);
     }
 }
 
-fn sse(events: impl futures::Stream<Item = SseEvent> + Send + 'static) -> Response {
-    use futures::StreamExt;
-    let mut response = Sse::new(events.map(Ok::<SseEvent, Infallible>))
-        .keep_alive(KeepAlive::new().interval(KEEP_ALIVE).text("keep-alive"))
-        .into_response();
+/// A generation's events as named SSE events: `generation.created` (with `status`), then
+/// every event of `source` until the end, all that are ready going out in one write.
+struct NamedEvents {
+    source: Source,
+    seq: Sequencer,
+    /// `generation.created`'s status, until it is written.
+    created: Option<String>,
+    ended: bool,
+}
+
+impl SseEvents for NamedEvents {
+    fn poll_write(&mut self, cx: &mut Context<'_>, out: &mut SseText) -> Poll<Step> {
+        if let Some(status) = self.created.take() {
+            self.seq.created(out, &status);
+            return Poll::Ready(Step::More);
+        }
+        if self.ended {
+            return Poll::Ready(Step::End);
+        }
+        let event = ready!(self.source.poll_next(cx));
+        self.ended = self.seq.render(out, event);
+        Poll::Ready(if self.ended { Step::End } else { Step::More })
+    }
+}
+
+fn sse(source: Source, seq: Sequencer, created: &str) -> Response {
+    let mut response = sse::response(NamedEvents {
+        source,
+        seq,
+        created: Some(created.to_owned()),
+        ended: false,
+    });
     response
         .headers_mut()
         .insert("cache-control", HeaderValue::from_static("no-store"));
@@ -158,28 +207,7 @@ fn sse(events: impl futures::Stream<Item = SseEvent> + Send + 'static) -> Respon
 
 /// A running generation as named SSE events.
 pub(super) fn stream_events(generation: GenerationStream, id: String) -> Response {
-    let mut seq = Sequencer {
-        id,
-        next: 0,
-        partial: false,
-    };
-    let pending = std::collections::VecDeque::from([seq.created("queued")]);
-    let state = (Some(generation), seq, pending);
-    let events =
-        futures::stream::unfold(state, |(mut generation, mut seq, mut pending)| async move {
-            loop {
-                if let Some(event) = pending.pop_front() {
-                    return Some((event, (generation, seq, pending)));
-                }
-                let g = generation.as_mut()?;
-                let (events, last) = seq.render(g.next().await);
-                pending.extend(events);
-                if last {
-                    generation = None;
-                }
-            }
-        });
-    sse(events)
+    sse(Source::Live(generation), Sequencer::new(id, None), "queued")
 }
 
 /// A running generation collected into one document, or its error.
@@ -270,49 +298,21 @@ pub(super) fn document(rec: &GenerationRecord, with_output: bool) -> Value {
 /// A repeated key's answer as events: `generation.created` with the record's status, its
 /// retained output, and its end.
 pub(super) fn replayed(rec: &GenerationRecord, out: Assembled, end: GenEvent) -> Response {
-    let mut seq = Sequencer {
-        id: rec.id.clone(),
-        next: 0,
-        partial: false,
-    };
-    let mut events = vec![seq.created(rec.status.as_str())];
+    let mut events = Vec::new();
     if out != Assembled::default() {
-        events.extend(seq.render(Some(GenEvent::Delta(out.into_piece()))).0);
+        events.push(GenEvent::Delta(out.into_piece()));
     }
-    events.extend(seq.render(Some(end)).0);
-    sse(futures::stream::iter(events))
+    events.push(end);
+    sse(
+        Source::Replay(events.into_iter()),
+        Sequencer::new(rec.id.clone(), None),
+        rec.status.as_str(),
+    )
 }
 
 /// The generation's stream rebuilt from its journal, numbered exactly as its first response
 /// was (`generation.created` is 0), leaving out what the client has (through `last`).
 pub(super) fn journal_stream(state: &AppState, id: &str, last: Option<u64>) -> Response {
-    let mut seq = Sequencer {
-        id: id.to_owned(),
-        next: 0,
-        partial: false,
-    };
-    let pending = std::collections::VecDeque::from([(0, seq.created("queued"))]);
-    let source = JournalSource::new(state, id);
-    let state = (Some(source), seq, pending);
-    let events = futures::stream::unfold(
-        state,
-        move |(mut source, mut seq, mut pending)| async move {
-            loop {
-                if let Some((number, event)) = pending.pop_front() {
-                    if last.is_some_and(|l| number <= l) {
-                        continue;
-                    }
-                    return Some((event, (source, seq, pending)));
-                }
-                let s = source.as_mut()?;
-                let first = seq.next;
-                let (events, end) = seq.render(s.next().await);
-                pending.extend((first..).zip(events));
-                if end {
-                    source = None;
-                }
-            }
-        },
-    );
-    sse(events)
+    let source = Source::Journal(JournalRead::new(JournalSource::new(state, id)));
+    sse(source, Sequencer::new(id.to_owned(), last), "queued")
 }
