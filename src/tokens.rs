@@ -158,11 +158,12 @@ impl ChatTokenizer {
         .map_err(|e| TokenizerError::Template(e.to_string()))
     }
 
-    /// Token ids of a text (special tokens in it are recognised).
+    /// Token ids of a text (special tokens in it are recognised). Offsets are never needed,
+    /// so they are not tracked (`encode_fast`: the same ids, less work per token).
     pub fn encode(&self, text: &str) -> Result<Vec<u32>, TokenizerError> {
         let enc = self
             .tokenizer
-            .encode(text, false)
+            .encode_fast(text, false)
             .map_err(|e| TokenizerError::Encode(e.to_string()))?;
         Ok(enc.get_ids().to_vec())
     }
