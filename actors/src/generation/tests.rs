@@ -15,7 +15,7 @@ use crate::model_queue::{
     ModelQueueActor, ModelQueueHandle, QueueArgs, QueueConfig, RoutingStrategy,
 };
 use crate::node::{NodeActor, NodeArgs, NodeHandle};
-use crate::ports::memory::{MapCoordinator, MemoryLedger, RowStatus};
+use crate::ports::memory::{MapCoordinator, MemoryLedger, RowStatus, reservation};
 use crate::ports::{Coordinator, Reservation, SystemClock};
 use crate::protocol::{NodeFrame, ServerFrame};
 
@@ -168,36 +168,43 @@ async fn start_api(
     timeouts: Timeouts,
     api: crate::protocol::Api,
 ) -> Result<GenerationStream, crate::error::Failure> {
+    let (args, rx) = generation_args(h, request_id, h.ledger.clone(), lifecycle, bounds);
+    let args = GenerationArgs {
+        timeouts,
+        api,
+        ..args
+    };
+    h.gens.start_generation(args, rx).await
+}
+
+/// The arguments of a test generation `request_id` through `ledger`: chat, default
+/// deadlines, a reservation of 10 prompt tokens and 100 output tokens bounded by `bounds`.
+fn generation_args(
+    h: &Harness,
+    request_id: &str,
+    ledger: Arc<dyn crate::ports::Ledger>,
+    lifecycle: Option<Arc<dyn crate::lifecycle::GenerationStore>>,
+    bounds: crate::ports::UsageBounds,
+) -> (GenerationArgs, EventReceiver) {
     let (tx, rx) = events::channel(StreamBound::default());
     let args = GenerationArgs {
         request_id: request_id.into(),
         model: MODEL.into(),
         body: serde_json::json!({"model": MODEL, "messages": []}),
-        api,
+        api: crate::protocol::Api::Chat,
         x_request_id: None,
         traceparent: None,
-        reservation: Reservation {
-            request_id: request_id.into(),
-            team_id: 1,
-            key_id: Some(1),
-            model: MODEL.into(),
-            estimated_prompt_tokens: 10,
-            max_tokens: 100,
-            estimated_cost: 110,
-            price_input_per_mtok: 1_000_000,
-            price_output_per_mtok: 2_000_000,
-            bounds,
-        },
+        reservation: reservation(request_id, MODEL, bounds),
         queue: h.queue.clone(),
-        ledger: h.ledger.clone(),
+        ledger,
         events: tx,
-        timeouts,
+        timeouts: Timeouts::default(),
         clock: Arc::new(SystemClock),
         on_end: None,
         lifecycle,
         coordinator: Some(h.coord.clone()),
     };
-    h.gens.start_generation(args, rx).await
+    (args, rx)
 }
 
 async fn expect_assign(out: &mut mpsc::Receiver<ServerFrame>) -> (String, u64) {

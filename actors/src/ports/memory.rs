@@ -9,8 +9,25 @@ use async_trait::async_trait;
 
 use super::{
     Ledger, LedgerError, Microcredits, Reservation, ReviewReason, SettleOutcome, Settlement,
-    cost_of,
+    UsageBounds, cost_of,
 };
+
+/// The reservation the actors' tests admit with: team 1, key 1, 10 prompt tokens estimated
+/// and at most 100 output tokens, at 1 and 2 microcredits per token, bounded by `bounds`.
+pub fn reservation(request_id: &str, model: &str, bounds: UsageBounds) -> Reservation {
+    Reservation {
+        request_id: request_id.into(),
+        team_id: 1,
+        key_id: Some(1),
+        model: model.into(),
+        estimated_prompt_tokens: 10,
+        max_tokens: 100,
+        estimated_cost: 110,
+        price_input_per_mtok: 1_000_000,
+        price_output_per_mtok: 2_000_000,
+        bounds,
+    }
+}
 
 /// The state of a row.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -22,7 +22,7 @@ use crate::generation::{
 use crate::model_queue::{QueueConfig, RoutingStrategy};
 use crate::node::{NodeArgs, NodeHandle};
 use crate::ports::memory::{MapCoordinator, MemoryLedger, RowStatus};
-use crate::ports::{Reservation, SystemClock};
+use crate::ports::SystemClock;
 use crate::protocol::{Api, NodeFrame, ServerFrame};
 
 const MODEL: &str = "llama-3.1-8b-instruct";
@@ -148,18 +148,11 @@ async fn start(h: &Harness, request_id: &str) -> Result<GenerationStream, Failur
         api: Api::Chat,
         x_request_id: None,
         traceparent: None,
-        reservation: Reservation {
-            request_id: request_id.into(),
-            team_id: 1,
-            key_id: Some(1),
-            model: MODEL.into(),
-            estimated_prompt_tokens: 10,
-            max_tokens: 100,
-            estimated_cost: 110,
-            price_input_per_mtok: 1_000_000,
-            price_output_per_mtok: 2_000_000,
-            bounds: crate::ports::UsageBounds::UNBOUNDED,
-        },
+        reservation: crate::ports::memory::reservation(
+            request_id,
+            MODEL,
+            crate::ports::UsageBounds::UNBOUNDED,
+        ),
         queue: h.queue().clone(),
         ledger: h.ledger.clone(),
         events: tx,

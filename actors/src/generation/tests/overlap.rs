@@ -45,35 +45,7 @@ fn start_gated(
     id: &str,
     ledger: Arc<GatedLedger>,
 ) -> tokio::task::JoinHandle<Result<GenerationStream, crate::error::Failure>> {
-    let (tx, rx) = events::channel(StreamBound::default());
-    let args = GenerationArgs {
-        request_id: id.into(),
-        model: MODEL.into(),
-        body: serde_json::json!({"model": MODEL, "messages": []}),
-        api: crate::protocol::Api::Chat,
-        x_request_id: None,
-        traceparent: None,
-        reservation: Reservation {
-            request_id: id.into(),
-            team_id: 1,
-            key_id: Some(1),
-            model: MODEL.into(),
-            estimated_prompt_tokens: 10,
-            max_tokens: 100,
-            estimated_cost: 110,
-            price_input_per_mtok: 1_000_000,
-            price_output_per_mtok: 2_000_000,
-            bounds: crate::ports::UsageBounds::UNBOUNDED,
-        },
-        queue: h.queue.clone(),
-        ledger,
-        events: tx,
-        timeouts: Timeouts::default(),
-        clock: Arc::new(SystemClock),
-        on_end: None,
-        lifecycle: None,
-        coordinator: Some(h.coord.clone()),
-    };
+    let (args, rx) = generation_args(h, id, ledger, None, crate::ports::UsageBounds::UNBOUNDED);
     let gens = h.gens.clone();
     tokio::spawn(async move { gens.start_generation(args, rx).await })
 }
