@@ -21,8 +21,8 @@ use crate::generation::{
 };
 use crate::model_queue::{QueueConfig, RoutingStrategy};
 use crate::node::{NodeArgs, NodeHandle};
-use crate::ports::memory::{MapCoordinator, MemoryLedger, RowStatus};
 use crate::ports::SystemClock;
+use crate::ports::memory::{MapCoordinator, MemoryLedger, RowStatus};
 use crate::protocol::{Api, NodeFrame, ServerFrame};
 
 const MODEL: &str = "llama-3.1-8b-instruct";
