@@ -65,6 +65,9 @@ pub struct FleetConfig {
     pub redis_prefix: String,
     /// The node protocol version the agents speak (older ones in upgrade tests).
     pub agent_protocol: u32,
+    /// Replicas of the server (more than one needs PostgreSQL and Redis); nodes dial them in
+    /// turn, the first node the first replica.
+    pub replicas: usize,
 }
 
 impl Default for FleetConfig {
@@ -83,6 +86,7 @@ impl Default for FleetConfig {
             credits: 1_000_000_000_000,
             redis_prefix: "switchyard:".into(),
             agent_protocol: switchyard_actors::protocol::PROTOCOL_VERSION,
+            replicas: 1,
         }
     }
 }
@@ -145,8 +149,10 @@ impl SimNode {
 /// A running fleet.
 #[derive(Debug)]
 pub struct Fleet {
-    /// The server replica.
+    /// The first server replica.
     pub server: Server,
+    /// The other replicas (`FleetConfig::replicas`), sharing its storage and Redis.
+    pub peers: Vec<Server>,
     /// The storage behind it.
     pub store: Arc<dyn Store>,
     /// The simulated nodes.
@@ -196,8 +202,23 @@ impl Fleet {
         .await?;
         let server =
             Server::start(config.server.clone(), store.clone(), coordinator, listener).await?;
+        let mut peers = Vec::new();
+        for _ in 1..config.replicas {
+            // Each replica with its own pools, as separate processes would have.
+            let mut peer = config.server.clone();
+            peer.listen.set_port(0);
+            let listener = TcpListener::bind(peer.listen).await?;
+            let store = crate::store::connect_store(database_url).await?;
+            let coordinator = crate::coord::connect_coordinator(
+                config.server.redis_url.as_deref(),
+                &config.redis_prefix,
+            )
+            .await?;
+            peers.push(Server::start(peer, store, coordinator, listener).await?);
+        }
         let mut fleet = Fleet {
             server,
+            peers,
             store,
             nodes: Vec::new(),
             api_key,
@@ -212,8 +233,9 @@ impl Fleet {
                 .name
                 .clone();
             for i in 1..=count {
+                let replica = fleet.nodes.len() % fleet.replicas().len();
                 let node = fleet
-                    .add_node(&config, &format!("{alias}-{i}"), &model)
+                    .add_node_to(&config, &format!("{alias}-{i}"), &model, replica)
                     .await?;
                 fleet.nodes.push(node);
             }
@@ -222,13 +244,30 @@ impl Fleet {
         Ok(fleet)
     }
 
-    /// Starts one more simulated node serving `model`.
+    /// Every replica, the first one first.
+    pub fn replicas(&self) -> Vec<&Server> {
+        std::iter::once(&self.server).chain(&self.peers).collect()
+    }
+
+    /// Starts one more simulated node serving `model`, dialing the first replica.
     pub async fn add_node(
         &self,
         config: &FleetConfig,
         node_id: &str,
         model: &str,
     ) -> Result<SimNode, FleetError> {
+        self.add_node_to(config, node_id, model, 0).await
+    }
+
+    /// Starts one more simulated node serving `model`, dialing replica `replica`.
+    pub async fn add_node_to(
+        &self,
+        config: &FleetConfig,
+        node_id: &str,
+        model: &str,
+        replica: usize,
+    ) -> Result<SimNode, FleetError> {
+        let server = self.replicas()[replica % self.replicas().len()].base_url();
         // The configured embedding model runs beside the first chat model, as a small
         // embedding model shares a GPU node in production.
         let models = &config.server.models;
@@ -254,7 +293,7 @@ impl Fleet {
         self.store
             .create_node(node_id, "onprem", &hash_secret(&token))
             .await?;
-        let mut agent = AgentConfig::new(self.server.base_url(), node_id, token, sim.base_url());
+        let mut agent = AgentConfig::new(server, node_id, token, sim.base_url());
         agent.location = Location::Onprem;
         agent.backoff_min = config.agent_backoff_min;
         agent.heartbeat_interval = config.heartbeat_interval;
@@ -285,13 +324,11 @@ impl Fleet {
     pub async fn wait_registered(&self, limit: Duration) -> bool {
         let start = tokio::time::Instant::now();
         while start.elapsed() < limit {
-            let connected = self
-                .server
-                .state()
-                .nodes
-                .lock()
-                .map(|n| n.len())
-                .unwrap_or(0);
+            let connected: usize = self
+                .replicas()
+                .iter()
+                .map(|r| r.state().nodes.lock().map(|n| n.len()).unwrap_or(0))
+                .sum();
             if connected >= self.nodes.len() {
                 return true;
             }
@@ -307,6 +344,9 @@ impl Fleet {
 
     /// Stops the server (draining in-flight requests for `grace`), the agents and engines.
     pub async fn shutdown(mut self, grace: Duration) {
+        for peer in std::mem::take(&mut self.peers) {
+            peer.shutdown(grace).await;
+        }
         self.server.shutdown(grace).await;
         for node in &mut self.nodes {
             node.stop_agent().await;

@@ -51,6 +51,8 @@ pub struct AppState {
     pub queues: BTreeMap<String, ModelQueueHandle>,
     /// Node connections held by this replica, by node id.
     pub nodes: Mutex<BTreeMap<String, NodeHandle>>,
+    /// Proxies of the nodes other replicas hold (see [`crate::cluster`]).
+    pub proxies: crate::cluster::Proxies,
     /// API-key verification.
     pub auth: Authenticator,
     /// Admits requests (limits, lifecycle, measuring, reservation) before they run.
@@ -321,6 +323,7 @@ impl Server {
             budgets,
             queues,
             nodes: Mutex::new(BTreeMap::new()),
+            proxies: crate::cluster::Proxies::default(),
             metrics: metrics_handle(),
             clock,
             shutdown: CancellationToken::new(),
@@ -338,6 +341,7 @@ impl Server {
         ));
         spawn_cancel_listener(&state).await;
         spawn_client_back_listener(&state).await;
+        crate::cluster::spawn_view(&state).await;
         let addr = listener.local_addr()?;
         let app = crate::http::router(state.clone());
         let shutdown = state.shutdown.clone();

@@ -547,6 +547,30 @@ impl Coordinator for Counting {
     async fn delete(&self, key: &str) -> Result<(), switchyard::coord::CoordError> {
         self.inner.delete(key).await
     }
+    async fn claim_hash(
+        &self,
+        key: &str,
+        fields: &std::collections::BTreeMap<String, String>,
+        ttl: Duration,
+    ) -> Result<u64, switchyard::coord::CoordError> {
+        self.inner.claim_hash(key, fields, ttl).await
+    }
+    async fn put_hash_fenced(
+        &self,
+        key: &str,
+        fields: &std::collections::BTreeMap<String, String>,
+        fence: u64,
+        ttl: Duration,
+    ) -> Result<bool, switchyard::coord::CoordError> {
+        self.inner.put_hash_fenced(key, fields, fence, ttl).await
+    }
+    async fn delete_fenced(
+        &self,
+        key: &str,
+        fence: u64,
+    ) -> Result<bool, switchyard::coord::CoordError> {
+        self.inner.delete_fenced(key, fence).await
+    }
     async fn acquire_lease(
         &self,
         name: &str,
@@ -605,7 +629,7 @@ impl Coordinator for Counting {
         &self,
         channel: &str,
         payload: Vec<u8>,
-    ) -> Result<(), switchyard::coord::CoordError> {
+    ) -> Result<usize, switchyard::coord::CoordError> {
         self.inner.publish(channel, payload).await
     }
     async fn subscribe(

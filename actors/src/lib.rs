@@ -67,6 +67,7 @@
 
 pub mod attempts;
 pub mod budget;
+pub mod cluster;
 pub mod error;
 pub mod generation;
 pub mod lifecycle;

@@ -50,6 +50,8 @@ const DELIVERY: Duration = Duration::from_secs(5);
 pub async fn conformance_suite(c: &dyn Coordinator, prefix: &str) -> Outcome {
     hash_round_trip_and_replace(c, prefix).await?;
     hash_expiry(c, prefix).await?;
+    fenced_hash_moves_to_the_newest_claim(c, prefix).await?;
+    publish_counts_its_listeners(c, prefix).await?;
     lease_exclusive_and_renew(c, prefix).await?;
     lease_takeover_after_expiry(c, prefix).await?;
     lease_release(c, prefix).await?;
@@ -140,6 +142,92 @@ pub async fn hash_round_trip_and_replace(c: &dyn Coordinator, prefix: &str) -> O
     c.put_hash(&key, &BTreeMap::new(), LONG).await?;
     expect_eq(CHECK, c.get_hash(&key).await?, None)?;
     Ok(())
+}
+
+/// A claimed hash carries its fencing token; a newer claim moves it on, after which the
+/// old holder can neither refresh nor delete it, while the holder can, also after expiry;
+/// tokens never go back, even after the hash is gone.
+pub async fn fenced_hash_moves_to_the_newest_claim(c: &dyn Coordinator, prefix: &str) -> Outcome {
+    const CHECK: &str = "fenced_hash_moves_to_the_newest_claim";
+    let key = format!("{prefix}hash:fenced");
+    let first = c.claim_hash(&key, &hash(&[("owner", "a")]), LONG).await?;
+    let with_fence =
+        |owner: &str, fence: u64| Some(hash(&[("owner", owner), ("fence", &fence.to_string())]));
+    expect_eq(CHECK, c.get_hash(&key).await?, with_fence("a", first))?;
+    expect_eq(
+        CHECK,
+        c.put_hash_fenced(&key, &hash(&[("owner", "a2")]), first, LONG)
+            .await?,
+        true,
+    )?;
+    expect_eq(CHECK, c.get_hash(&key).await?, with_fence("a2", first))?;
+
+    let second = c.claim_hash(&key, &hash(&[("owner", "b")]), LONG).await?;
+    if second <= first {
+        return Err(ConformanceError::Violated {
+            check: CHECK,
+            detail: format!("token {second} after {first}"),
+        });
+    }
+    expect_eq(
+        CHECK,
+        c.put_hash_fenced(&key, &hash(&[("owner", "a")]), first, LONG)
+            .await?,
+        false,
+    )?;
+    expect_eq(CHECK, c.delete_fenced(&key, first).await?, false)?;
+    expect_eq(CHECK, c.get_hash(&key).await?, with_fence("b", second))?;
+
+    // The holder's refresh brings an expired hash back; its delete removes it.
+    c.put_hash_fenced(&key, &hash(&[("owner", "b")]), second, SHORT)
+        .await?;
+    tokio::time::sleep(PAST).await;
+    expect_eq(CHECK, c.get_hash(&key).await?, None)?;
+    expect_eq(
+        CHECK,
+        c.put_hash_fenced(&key, &hash(&[("owner", "b")]), second, LONG)
+            .await?,
+        true,
+    )?;
+    expect_eq(CHECK, c.delete_fenced(&key, second).await?, true)?;
+    expect_eq(CHECK, c.get_hash(&key).await?, None)?;
+    let third = c.claim_hash(&key, &hash(&[("owner", "c")]), LONG).await?;
+    if third <= second {
+        return Err(ConformanceError::Violated {
+            check: CHECK,
+            detail: format!("token {third} after {second} and a delete"),
+        });
+    }
+    c.delete(&key).await?;
+    Ok(())
+}
+
+/// `publish` says how many listeners got the message: none on a silent channel, at least
+/// one while someone subscribes, none again once every subscriber dropped its receiver.
+pub async fn publish_counts_its_listeners(c: &dyn Coordinator, prefix: &str) -> Outcome {
+    const CHECK: &str = "publish_counts_its_listeners";
+    let channel = format!("{prefix}count");
+    expect_eq(CHECK, c.publish(&channel, b"nobody".to_vec()).await?, 0)?;
+    let mut rx = c.subscribe(&channel).await?;
+    let heard = c.publish(&channel, b"one".to_vec()).await?;
+    if heard == 0 {
+        return Err(ConformanceError::Violated {
+            check: CHECK,
+            detail: "a subscribed channel counted no listener".to_owned(),
+        });
+    }
+    expect_eq(CHECK, next_message(CHECK, &mut rx).await?, b"one".to_vec())?;
+    drop(rx);
+    // Unsubscribing is asynchronous on a real server: wait until it took effect.
+    let mut heard = usize::MAX;
+    for _ in 0..50 {
+        heard = c.publish(&channel, b"gone".to_vec()).await?;
+        if heard == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    expect_eq(CHECK, heard, 0)
 }
 
 /// A hash is gone once its TTL passes; each write restarts the TTL (a heartbeat keeps a

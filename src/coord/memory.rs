@@ -108,6 +108,25 @@ impl Inner {
         self.keys.get_mut(key)
     }
 
+    /// Replaces the hash at `key` with `fields` and `fence`, expiring at `expires_at`.
+    fn put_fenced_hash(
+        &mut self,
+        key: &str,
+        fields: &BTreeMap<String, String>,
+        fence: u64,
+        expires_at: Instant,
+    ) {
+        let mut fields = fields.clone();
+        fields.insert("fence".to_owned(), fence.to_string());
+        self.keys.insert(
+            key.to_owned(),
+            Entry {
+                value: Value::Hash(fields),
+                expires_at: Some(expires_at),
+            },
+        );
+    }
+
     fn note_write(&mut self, now: Instant) {
         self.writes_since_sweep += 1;
         if self.writes_since_sweep >= SWEEP_EVERY_WRITES {
@@ -248,6 +267,50 @@ impl Coordinator for MemoryCoordinator {
         inner.keys.remove(key);
         inner.note_write(now);
         Ok(())
+    }
+
+    async fn claim_hash(
+        &self,
+        key: &str,
+        fields: &BTreeMap<String, String>,
+        ttl: Duration,
+    ) -> Result<u64, CoordError> {
+        let now = Instant::now();
+        let mut inner = self.lock();
+        let fence = inner.fences.entry(key.to_owned()).or_insert(0);
+        *fence += 1;
+        let token = *fence;
+        inner.put_fenced_hash(key, fields, token, now + ttl);
+        inner.note_write(now);
+        Ok(token)
+    }
+
+    async fn put_hash_fenced(
+        &self,
+        key: &str,
+        fields: &BTreeMap<String, String>,
+        fence: u64,
+        ttl: Duration,
+    ) -> Result<bool, CoordError> {
+        let now = Instant::now();
+        let mut inner = self.lock();
+        if inner.fences.get(key) != Some(&fence) {
+            return Ok(false);
+        }
+        inner.put_fenced_hash(key, fields, fence, now + ttl);
+        inner.note_write(now);
+        Ok(true)
+    }
+
+    async fn delete_fenced(&self, key: &str, fence: u64) -> Result<bool, CoordError> {
+        let now = Instant::now();
+        let mut inner = self.lock();
+        if inner.fences.get(key) != Some(&fence) {
+            return Ok(false);
+        }
+        inner.keys.remove(key);
+        inner.note_write(now);
+        Ok(true)
     }
 
     async fn acquire_lease(
@@ -405,17 +468,19 @@ impl Coordinator for MemoryCoordinator {
         })
     }
 
-    async fn publish(&self, channel: &str, payload: Vec<u8>) -> Result<(), CoordError> {
+    async fn publish(&self, channel: &str, payload: Vec<u8>) -> Result<usize, CoordError> {
         let mut inner = self.lock();
+        let mut received = 0;
         if let Some(subs) = inner.channels.get_mut(channel) {
             // Sending under the lock keeps publish order across concurrent publishers; a
             // failed send means the receiver is gone, so the subscriber is dropped.
             subs.retain(|s| s.send(payload.clone()).is_ok());
+            received = subs.len();
             if subs.is_empty() {
                 inner.channels.remove(channel);
             }
         }
-        Ok(())
+        Ok(received)
     }
 
     async fn subscribe(&self, channel: &str) -> Result<UnboundedReceiver<Vec<u8>>, CoordError> {

@@ -649,11 +649,13 @@ pub async fn list_nodes(
             .await
             .ok()
             .flatten();
-        let connected = state
-            .nodes
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .contains_key(&node.id);
+        // Connected to any replica: its owner keeps `node:{id}` alive with heartbeats.
+        let connected = heartbeat.is_some()
+            || state
+                .nodes
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .contains_key(&node.id);
         let hb = |k: &str| heartbeat.as_ref().and_then(|h| h.get(k)).cloned();
         // Adding 0 reads the counter without moving its window (it expires 24 h after the
         // first violation it counted; a node without any gets a 0 that expires the same way).
@@ -683,6 +685,7 @@ pub async fn list_nodes(
             "running": hb("running").and_then(|v| v.parse::<u64>().ok()),
             "kv_cache_usage": hb("kv_cache_usage").and_then(|v| v.parse::<f64>().ok()),
             "owner_replica": hb("owner").or(node.orchestrator_id.clone()),
+            "in_flight": hb("in_flight").and_then(|v| v.parse::<u64>().ok()),
             "last_heartbeat": hb("last_heartbeat"),
             "last_registration": node.last_seen,
             "token_revoked": node.token_hash.is_none(),
@@ -706,12 +709,8 @@ pub async fn drain_node(
             StoreError::NotFound => ApiError::new(ErrorCode::NotFound, "Unknown node."),
             other => store_failed("drain node")(other),
         })?;
-    let live = state
-        .nodes
-        .lock()
-        .unwrap_or_else(PoisonError::into_inner)
-        .get(&id)
-        .cloned();
+    // Through the node's socket here, or its proxy to the replica holding the socket.
+    let live = crate::cluster::reach(&state, &id);
     if let Some(node) = &live {
         node.drain();
     }
@@ -745,18 +744,8 @@ pub async fn load_model(
         )
         .with_param("name"));
     }
-    let live = state
-        .nodes
-        .lock()
-        .unwrap_or_else(PoisonError::into_inner)
-        .get(&id)
-        .cloned();
-    let node = live.ok_or_else(|| {
-        ApiError::new(
-            ErrorCode::NotFound,
-            "The node is not connected to this replica.",
-        )
-    })?;
+    let node = crate::cluster::reach(&state, &id)
+        .ok_or_else(|| ApiError::new(ErrorCode::NotFound, "The node is not connected."))?;
     node.load_model(&body.name);
     tracing::info!(node_id = %id, model = %body.name, "load_model sent");
     Ok(ok(

@@ -15,7 +15,7 @@ use switchyard_actors::error::ErrorCode;
 use super::error::ApiError;
 use futures::{SinkExt, StreamExt};
 use subtle::ConstantTimeEq;
-use switchyard_actors::node::{NodeArgs, NodeHandle, NodeTrust, Violation};
+use switchyard_actors::node::{Link, NodeHandle, Violation};
 use switchyard_actors::protocol::{
     Malformed, NodeFrame, OLDEST_PROTOCOL_VERSION, PROTOCOL_VERSION, ServerFrame, decode_node_frame,
 };
@@ -75,29 +75,13 @@ async fn serve_node(state: Arc<AppState>, mut socket: WebSocket) {
         }
     };
     let (outbound, mut frames) = mpsc::channel(OUTBOUND_FRAMES);
-    let queues = registered
-        .models
-        .iter()
-        .filter_map(|m| state.queues.get(m).map(|q| (m.clone(), q.clone())))
-        .collect();
-    let args = NodeArgs {
-        node_id: registered.node_id.clone(),
-        models: registered.models.clone(),
-        outbound,
-        queues,
-        directory: state.launcher.generations.directory().clone(),
-        ledger: state.store.clone(),
-        lifecycle: Some(state.store.clone()),
-        coordinator: state.coordinator.clone(),
-        replica_id: state.replica_id.clone(),
-        heartbeat_timeout: Duration::from_secs(state.config.nodes.heartbeat_timeout_secs),
-        clock: state.clock.clone(),
-        trust: NodeTrust {
-            max_violations: state.config.trust.max_violations,
-            window: Duration::from_secs(state.config.trust.violation_window_secs),
-        },
-        protocol: registered.protocol,
-    };
+    let args = crate::cluster::node_args(
+        &state,
+        &registered.node_id,
+        &registered.models,
+        registered.protocol,
+        Link::Socket(outbound),
+    );
     let accepted = ServerFrame::Registered {
         protocol: Some(registered.protocol),
     };

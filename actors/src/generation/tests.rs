@@ -75,7 +75,7 @@ async fn connect_speaking(
     let args = NodeArgs {
         node_id: id.into(),
         models: vec![MODEL.into()],
-        outbound: tx,
+        link: crate::node::Link::Socket(tx),
         queues: [(MODEL.to_string(), h.queue.clone())].into(),
         directory: h.gens.directory().clone(),
         ledger: h.ledger.clone(),

@@ -5,21 +5,18 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use ractor::{Actor, ActorCell, ActorProcessingErr, ActorRef};
-use tokio::sync::mpsc;
 
+use super::link::{self, Dest, Link, Transport};
 use super::msg::{NodeHandle, NodeLoad, NodeMsg, Violation, Work};
-use crate::attempts::{self, Holder};
+use super::orphan::settle_orphan;
 use crate::generation::{Directory, GenerationMsg};
-use crate::lifecycle::{AttemptState, Event, GenerationStore, Outcome};
+use crate::lifecycle::GenerationStore;
 use crate::metric_names::{
     NODE_KV_CACHE_USAGE, NODE_PROTOCOL_VIOLATIONS_TOTAL, STALE_FRAMES_TOTAL,
 };
 use crate::model_queue::{ModelQueueHandle, NodeReport};
 use crate::output::Piece;
-use crate::ports::{
-    Clock, Coordinator, EntryStatus, Ledger, LedgerEntry, MAX_TOKEN_COUNT, ReviewReason,
-    SettleOutcome, Settlement,
-};
+use crate::ports::{Clock, Coordinator, Ledger};
 use crate::protocol::{NodeFrame, ServerFrame, is_finish_reason};
 use crate::tasks::TaskGuard;
 
@@ -53,8 +50,8 @@ pub struct NodeArgs {
     pub node_id: String,
     /// Models the node serves that this server knows.
     pub models: Vec<String>,
-    /// Frames to write to the node's socket; the writer task ends when this is dropped.
-    pub outbound: mpsc::Sender<ServerFrame>,
+    /// How frames reach the node: its socket here, or its owner replica.
+    pub link: Link,
     /// The queue of every model the node serves.
     pub queues: BTreeMap<String, ModelQueueHandle>,
     /// Live generations, to route frames that outlived their assignment (resent `done`s).
@@ -79,30 +76,35 @@ pub struct NodeArgs {
 
 /// One assignment the node is carrying.
 #[derive(Debug)]
-struct InFlight {
-    attempt: u64,
-    model: String,
-    generation: ActorRef<GenerationMsg>,
-    accepted: bool,
+pub(super) struct InFlight {
+    pub(super) attempt: u64,
+    pub(super) model: String,
+    /// Where its frames go.
+    pub(super) dest: Dest,
+    pub(super) accepted: bool,
 }
 
 /// The actor's state.
 #[derive(Debug)]
 pub struct NodeState {
-    args: NodeArgs,
-    handle: NodeHandle,
+    pub(super) args: NodeArgs,
+    pub(super) handle: NodeHandle,
+    /// The connection's fencing token (see [`crate::cluster`]).
+    pub(super) fence: u64,
+    /// What the link needs while the actor runs.
+    pub(super) transport: Transport,
     /// Assignments by request id: the node's own in-flight count.
-    in_flight: BTreeMap<String, InFlight>,
+    pub(super) in_flight: BTreeMap<String, InFlight>,
     /// When the last heartbeat (or registration) arrived.
     last_heartbeat: tokio::time::Instant,
     /// The last heartbeat's load.
-    load: NodeLoad,
+    pub(super) load: NodeLoad,
     /// Set by an operator drain: no new work.
-    draining: bool,
+    pub(super) draining: bool,
     /// Times of this node's protocol violations within the trust window.
     violations: VecDeque<tokio::time::Instant>,
     /// Every violation since it connected (published with its heartbeat).
-    violations_total: u64,
+    pub(super) violations_total: u64,
     /// Assignments its engine refused in a row (reset by an acceptance or a heartbeat).
     refusals_in_a_row: u32,
     /// Out of routing after repeated refusals, until its next heartbeat.
@@ -160,14 +162,19 @@ impl Actor for NodeActor {
             actor: myself.clone(),
             protocol: args.protocol,
         };
+        // A socket here claims the node before any queue routes to it; a proxy starts with
+        // the token its owner announced.
+        let (fence, transport) = link::open(&args, &myself).await?;
         for queue in args.queues.values() {
             queue.node_up(handle.clone(), NodeLoad::default());
         }
         let checker = myself.send_interval(HEARTBEAT_CHECK, || NodeMsg::CheckHeartbeat);
-        Ok(NodeState {
+        let state = NodeState {
             last_heartbeat: args.clock.now(),
             args,
             handle,
+            fence,
+            transport,
             in_flight: BTreeMap::new(),
             load: NodeLoad::default(),
             draining: false,
@@ -177,7 +184,9 @@ impl Actor for NodeActor {
             suspended: false,
             checker: Some(checker),
             _guard: TaskGuard::new("node"),
-        })
+        };
+        link::announce(&state).await;
+        Ok(state)
     }
 
     async fn handle(
@@ -194,19 +203,6 @@ impl Actor for NodeActor {
                 lease_ms,
                 generation,
             } => {
-                // Never sent: the generation may retry at once (proven not started).
-                let not_sent = |generation: &ActorRef<GenerationMsg>, why: &str| {
-                    let _ = generation.cast(GenerationMsg::EngineError {
-                        attempt,
-                        code: "not_sent".into(),
-                        message: why.into(),
-                        from: None,
-                    });
-                };
-                if state.draining {
-                    not_sent(&generation, "the node is draining");
-                    return Ok(());
-                }
                 let Work {
                     model,
                     body,
@@ -215,29 +211,16 @@ impl Actor for NodeActor {
                     traceparent,
                 } = work;
                 let frame = ServerFrame::Assign {
-                    request_id: request_id.clone(),
+                    request_id,
                     attempt,
-                    model: model.clone(),
+                    model,
                     body,
                     api,
                     x_request_id,
                     traceparent,
                     lease_ms,
                 };
-                if state.args.outbound.try_send(frame).is_err() {
-                    not_sent(&generation, "the node's connection is gone");
-                    myself.stop(Some("outbound channel closed or full".into()));
-                    return Ok(());
-                }
-                state.in_flight.insert(
-                    request_id,
-                    InFlight {
-                        attempt,
-                        model,
-                        generation,
-                        accepted: false,
-                    },
-                );
+                assign(state, &myself, frame, Dest::Local(generation)).await;
             }
             NodeMsg::Cancel {
                 request_id,
@@ -272,6 +255,7 @@ impl Actor for NodeActor {
                 for queue in state.args.queues.values() {
                     queue.node_draining(&state.args.node_id);
                 }
+                link::announce(state).await;
             }
             NodeMsg::LoadModel(name) => send(state, &myself, ServerFrame::LoadModel { name }),
             NodeMsg::ConnectionLost => myself.stop(Some("connection lost".into())),
@@ -289,6 +273,11 @@ impl Actor for NodeActor {
             NodeMsg::Violation { kind, request_id } => {
                 violation(state, &myself, kind, request_id.as_deref()).await;
             }
+            NodeMsg::Commands(commands) => link::commands(state, &myself, commands).await,
+            NodeMsg::Relayed(relayed) => link::relayed(state, &myself, relayed).await,
+            NodeMsg::ReplicaGone(replica) => link::replica_gone(state, &myself, &replica).await,
+            NodeMsg::News(news) => link::news(state, &myself, news).await,
+            NodeMsg::Announce => link::announce(state).await,
             NodeMsg::Reannounce { model, reply } => {
                 if let Some(queue) = state.args.queues.get(&model) {
                     let in_flight = state
@@ -321,30 +310,69 @@ impl Actor for NodeActor {
             checker.abort();
         }
         for (_, f) in std::mem::take(&mut state.in_flight) {
-            let _ = f
-                .generation
-                .cast(GenerationMsg::NodeLost { attempt: f.attempt });
+            if let Dest::Local(generation) = f.dest {
+                let _ = generation.cast(GenerationMsg::NodeLost { attempt: f.attempt });
+            }
         }
         for queue in state.args.queues.values() {
             queue.node_down(&state.handle);
         }
-        let key = format!("node:{}", state.args.node_id);
-        if let Err(e) = state.args.coordinator.delete(&key).await {
-            tracing::warn!(error = %e, "could not remove the node's heartbeat key");
-        }
-        tracing::info!(node_id = %state.args.node_id, "node disconnected");
+        link::close(state).await;
         Ok(())
     }
 }
 
-/// Writes a frame to the socket; a full or closed channel means the node is gone.
-fn send(state: &NodeState, myself: &ActorRef<NodeMsg>, frame: ServerFrame) {
-    if state.args.outbound.try_send(frame).is_err() {
-        myself.stop(Some("outbound channel closed or full".into()));
+/// Writes a frame to the node (its socket, or its owner); a full or closed link means the
+/// node is gone.
+pub(super) fn send(state: &NodeState, myself: &ActorRef<NodeMsg>, frame: ServerFrame) {
+    if !state.transport.send(frame) {
+        myself.stop(Some("the node's link is closed or full".into()));
     }
 }
 
-async fn on_frame(state: &mut NodeState, myself: &ActorRef<NodeMsg>, frame: NodeFrame) {
+/// Sends an assignment and records where its frames go. One the node cannot take (it is
+/// draining, its link is gone) is answered `not_sent` at once: proven never started, the
+/// generation may retry elsewhere.
+pub(super) async fn assign(
+    state: &mut NodeState,
+    myself: &ActorRef<NodeMsg>,
+    frame: ServerFrame,
+    dest: Dest,
+) {
+    let ServerFrame::Assign {
+        request_id,
+        attempt,
+        model,
+        ..
+    } = &frame
+    else {
+        return;
+    };
+    let (request_id, attempt, model) = (request_id.clone(), *attempt, model.clone());
+    let refused = if state.draining {
+        Some("the node is draining")
+    } else if !state.transport.send(frame) {
+        myself.stop(Some("the node's link is closed or full".into()));
+        Some("the node's connection is gone")
+    } else {
+        None
+    };
+    if let Some(why) = refused {
+        link::not_sent(state, myself, dest, request_id, attempt, why);
+        return;
+    }
+    state.in_flight.insert(
+        request_id,
+        InFlight {
+            attempt,
+            model,
+            dest,
+            accepted: false,
+        },
+    );
+}
+
+pub(super) async fn on_frame(state: &mut NodeState, myself: &ActorRef<NodeMsg>, frame: NodeFrame) {
     match frame {
         NodeFrame::Register { .. } => {
             tracing::warn!(node_id = %state.args.node_id, "second register frame ignored");
@@ -381,29 +409,7 @@ async fn on_frame(state: &mut NodeState, myself: &ActorRef<NodeMsg>, frame: Node
                 metrics::gauge!(NODE_KV_CACHE_USAGE, "node" => state.args.node_id.clone(), "model" => model.clone())
                     .set(kv);
             }
-            let fields: BTreeMap<String, String> = [
-                ("owner", state.args.replica_id.clone()),
-                ("queue_depth", queue_depth.to_string()),
-                ("running", running.to_string()),
-                ("kv_cache_usage", kv.to_string()),
-                ("gpu_util", gpu_util.to_string()),
-                ("models", models.join(",")),
-                ("in_flight", state.in_flight.len().to_string()),
-                ("violations", state.violations_total.to_string()),
-                ("last_heartbeat", state.args.clock.wall().to_rfc3339()),
-            ]
-            .into_iter()
-            .map(|(k, v)| (k.to_owned(), v))
-            .collect();
-            let key = format!("node:{}", state.args.node_id);
-            if let Err(e) = state
-                .args
-                .coordinator
-                .put_hash(&key, &fields, Duration::from_secs(15))
-                .await
-            {
-                tracing::warn!(error = %e, "could not publish the node's heartbeat");
-            }
+            link::heartbeat(state, myself, gpu_util, &models).await;
         }
         NodeFrame::Accepted {
             request_id,
@@ -416,6 +422,14 @@ async fn on_frame(state: &mut NodeState, myself: &ActorRef<NodeMsg>, frame: Node
             {
                 f.accepted = true;
                 state.refusals_in_a_row = 0;
+            }
+            if let Some(replica) = relays_to(state, &request_id, attempt) {
+                let frame = NodeFrame::Accepted {
+                    request_id,
+                    attempt,
+                };
+                link::relay(state, myself, replica, &frame);
+                return;
             }
             let from = state.handle.clone();
             route(
@@ -432,6 +446,17 @@ async fn on_frame(state: &mut NodeState, myself: &ActorRef<NodeMsg>, frame: Node
             delta,
             logprobs,
         } => {
+            if let Some(replica) = relays_to(state, &request_id, attempt) {
+                let frame = NodeFrame::Chunk {
+                    request_id,
+                    attempt,
+                    seq,
+                    delta,
+                    logprobs,
+                };
+                link::relay(state, myself, replica, &frame);
+                return;
+            }
             // Structured output is read once, here: a node's delta that no engine would
             // send never reaches a client.
             let delta = match Piece::from_wire(delta, logprobs) {
@@ -464,12 +489,23 @@ async fn on_frame(state: &mut NodeState, myself: &ActorRef<NodeMsg>, frame: Node
                 .in_flight
                 .get(&request_id)
                 .is_some_and(|f| f.attempt == attempt && !f.accepted);
+            let remote = relays_to(state, &request_id, attempt);
             // An error before acceptance is final for the assignment (no `done` follows).
             if unaccepted {
                 release(state, &request_id);
                 if engine_refused(&code) {
                     refused(state);
                 }
+            }
+            if let Some(replica) = remote {
+                let frame = NodeFrame::Error {
+                    request_id,
+                    attempt,
+                    code,
+                    message,
+                };
+                link::relay(state, myself, replica, &frame);
+                return;
             }
             let from = state.handle.clone();
             route(
@@ -500,12 +536,38 @@ async fn on_frame(state: &mut NodeState, myself: &ActorRef<NodeMsg>, frame: Node
                 violation(state, myself, Violation::MalformedFrame, Some(&request_id)).await;
                 "error".to_owned()
             };
+            let remote = relays_to(state, &request_id, attempt);
             if state
                 .in_flight
                 .get(&request_id)
                 .is_some_and(|f| f.attempt == attempt)
             {
                 release(state, &request_id);
+            }
+            if let Some(replica) = remote {
+                let frame = NodeFrame::Done {
+                    request_id: request_id.clone(),
+                    attempt,
+                    prompt_tokens,
+                    completion_tokens,
+                    finish_reason: finish_reason.clone(),
+                    cached_tokens,
+                };
+                if link::relay(state, myself, replica, &frame) {
+                    return;
+                }
+                // Its replica stopped listening: settled here.
+                settle_orphan(
+                    state,
+                    myself,
+                    request_id,
+                    attempt,
+                    prompt_tokens,
+                    completion_tokens,
+                    finish_reason,
+                )
+                .await;
+                return;
             }
             let msg = GenerationMsg::Done {
                 attempt,
@@ -563,12 +625,16 @@ pub fn violations_key(node_id: &str) -> String {
 
 /// Counts and logs a violation; past the tolerated number within the window the node is
 /// disconnected (it may register again; an operator revokes its token to keep it out).
-async fn violation(
+pub(super) async fn violation(
     state: &mut NodeState,
     myself: &ActorRef<NodeMsg>,
     kind: Violation,
     request_id: Option<&str>,
 ) {
+    // A proxy's node is judged by its owner.
+    if link::forward_violation(state, kind, request_id) {
+        return;
+    }
     let node = state.args.node_id.clone();
     metrics::counter!(NODE_PROTOCOL_VIOLATIONS_TOTAL, "node" => node.clone(), "kind" => kind.as_str())
         .increment(1);
@@ -595,8 +661,20 @@ async fn violation(
     }
 }
 
+/// The replica whose generation holds this attempt, when it is not on this one.
+fn relays_to(state: &NodeState, request_id: &str, attempt: u64) -> Option<String> {
+    let f = state
+        .in_flight
+        .get(request_id)
+        .filter(|f| f.attempt == attempt)?;
+    match &f.dest {
+        Dest::Replica(replica) => Some(replica.clone()),
+        Dest::Local(_) | Dest::Orphaned => None,
+    }
+}
+
 /// Forgets an assignment and gives its slot back to the model's queue.
-fn release(state: &mut NodeState, request_id: &str) {
+pub(super) fn release(state: &mut NodeState, request_id: &str) {
     if let Some(f) = state.in_flight.remove(request_id)
         && let Some(queue) = state.args.queues.get(&f.model)
     {
@@ -609,13 +687,14 @@ fn release(state: &mut NodeState, request_id: &str) {
 /// another node's request: every message carries this node's handle, and the generation
 /// accepts it only from the node that holds that attempt). False when no generation is alive
 /// to take it.
-fn route(state: &NodeState, request_id: &str, attempt: u64, msg: GenerationMsg) -> bool {
+pub(super) fn route(state: &NodeState, request_id: &str, attempt: u64, msg: GenerationMsg) -> bool {
     if let Some(f) = state
         .in_flight
         .get(request_id)
         .filter(|f| f.attempt == attempt)
+        && let Dest::Local(generation) = &f.dest
     {
-        match f.generation.cast(msg) {
+        match generation.cast(msg) {
             Ok(()) => return true,
             Err(ractor::MessagingErr::SendErr(msg)) => {
                 return route_directory(state, request_id, msg);
@@ -634,148 +713,4 @@ fn route_directory(state: &NodeState, request_id: &str, msg: GenerationMsg) -> b
             false
         }
     }
-}
-
-/// A `done` whose generation is gone (a replica restart, a crashed actor): settle the row
-/// from the frame alone — a row already final is left as is — then ack it. Only the node the
-/// attempt was assigned to may do this (the coordinator's attempt record says which); when
-/// the record is gone, the row is settled within its bounds and marked for review. If the
-/// ledger is down the `done` stays unacked and the node sends it again after its next
-/// reconnect.
-async fn settle_orphan(
-    state: &mut NodeState,
-    myself: &ActorRef<NodeMsg>,
-    request_id: String,
-    attempt: u64,
-    prompt_tokens: u64,
-    completion_tokens: u64,
-    finish_reason: String,
-) {
-    let mut review = match attempts::holder(state.args.coordinator.as_ref(), &request_id, attempt)
-        .await
-    {
-        Ok(Holder::Node(node)) if node == state.args.node_id => None,
-        Ok(Holder::Node(_) | Holder::NotAssigned) => {
-            violation(state, myself, Violation::ForeignRequest, Some(&request_id)).await;
-            return;
-        }
-        Ok(Holder::Unrecorded) => {
-            tracing::warn!(node_id = %state.args.node_id, %request_id, attempt, "no record of who held this attempt; settling within its bounds for review");
-            Some(ReviewReason::UnverifiedNode)
-        }
-        Err(e) => {
-            tracing::warn!(%request_id, error = %e, "could not check who held a done's attempt; left unacked");
-            return;
-        }
-    };
-    let verified = review.is_none();
-    if prompt_tokens > MAX_TOKEN_COUNT || completion_tokens > MAX_TOKEN_COUNT {
-        violation(state, myself, Violation::UsageOutOfRange, Some(&request_id)).await;
-        review = Some(ReviewReason::UsageUnrepresentable);
-    }
-    // The row to settle: the request id, or the generation's current admission's row. A
-    // `done` for an older or fenced attempt is stale: acked (the node may forget it), never
-    // billed.
-    let mut ledger_id = request_id.clone();
-    let mut record = None;
-    if let Some(store) = &state.args.lifecycle {
-        match store.get_generation(&request_id).await {
-            Ok(Some(rec)) => {
-                // A refused attempt is never billed either: its node refused it, or the
-                // server did when its row was refused after the work went out.
-                if rec.attempt != attempt
-                    || matches!(
-                        rec.attempt_state,
-                        AttemptState::Fenced | AttemptState::Refused
-                    )
-                {
-                    metrics::counter!(STALE_FRAMES_TOTAL, "reason" => "old_attempt").increment(1);
-                    tracing::info!(%request_id, attempt, "rejected a done from a fenced attempt");
-                    send(
-                        state,
-                        myself,
-                        ServerFrame::Ack {
-                            request_id,
-                            attempt,
-                        },
-                    );
-                    return;
-                }
-                ledger_id.clone_from(&rec.ledger_id);
-                record = Some(rec);
-            }
-            Ok(None) => {}
-            Err(e) => {
-                tracing::warn!(%request_id, error = %e, "could not check a done's attempt; left unacked");
-                return;
-            }
-        }
-    }
-    let settlement = Settlement {
-        request_id: ledger_id.clone(),
-        prompt_tokens,
-        completion_tokens,
-        review,
-    };
-    let outcome = match state.args.ledger.settle(&settlement).await {
-        // No record of the attempt and no row: a request this server never admitted.
-        Ok(SettleOutcome::Unknown) if !verified => {
-            violation(state, myself, Violation::ForeignRequest, Some(&request_id)).await;
-            return;
-        }
-        Ok(outcome) => outcome,
-        Err(e) => {
-            tracing::warn!(%request_id, error = %e, "could not settle an orphan done; left unacked");
-            return;
-        }
-    };
-    tracing::info!(%request_id, attempt, ?outcome, "settled a done without a live generation");
-    // The record shows what the ledger holds, never the claim.
-    if let (Some(store), Some(rec)) = (&state.args.lifecycle, record)
-        && !rec.status.is_terminal()
-    {
-        let (input_tokens, output_tokens) = match state.args.ledger.entry(&ledger_id).await {
-            Ok(Some(LedgerEntry {
-                status:
-                    EntryStatus::Settled {
-                        prompt_tokens,
-                        completion_tokens,
-                    },
-                ..
-            })) => (prompt_tokens, completion_tokens),
-            Ok(_) => (0, 0),
-            Err(e) => {
-                tracing::warn!(%request_id, error = %e, "could not read a settled row; left unacked");
-                return;
-            }
-        };
-        let failed = review == Some(ReviewReason::UsageUnrepresentable)
-            || matches!(finish_reason.as_str(), "abort" | "error");
-        let finish = Event::Finish {
-            attempt,
-            from_node: true,
-            outcome: if failed {
-                Outcome::Failed("model_backend_error".into())
-            } else {
-                Outcome::Completed
-            },
-            input_tokens,
-            output_tokens,
-            output: None,
-            output_extra: None,
-            finish_reason: Some(finish_reason),
-        };
-        let now = state.args.clock.wall().timestamp_millis();
-        if let Err(e) = store.apply_generation(&request_id, &finish, now).await {
-            tracing::warn!(%request_id, error = %e, "could not end a generation from its done; the sweeper will");
-        }
-    }
-    send(
-        state,
-        myself,
-        ServerFrame::Ack {
-            request_id,
-            attempt,
-        },
-    );
 }

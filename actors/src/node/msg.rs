@@ -22,7 +22,10 @@ pub struct NodeLoad {
 /// A frame a node had no right to send (SPEC section 7, trust). Each is refused, counted in
 /// `switchyard_node_protocol_violations_total{node,kind}`, logged and never acked; a node
 /// that commits too many in a window is disconnected.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, serde::Serialize, serde::Deserialize,
+)]
+#[serde(rename_all = "snake_case")]
 pub enum Violation {
     /// A frame about an attempt this node was never assigned (another node's request, or an
     /// epoch that was never dispatched).
@@ -107,6 +110,17 @@ pub enum NodeMsg {
         /// Sent once the announcement is on its way.
         reply: RpcReplyPort<()>,
     },
+    /// Commands from another replica's proxy of this node (on its owner).
+    Commands(crate::cluster::ToNode),
+    /// The node's frames for this replica's generations, relayed by its owner (on a proxy).
+    Relayed(crate::cluster::FromNode),
+    /// Nobody listens for this node's frames on `replica` any more (on the owner).
+    ReplicaGone(String),
+    /// Another replica's news about this node (a newer connection elsewhere ends this one;
+    /// a proxy takes its owner's heartbeat).
+    News(crate::cluster::Announcement),
+    /// Announce the node to the cluster now (a replica said hello).
+    Announce,
     /// Test-only fault hook: the actor panics while handling it, as a bug would.
     #[cfg(any(test, feature = "fault-injection"))]
     Crash,
@@ -151,6 +165,21 @@ impl NodeHandle {
     /// Whether this connection can run `api` (an older agent runs chat only).
     pub fn speaks(&self, api: Api) -> bool {
         self.protocol >= api.min_protocol()
+    }
+
+    /// Whether the actor still runs.
+    pub fn is_alive(&self) -> bool {
+        matches!(
+            self.actor.get_status(),
+            ractor::ActorStatus::Starting
+                | ractor::ActorStatus::Running
+                | ractor::ActorStatus::Upgrading
+        )
+    }
+
+    /// Sends the actor a message (cluster news, relayed frames); dropped if it is gone.
+    pub fn send(&self, msg: NodeMsg) {
+        let _ = self.actor.cast(msg);
     }
 
     /// Sends a frame read from the node's socket to the actor; false if the actor is gone.

@@ -245,6 +245,53 @@ mod map_coordinator {
             self.0.lock().unwrap().remove(key);
             Ok(())
         }
+        async fn claim_hash(
+            &self,
+            key: &str,
+            fields: &BTreeMap<String, String>,
+            _ttl: Duration,
+        ) -> Result<u64, CoordError> {
+            let mut map = self.0.lock().unwrap();
+            let fence = map
+                .get(key)
+                .and_then(|h| h.get("fence")?.parse::<u64>().ok())
+                .unwrap_or(0)
+                + 1;
+            let mut fields = fields.clone();
+            fields.insert("fence".into(), fence.to_string());
+            map.insert(key.into(), fields);
+            Ok(fence)
+        }
+        async fn put_hash_fenced(
+            &self,
+            key: &str,
+            fields: &BTreeMap<String, String>,
+            fence: u64,
+            _ttl: Duration,
+        ) -> Result<bool, CoordError> {
+            let mut map = self.0.lock().unwrap();
+            let held = map
+                .get(key)
+                .and_then(|h| h.get("fence")?.parse::<u64>().ok());
+            if held.is_some_and(|held| held != fence) {
+                return Ok(false);
+            }
+            let mut fields = fields.clone();
+            fields.insert("fence".into(), fence.to_string());
+            map.insert(key.into(), fields);
+            Ok(true)
+        }
+        async fn delete_fenced(&self, key: &str, fence: u64) -> Result<bool, CoordError> {
+            let mut map = self.0.lock().unwrap();
+            let held = map
+                .get(key)
+                .and_then(|h| h.get("fence")?.parse::<u64>().ok());
+            if held.is_some_and(|held| held != fence) {
+                return Ok(false);
+            }
+            map.remove(key);
+            Ok(true)
+        }
         async fn acquire_lease(
             &self,
             _: &str,
@@ -290,8 +337,8 @@ mod map_coordinator {
                 wait_ms: 0,
             })
         }
-        async fn publish(&self, _: &str, _: Vec<u8>) -> Result<(), CoordError> {
-            Ok(())
+        async fn publish(&self, _: &str, _: Vec<u8>) -> Result<usize, CoordError> {
+            Ok(0)
         }
         async fn subscribe(&self, _: &str) -> Result<mpsc::UnboundedReceiver<Vec<u8>>, CoordError> {
             Ok(mpsc::unbounded_channel().1)

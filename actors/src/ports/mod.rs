@@ -296,6 +296,27 @@ pub trait Coordinator: Send + Sync + Debug + 'static {
     async fn get_hash(&self, key: &str) -> Result<Option<BTreeMap<String, String>>, CoordError>;
     /// Removes `key` whatever it holds.
     async fn delete(&self, key: &str) -> Result<(), CoordError>;
+    /// A new owner takes the hash at `key`: the key's fencing token (shared with a lease of
+    /// the same name) goes up, the hash is replaced with `fields` plus `fence` = that token,
+    /// expiring `ttl` after this write. Returns the token. One atomic step.
+    async fn claim_hash(
+        &self,
+        key: &str,
+        fields: &BTreeMap<String, String>,
+        ttl: Duration,
+    ) -> Result<u64, CoordError>;
+    /// The owner holding `fence` refreshes its hash (as [`Coordinator::claim_hash`] wrote it);
+    /// false, and nothing written, once a newer claim took the key.
+    async fn put_hash_fenced(
+        &self,
+        key: &str,
+        fields: &BTreeMap<String, String>,
+        fence: u64,
+        ttl: Duration,
+    ) -> Result<bool, CoordError>;
+    /// The owner holding `fence` removes its hash; false, and nothing removed, once a newer
+    /// claim took the key.
+    async fn delete_fenced(&self, key: &str, fence: u64) -> Result<bool, CoordError>;
     /// Takes the lease `name` for `owner` for `ttl`, or renews it if `owner` holds it.
     /// Returns the fencing token — strictly greater for every new holder — or `None` when
     /// another owner holds an unexpired lease.
@@ -332,8 +353,10 @@ pub trait Coordinator: Send + Sync + Debug + 'static {
         window: Duration,
         limit: u32,
     ) -> Result<LimitVerdict, CoordError>;
-    /// Sends `payload` to every current subscriber of `channel`, in publish order.
-    async fn publish(&self, channel: &str, payload: Vec<u8>) -> Result<(), CoordError>;
+    /// Sends `payload` to every current subscriber of `channel`, in publish order. Returns
+    /// how many listeners received it (Redis counts subscribed connections, one per replica;
+    /// 0 means nobody listens: the receiving replica is gone).
+    async fn publish(&self, channel: &str, payload: Vec<u8>) -> Result<usize, CoordError>;
     /// Subscribes to `channel`; messages published from now on arrive on the receiver.
     async fn subscribe(
         &self,

@@ -122,7 +122,7 @@ async fn connect(h: &Harness, id: &str) -> (NodeHandle, mpsc::Receiver<ServerFra
     let args = NodeArgs {
         node_id: id.into(),
         models: vec![MODEL.into()],
-        outbound: tx,
+        link: crate::node::Link::Socket(tx),
         queues: [(MODEL.to_string(), h.queue().clone())].into(),
         directory: h.sup.nodes.directory().clone(),
         ledger: h.ledger.clone(),

@@ -37,7 +37,10 @@ use switchyard_actors::ports::{CoordError, Coordinator, LimitVerdict};
 
 mod journal;
 mod scripts;
-use scripts::{ACQUIRE_LEASE, ACQUIRE_SLOT, INCR, PUT_HASH, RELEASE_LEASE, WINDOW_ADMIT};
+use scripts::{
+    ACQUIRE_LEASE, ACQUIRE_SLOT, CLAIM_HASH, DELETE_FENCED, INCR, PUT_HASH, PUT_HASH_FENCED,
+    RELEASE_LEASE, WINDOW_ADMIT,
+};
 
 /// How long one call may wait for Redis before it fails with `Unavailable`.
 pub const DEFAULT_COMMAND_TIMEOUT: Duration = Duration::from_secs(2);
@@ -354,6 +357,73 @@ impl Coordinator for RedisCoordinator {
         Ok(())
     }
 
+    async fn claim_hash(
+        &self,
+        key: &str,
+        fields: &BTreeMap<String, String>,
+        ttl: Duration,
+    ) -> Result<u64, CoordError> {
+        let mut invocation = CLAIM_HASH.prepare_invoke();
+        invocation
+            .key(self.key(key))
+            .key(self.fence_key(key))
+            .arg(ttl_millis(ttl));
+        for (field, value) in fields.iter().filter(|(f, _)| *f != "fence") {
+            invocation.arg(field).arg(value);
+        }
+        let (generation, mut conn) = self.commands();
+        self.bounded(
+            "claim_hash",
+            generation,
+            invocation.invoke_async::<u64>(&mut conn),
+        )
+        .await
+    }
+
+    async fn put_hash_fenced(
+        &self,
+        key: &str,
+        fields: &BTreeMap<String, String>,
+        fence: u64,
+        ttl: Duration,
+    ) -> Result<bool, CoordError> {
+        let mut invocation = PUT_HASH_FENCED.prepare_invoke();
+        invocation
+            .key(self.key(key))
+            .key(self.fence_key(key))
+            .arg(ttl_millis(ttl))
+            .arg(fence.to_string());
+        for (field, value) in fields.iter().filter(|(f, _)| *f != "fence") {
+            invocation.arg(field).arg(value);
+        }
+        let (generation, mut conn) = self.commands();
+        let written: i64 = self
+            .bounded(
+                "put_hash_fenced",
+                generation,
+                invocation.invoke_async(&mut conn),
+            )
+            .await?;
+        Ok(written == 1)
+    }
+
+    async fn delete_fenced(&self, key: &str, fence: u64) -> Result<bool, CoordError> {
+        let mut invocation = DELETE_FENCED.prepare_invoke();
+        invocation
+            .key(self.key(key))
+            .key(self.fence_key(key))
+            .arg(fence.to_string());
+        let (generation, mut conn) = self.commands();
+        let deleted: i64 = self
+            .bounded(
+                "delete_fenced",
+                generation,
+                invocation.invoke_async(&mut conn),
+            )
+            .await?;
+        Ok(deleted == 1)
+    }
+
     async fn acquire_lease(
         &self,
         name: &str,
@@ -466,7 +536,7 @@ impl Coordinator for RedisCoordinator {
         Ok(limit_verdict(reply))
     }
 
-    async fn publish(&self, channel: &str, payload: Vec<u8>) -> Result<(), CoordError> {
+    async fn publish(&self, channel: &str, payload: Vec<u8>) -> Result<usize, CoordError> {
         let (generation, mut conn) = self.commands();
         self.bounded(
             "publish",
@@ -474,10 +544,9 @@ impl Coordinator for RedisCoordinator {
             redis::cmd("PUBLISH")
                 .arg(self.channel(channel))
                 .arg(payload)
-                .query_async::<redis::Value>(&mut conn),
+                .query_async::<usize>(&mut conn),
         )
-        .await?;
-        Ok(())
+        .await
     }
 
     async fn subscribe(&self, channel: &str) -> Result<UnboundedReceiver<Vec<u8>>, CoordError> {

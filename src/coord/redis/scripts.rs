@@ -168,3 +168,57 @@ return added
 ",
     )
 });
+
+/// `claim_hash`: a new owner takes the hash. KEYS[1] the hash, KEYS[2] its fencing counter
+/// (shared with the leases of the same name); ARGV[1] TTL in ms, then field, value, …. The
+/// counter goes up, the hash is replaced whole with the fields and `fence` = the new token,
+/// which goes back as a string (Lua's doubles would round a large one).
+pub(super) static CLAIM_HASH: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r"
+local token = redis.call('INCR', KEYS[2])
+local fence = string.format('%d', token)
+redis.call('DEL', KEYS[1])
+for i = 2, #ARGV, 200 do
+  redis.call('HSET', KEYS[1], unpack(ARGV, i, math.min(i + 199, #ARGV)))
+end
+redis.call('HSET', KEYS[1], 'fence', fence)
+redis.call('PEXPIRE', KEYS[1], ARGV[1])
+return fence
+",
+    )
+});
+
+/// `put_hash_fenced`: the holder of token ARGV[2] refreshes the hash; anyone else (a newer
+/// claim moved the counter on) changes nothing. KEYS as [`CLAIM_HASH`]; ARGV[1] TTL in ms,
+/// ARGV[2] the token, then field, value, …. 1 written, 0 fenced out.
+pub(super) static PUT_HASH_FENCED: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r"
+if redis.call('GET', KEYS[2]) ~= ARGV[2] then
+  return 0
+end
+redis.call('DEL', KEYS[1])
+for i = 3, #ARGV, 200 do
+  redis.call('HSET', KEYS[1], unpack(ARGV, i, math.min(i + 199, #ARGV)))
+end
+redis.call('HSET', KEYS[1], 'fence', ARGV[2])
+redis.call('PEXPIRE', KEYS[1], ARGV[1])
+return 1
+",
+    )
+});
+
+/// `delete_fenced`: KEYS as [`CLAIM_HASH`]; ARGV[1] the token. Deletes only while that token
+/// is the latest claim. 1 deleted, 0 fenced out.
+pub(super) static DELETE_FENCED: LazyLock<Script> = LazyLock::new(|| {
+    Script::new(
+        r"
+if redis.call('GET', KEYS[2]) ~= ARGV[1] then
+  return 0
+end
+redis.call('DEL', KEYS[1])
+return 1
+",
+    )
+});

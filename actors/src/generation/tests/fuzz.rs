@@ -148,7 +148,7 @@ async fn run(ops: Vec<Op>) {
     let elsewhere = NodeActor::start(NodeArgs {
         node_id: "n2".into(),
         models: vec![MODEL.into()],
-        outbound: tx,
+        link: crate::node::Link::Socket(tx),
         queues: BTreeMap::new(),
         directory: Directory::default(),
         ledger: h.ledger.clone(),

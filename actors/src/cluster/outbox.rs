@@ -1,0 +1,69 @@
+//! One ordered, batching publisher per (sender, channel).
+
+use std::sync::Arc;
+
+use tokio::sync::mpsc;
+
+use crate::ports::Coordinator;
+use crate::tasks::TaskGuard;
+
+/// Most items in one published message.
+const MAX_BATCH: usize = 256;
+
+/// Publishes what is pushed to one channel, in order: whatever queued while a publish was
+/// on the wire goes in the next message together (a busy relay costs one publish per batch,
+/// an idle one adds no wait). Messages are numbered 1, 2, … by `encode`. When nobody listens
+/// on the channel any more (a publish reached no subscriber) or the coordinator fails, it
+/// calls `on_gone` once and stops: later pushes return false.
+#[derive(Debug)]
+pub struct Outbox<T> {
+    tx: mpsc::UnboundedSender<T>,
+}
+
+impl<T: Send + 'static> Outbox<T> {
+    /// Starts the publishing task.
+    pub fn spawn(
+        coordinator: Arc<dyn Coordinator>,
+        channel: String,
+        encode: impl Fn(u64, Vec<T>) -> Option<Vec<u8>> + Send + 'static,
+        on_gone: impl FnOnce() + Send + 'static,
+    ) -> Self {
+        let (tx, mut rx) = mpsc::unbounded_channel::<T>();
+        tokio::spawn(async move {
+            let _guard = TaskGuard::new("relay_outbox");
+            let mut seq = 0u64;
+            while let Some(first) = rx.recv().await {
+                let mut batch = vec![first];
+                while batch.len() < MAX_BATCH {
+                    match rx.try_recv() {
+                        Ok(item) => batch.push(item),
+                        Err(_) => break,
+                    }
+                }
+                let Some(payload) = encode(seq + 1, batch) else {
+                    continue;
+                };
+                seq += 1;
+                match coordinator.publish(&channel, payload).await {
+                    Ok(0) => {
+                        tracing::info!(%channel, "nobody listens on a relay channel any more");
+                        on_gone();
+                        return;
+                    }
+                    Ok(_) => {}
+                    Err(e) => {
+                        tracing::warn!(%channel, error = %e, "could not relay; giving the channel up");
+                        on_gone();
+                        return;
+                    }
+                }
+            }
+        });
+        Self { tx }
+    }
+
+    /// Queues `item`; false once the outbox gave up.
+    pub fn push(&self, item: T) -> bool {
+        self.tx.send(item).is_ok()
+    }
+}

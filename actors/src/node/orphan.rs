@@ -1,0 +1,156 @@
+//! A `done` that no live generation takes: settled from the frame alone.
+
+use super::actor::{NodeState, send, violation};
+use super::msg::{NodeMsg, Violation};
+use crate::attempts::{self, Holder};
+use crate::lifecycle::{AttemptState, Event, Outcome};
+use crate::metric_names::STALE_FRAMES_TOTAL;
+use crate::ports::{
+    EntryStatus, LedgerEntry, MAX_TOKEN_COUNT, ReviewReason, SettleOutcome, Settlement,
+};
+use crate::protocol::ServerFrame;
+use ractor::ActorRef;
+
+/// A `done` whose generation is gone (a replica restart, a crashed actor): settle the row
+/// from the frame alone — a row already final is left as is — then ack it. Only the node the
+/// attempt was assigned to may do this (the coordinator's attempt record says which); when
+/// the record is gone, the row is settled within its bounds and marked for review. If the
+/// ledger is down the `done` stays unacked and the node sends it again after its next
+/// reconnect.
+pub(super) async fn settle_orphan(
+    state: &mut NodeState,
+    myself: &ActorRef<NodeMsg>,
+    request_id: String,
+    attempt: u64,
+    prompt_tokens: u64,
+    completion_tokens: u64,
+    finish_reason: String,
+) {
+    let mut review = match attempts::holder(state.args.coordinator.as_ref(), &request_id, attempt)
+        .await
+    {
+        Ok(Holder::Node(node)) if node == state.args.node_id => None,
+        Ok(Holder::Node(_) | Holder::NotAssigned) => {
+            violation(state, myself, Violation::ForeignRequest, Some(&request_id)).await;
+            return;
+        }
+        Ok(Holder::Unrecorded) => {
+            tracing::warn!(node_id = %state.args.node_id, %request_id, attempt, "no record of who held this attempt; settling within its bounds for review");
+            Some(ReviewReason::UnverifiedNode)
+        }
+        Err(e) => {
+            tracing::warn!(%request_id, error = %e, "could not check who held a done's attempt; left unacked");
+            return;
+        }
+    };
+    let verified = review.is_none();
+    if prompt_tokens > MAX_TOKEN_COUNT || completion_tokens > MAX_TOKEN_COUNT {
+        violation(state, myself, Violation::UsageOutOfRange, Some(&request_id)).await;
+        review = Some(ReviewReason::UsageUnrepresentable);
+    }
+    // The row to settle: the request id, or the generation's current admission's row. A
+    // `done` for an older or fenced attempt is stale: acked (the node may forget it), never
+    // billed.
+    let mut ledger_id = request_id.clone();
+    let mut record = None;
+    if let Some(store) = &state.args.lifecycle {
+        match store.get_generation(&request_id).await {
+            Ok(Some(rec)) => {
+                // A refused attempt is never billed either: its node refused it, or the
+                // server did when its row was refused after the work went out.
+                if rec.attempt != attempt
+                    || matches!(
+                        rec.attempt_state,
+                        AttemptState::Fenced | AttemptState::Refused
+                    )
+                {
+                    metrics::counter!(STALE_FRAMES_TOTAL, "reason" => "old_attempt").increment(1);
+                    tracing::info!(%request_id, attempt, "rejected a done from a fenced attempt");
+                    send(
+                        state,
+                        myself,
+                        ServerFrame::Ack {
+                            request_id,
+                            attempt,
+                        },
+                    );
+                    return;
+                }
+                ledger_id.clone_from(&rec.ledger_id);
+                record = Some(rec);
+            }
+            Ok(None) => {}
+            Err(e) => {
+                tracing::warn!(%request_id, error = %e, "could not check a done's attempt; left unacked");
+                return;
+            }
+        }
+    }
+    let settlement = Settlement {
+        request_id: ledger_id.clone(),
+        prompt_tokens,
+        completion_tokens,
+        review,
+    };
+    let outcome = match state.args.ledger.settle(&settlement).await {
+        // No record of the attempt and no row: a request this server never admitted.
+        Ok(SettleOutcome::Unknown) if !verified => {
+            violation(state, myself, Violation::ForeignRequest, Some(&request_id)).await;
+            return;
+        }
+        Ok(outcome) => outcome,
+        Err(e) => {
+            tracing::warn!(%request_id, error = %e, "could not settle an orphan done; left unacked");
+            return;
+        }
+    };
+    tracing::info!(%request_id, attempt, ?outcome, "settled a done without a live generation");
+    // The record shows what the ledger holds, never the claim.
+    if let (Some(store), Some(rec)) = (&state.args.lifecycle, record)
+        && !rec.status.is_terminal()
+    {
+        let (input_tokens, output_tokens) = match state.args.ledger.entry(&ledger_id).await {
+            Ok(Some(LedgerEntry {
+                status:
+                    EntryStatus::Settled {
+                        prompt_tokens,
+                        completion_tokens,
+                    },
+                ..
+            })) => (prompt_tokens, completion_tokens),
+            Ok(_) => (0, 0),
+            Err(e) => {
+                tracing::warn!(%request_id, error = %e, "could not read a settled row; left unacked");
+                return;
+            }
+        };
+        let failed = review == Some(ReviewReason::UsageUnrepresentable)
+            || matches!(finish_reason.as_str(), "abort" | "error");
+        let finish = Event::Finish {
+            attempt,
+            from_node: true,
+            outcome: if failed {
+                Outcome::Failed("model_backend_error".into())
+            } else {
+                Outcome::Completed
+            },
+            input_tokens,
+            output_tokens,
+            output: None,
+            output_extra: None,
+            finish_reason: Some(finish_reason),
+        };
+        let now = state.args.clock.wall().timestamp_millis();
+        if let Err(e) = store.apply_generation(&request_id, &finish, now).await {
+            tracing::warn!(%request_id, error = %e, "could not end a generation from its done; the sweeper will");
+        }
+    }
+    send(
+        state,
+        myself,
+        ServerFrame::Ack {
+            request_id,
+            attempt,
+        },
+    );
+}

@@ -1,0 +1,117 @@
+//! The cluster (SPEC sections 2, 7, 9): several replicas on one PostgreSQL and one Redis,
+//! nodes dialing whichever replica they were given. Every replica routes to every node — a
+//! node held by another replica through its proxy, over Redis pub/sub — and ownership of a
+//! node moves with its connection.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod common;
+
+#[path = "cluster/nodes.rs"]
+mod nodes;
+#[path = "cluster/relay.rs"]
+mod relay;
+
+use std::time::Duration;
+
+use serde_json::{Value, json};
+use switchyard::demo::{Fleet, FleetConfig};
+
+use common::{clean_redis, drop_pg, fresh_pg, http, redis_url};
+
+/// A cluster of `replicas` replicas with `nodes` simulated nodes of `small` spread over
+/// them, on a fresh database and Redis prefix.
+#[derive(Debug)]
+pub struct Cluster {
+    pub fleet: Fleet,
+    pub db_name: String,
+    pub prefix: String,
+}
+
+pub async fn cluster(
+    replicas: usize,
+    nodes: u32,
+    time_scale: f64,
+    tweak: impl FnOnce(&mut FleetConfig),
+) -> Cluster {
+    let (db_url, db_name) = fresh_pg().await;
+    let prefix = format!("swcl:{:08x}:", rand::random::<u32>());
+    let mut config = FleetConfig {
+        nodes: vec![("small".to_owned(), nodes)],
+        time_scale,
+        agent_backoff_min: Duration::from_millis(100),
+        heartbeat_interval: Duration::from_millis(500),
+        redis_prefix: prefix.clone(),
+        replicas,
+        ..Default::default()
+    };
+    config.server.listen = "127.0.0.1:0".parse().unwrap();
+    config.server.redis_url = Some(redis_url());
+    tweak(&mut config);
+    let fleet = Fleet::start(config, &db_url).await.unwrap();
+    assert!(fleet.wait_registered(Duration::from_secs(10)).await);
+    let c = Cluster {
+        fleet,
+        db_name,
+        prefix,
+    };
+    c.wait_routing(nodes as usize).await;
+    c
+}
+
+impl Cluster {
+    pub async fn stop(self) {
+        self.fleet.shutdown(Duration::from_secs(1)).await;
+        drop_pg(&self.db_name).await;
+        clean_redis(&self.prefix).await;
+    }
+
+    /// The base URL of replica `i`.
+    pub fn url(&self, i: usize, path: &str) -> String {
+        let replicas = self.fleet.replicas();
+        format!("{}{path}", replicas[i % replicas.len()].base_url())
+    }
+
+    /// Nodes replica `i` routes to: its own sockets and its proxies.
+    pub fn routable(&self, i: usize) -> usize {
+        let replicas = self.fleet.replicas();
+        let state = replicas[i].state();
+        state.nodes.lock().unwrap().len() + state.proxies.fences().len()
+    }
+
+    /// Waits until every replica routes to `n` nodes.
+    pub async fn wait_routing(&self, n: usize) {
+        let replicas = self.fleet.replicas().len();
+        common::wait_for(
+            Duration::from_secs(10),
+            "every replica routes to every node",
+            || async move { (0..replicas).all(|i| self.routable(i) == n) },
+        )
+        .await;
+    }
+
+    /// `GET /admin/nodes` on replica `i`.
+    pub async fn admin_nodes(&self, i: usize) -> Vec<Value> {
+        let body: Value = http()
+            .get(self.url(i, "/admin/nodes"))
+            .bearer_auth(&self.fleet.admin_token)
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        body["data"].as_array().unwrap().clone()
+    }
+}
+
+/// A streamed chat completion of `small`.
+pub fn chat(max_tokens: u32) -> Value {
+    json!({
+        "model": "small",
+        "messages": [{"role": "user", "content": "Tell me about railway switchyards."}],
+        "max_tokens": max_tokens,
+        "stream": true,
+        "stream_options": {"include_usage": true},
+    })
+}

@@ -1,0 +1,172 @@
+//! Node ownership across replicas: who holds each node, commands through any replica, a
+//! node leaving routing everywhere, and a node moving to another replica.
+
+use std::time::Duration;
+
+use super::{chat, cluster};
+use crate::common::{http, wait_for};
+
+/// (in flight, draining) of `node` in replica `i`'s queue of `small`, if it routes to it.
+async fn queue_view(c: &super::Cluster, i: usize, node: &str) -> Option<(u32, bool)> {
+    let replicas = c.fleet.replicas();
+    let model = &c.fleet.nodes[0].model;
+    let stats = replicas[i].state().queues[model].stats().await.unwrap();
+    stats
+        .nodes
+        .iter()
+        .find(|(id, _, _)| id == node)
+        .map(|(_, n, d)| (*n, *d))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_replica_shows_each_nodes_owner_and_a_drain_reaches_it_from_anywhere() {
+    let c = cluster(2, 2, 10.0, |_| {}).await;
+    let owners = [
+        c.fleet.replicas()[0].state().replica_id.clone(),
+        c.fleet.replicas()[1].state().replica_id.clone(),
+    ];
+    // small-1 dialed replica 0, small-2 replica 1; both replicas say so.
+    for i in 0..2 {
+        let nodes = c.admin_nodes(i).await;
+        for (n, owner) in [("small-1", &owners[0]), ("small-2", &owners[1])] {
+            let node = nodes.iter().find(|v| v["node_id"] == n).unwrap();
+            assert_eq!(node["owner_replica"], owner.as_str(), "replica {i}: {node}");
+            assert_eq!(node["health"], "ready", "replica {i}: {node}");
+        }
+    }
+    // Drained through replica 0, whose proxy forwards it to the socket on replica 1.
+    let resp = http()
+        .post(c.url(0, "/admin/nodes/small-2/drain"))
+        .bearer_auth(&c.fleet.admin_token)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 202);
+    // An idle drained agent finishes at once and disconnects: every queue stops routing to
+    // it either way.
+    let cr = &c;
+    for i in 0..2 {
+        wait_for(
+            Duration::from_secs(5),
+            "the drain to reach every queue",
+            move || async move { queue_view(cr, i, "small-2").await.is_none_or(|(_, d)| d) },
+        )
+        .await;
+    }
+
+    // No new work goes to it, from either replica.
+    let before: u64 = c.fleet.nodes[1].sim.stats().success.iter().sum();
+    for i in 0..4 {
+        let resp = http()
+            .post(c.url(i, "/v1/chat/completions"))
+            .bearer_auth(&c.fleet.api_key)
+            .json(&chat(8))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 200);
+        let _ = resp.bytes().await.unwrap();
+    }
+    let after: u64 = c.fleet.nodes[1].sim.stats().success.iter().sum();
+    assert_eq!(after, before, "a drained node took new work");
+    c.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_that_leaves_leaves_routing_on_every_replica_at_once() {
+    let mut c = cluster(3, 3, 10.0, |_| {}).await;
+    c.fleet.nodes[1].stop_agent().await;
+    // Its owner says so at once: well within one heartbeat period (500 ms here).
+    let took = wait_for_routing(&c, 2, Duration::from_millis(500)).await;
+    println!("left routing everywhere after {took:?}");
+    // Requests through every replica still complete, on the other two nodes.
+    let before: u64 = c.fleet.nodes[1].sim.stats().success.iter().sum();
+    for i in 0..6 {
+        let resp = http()
+            .post(c.url(i, "/v1/chat/completions"))
+            .bearer_auth(&c.fleet.api_key)
+            .json(&chat(8))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 200);
+        assert!(resp.text().await.unwrap().contains("[DONE]"));
+    }
+    let after: u64 = c.fleet.nodes[1].sim.stats().success.iter().sum();
+    assert_eq!(after, before, "work reached a node that left");
+    c.stop().await;
+}
+
+/// Waits until every replica routes to `n` nodes; panics after `limit`.
+async fn wait_for_routing(c: &super::Cluster, n: usize, limit: Duration) -> Duration {
+    let start = tokio::time::Instant::now();
+    loop {
+        if (0..c.fleet.replicas().len()).all(|i| c.routable(i) == n) {
+            return start.elapsed();
+        }
+        assert!(
+            start.elapsed() < limit,
+            "replicas route to {:?} nodes after {limit:?}, want {n}",
+            (0..c.fleet.replicas().len())
+                .map(|i| c.routable(i))
+                .collect::<Vec<_>>()
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_that_reconnects_to_another_replica_moves_there_and_its_old_connection_ends() {
+    let c = cluster(2, 1, 10.0, |_| {}).await;
+    let replicas = c.fleet.replicas();
+    let (a, b) = (replicas[0].state().clone(), replicas[1].state().clone());
+    assert!(a.nodes.lock().unwrap().contains_key("small-1"));
+    assert!(b.proxies.get("small-1").is_some());
+    // The same node connects again, to replica 1, while its first connection is still open
+    // (a half-open socket the first replica has not noticed).
+    let config = switchyard::demo::FleetConfig {
+        time_scale: 10.0,
+        agent_backoff_min: Duration::from_millis(100),
+        heartbeat_interval: Duration::from_millis(500),
+        ..Default::default()
+    };
+    let mut moved = c
+        .fleet
+        .add_node_to(&config, "small-1", &c.fleet.nodes[0].model, 1)
+        .await
+        .unwrap();
+    wait_for(
+        Duration::from_secs(5),
+        "the node to move to replica 1",
+        || {
+            let (a, b) = (a.clone(), b.clone());
+            async move {
+                b.nodes.lock().unwrap().contains_key("small-1")
+                    && !a.nodes.lock().unwrap().contains_key("small-1")
+                    && a.proxies.get("small-1").is_some()
+                    && b.proxies.get("small-1").is_none()
+            }
+        },
+    )
+    .await;
+    let nodes = c.admin_nodes(0).await;
+    let node = nodes.iter().find(|v| v["node_id"] == "small-1").unwrap();
+    assert_eq!(node["owner_replica"], b.replica_id.as_str(), "{node}");
+    // Work through either replica now runs on the new connection's engine.
+    for i in 0..4 {
+        let resp = http()
+            .post(c.url(i, "/v1/chat/completions"))
+            .bearer_auth(&c.fleet.api_key)
+            .json(&chat(8))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 200);
+        assert!(resp.text().await.unwrap().contains("[DONE]"));
+    }
+    let served: u64 = moved.sim.stats().success.iter().sum();
+    assert_eq!(served, 4);
+    moved.stop_agent().await;
+    moved.sim.shutdown().await;
+    c.stop().await;
+}

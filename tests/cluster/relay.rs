@@ -1,0 +1,159 @@
+//! Requests entering through every replica run on nodes held by any replica.
+
+use std::time::Duration;
+
+use futures::StreamExt;
+use serde_json::{Value, json};
+use switchyard::store::LedgerStatus;
+
+use super::{Cluster, chat, cluster};
+use crate::common::{http, wait_for};
+
+/// What one streamed request got.
+#[derive(Debug, Default)]
+struct Got {
+    status: u16,
+    done: bool,
+    text: String,
+    completion_tokens: Option<u64>,
+    error: Option<Value>,
+}
+
+async fn stream_through(c: &Cluster, replica: usize, key: &str, body: &Value) -> Got {
+    let resp = http()
+        .post(c.url(replica, "/v1/chat/completions"))
+        .bearer_auth(key)
+        .json(body)
+        .send()
+        .await
+        .unwrap();
+    let mut got = Got {
+        status: resp.status().as_u16(),
+        ..Default::default()
+    };
+    let mut bytes = resp.bytes_stream();
+    let mut buf = String::new();
+    while let Some(Ok(chunk)) = bytes.next().await {
+        buf.push_str(&String::from_utf8_lossy(&chunk));
+        while let Some(end) = buf.find("\n\n") {
+            let event: String = buf.drain(..end + 2).collect();
+            let Some(data) = event.trim_end().strip_prefix("data: ") else {
+                continue;
+            };
+            if data == "[DONE]" {
+                got.done = true;
+                continue;
+            }
+            let v: Value = serde_json::from_str(data).unwrap();
+            if let Some(e) = v.get("error") {
+                got.error = Some(e.clone());
+            }
+            if let Some(t) = v["choices"][0]["delta"]["content"].as_str() {
+                got.text.push_str(t);
+            }
+            if let Some(u) = v.get("usage").filter(|u| !u.is_null()) {
+                got.completion_tokens = u["completion_tokens"].as_u64();
+            }
+        }
+    }
+    got
+}
+
+/// A key of the demo team with `limits`.
+async fn key_with(c: &Cluster, limits: Value) -> String {
+    let mut body = json!({"team": "demo"});
+    body.as_object_mut()
+        .unwrap()
+        .extend(limits.as_object().unwrap().clone());
+    let key: Value = http()
+        .post(c.url(0, "/admin/keys"))
+        .bearer_auth(&c.fleet.admin_token)
+        .json(&body)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    key["key"].as_str().unwrap().to_owned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn streams_through_three_replicas_run_on_six_nodes_and_settle_once() {
+    let c = cluster(3, 6, 10.0, |_| {}).await;
+    // Each replica holds two sockets and proxies the other four nodes.
+    for i in 0..3 {
+        let state = c.fleet.replicas()[i].state().clone();
+        assert_eq!(state.nodes.lock().unwrap().len(), 2, "replica {i} sockets");
+        assert_eq!(state.proxies.fences().len(), 4, "replica {i} proxies");
+    }
+    let key = c.fleet.api_key.clone();
+    let got: Vec<Got> = futures::stream::iter(0..300usize)
+        .map(|i| {
+            let (c, key) = (&c, key.clone());
+            async move { stream_through(c, i % 3, &key, &chat(24)).await }
+        })
+        .buffer_unordered(300)
+        .collect()
+        .await;
+    for (i, g) in got.iter().enumerate() {
+        assert_eq!(g.status, 200, "stream {i}: {g:?}");
+        assert!(g.done && g.error.is_none(), "stream {i} ended: {g:?}");
+        assert!(!g.text.is_empty(), "stream {i} carried text");
+    }
+    let streamed: u64 = got.iter().map(|g| g.completion_tokens.unwrap()).sum();
+
+    // Every node took work: each replica's queue spread its streams over the cluster.
+    for node in &c.fleet.nodes {
+        let finished: u64 = node.sim.stats().success.iter().sum();
+        assert!(finished > 0, "node {} took no work", node.node_id);
+    }
+    let store = c.fleet.store.clone();
+    wait_for(
+        Duration::from_secs(30),
+        "every reservation to close",
+        || {
+            let store = store.clone();
+            async move { store.open_reservations().await.unwrap() == 0 }
+        },
+    )
+    .await;
+    let rows = c.fleet.store.ledger_rows(None).await.unwrap();
+    assert_eq!(rows.len(), 300, "one row per request");
+    assert!(rows.iter().all(|r| r.status == LedgerStatus::Settled));
+    let settled: i64 = rows.iter().map(|r| r.completion_tokens).sum();
+    let engines: u64 = c
+        .fleet
+        .nodes
+        .iter()
+        .map(|n| n.sim.stats().generation_tokens)
+        .sum();
+    assert_eq!(
+        settled as u64, streamed,
+        "billed what the clients were told"
+    );
+    assert_eq!(engines, streamed, "billed what the engines produced");
+    c.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn max_streams_holds_for_one_key_entering_every_replica() {
+    let c = cluster(3, 3, 1.0, |_| {}).await;
+    let key = key_with(&c, json!({"max_streams": 4})).await;
+    // Long streams, all sent at once through the three replicas: four run, the rest wait
+    // for nothing — they are refused at once.
+    let got: Vec<Got> = futures::stream::iter(0..24usize)
+        .map(|i| {
+            let (c, key) = (&c, key.clone());
+            async move { stream_through(c, i % 3, &key, &chat(200)).await }
+        })
+        .buffer_unordered(24)
+        .collect()
+        .await;
+    let admitted = got.iter().filter(|g| g.status == 200).count();
+    let refused = got.iter().filter(|g| g.status == 429).count();
+    assert_eq!(admitted, 4, "{got:?}");
+    assert_eq!(refused, 20);
+    assert!(got.iter().filter(|g| g.status == 200).all(|g| g.done));
+    c.stop().await;
+}
