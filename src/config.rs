@@ -113,6 +113,8 @@ pub struct TimeoutSettings {
     pub settle_wait_secs: u64,
     /// How often the sweeper looks for reservations that outlived every deadline.
     pub sweep_interval_secs: u64,
+    /// The margin past `total_secs + settle_wait_secs` after which a reservation is swept.
+    pub sweep_grace_secs: u64,
     /// An attempt's lease: a node that hears nothing from the server for this long stops
     /// the attempt; after losing a node, the server waits this long before another attempt.
     pub lease_ms: u64,
@@ -126,6 +128,7 @@ impl Default for TimeoutSettings {
             cancel_grace_ms: 2000,
             settle_wait_secs: 20,
             sweep_interval_secs: 30,
+            sweep_grace_secs: 60,
             lease_ms: 5000,
         }
     }
@@ -281,6 +284,8 @@ pub struct Config {
     pub redis_url: Option<String>,
     /// PEM CA file a `rediss://` Redis must be signed by (instead of the web PKI roots).
     pub redis_ca_file: Option<PathBuf>,
+    /// Namespace of every Redis key and channel: the replicas of one cluster share it.
+    pub redis_prefix: String,
     /// This replica's id; random when absent.
     pub replica_id: Option<String>,
     /// Bootstrap admin token.
@@ -327,6 +332,7 @@ impl Default for Config {
             database_url: "sqlite://.switchyard/switchyard.db?mode=rwc".into(),
             redis_url: None,
             redis_ca_file: None,
+            redis_prefix: "switchyard:".into(),
             replica_id: None,
             admin_token: None,
             jwks_url: None,
@@ -412,6 +418,9 @@ impl Config {
         }
         if let Some(v) = get(env_names::REDIS_CA_FILE) {
             self.redis_ca_file = Some(v.into());
+        }
+        if let Some(v) = get(env_names::REDIS_PREFIX) {
+            self.redis_prefix = v;
         }
         if let Some(v) = get(env_names::TLS_CERT) {
             self.listener.tls_cert = Some(v.into());

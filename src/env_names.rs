@@ -30,6 +30,8 @@ pub const LOG_FORMAT: &str = "SWITCHYARD_LOG_FORMAT";
 pub const TLS_CERT: &str = "SWITCHYARD_TLS_CERT";
 /// PEM private key of that certificate (`listener.tls_key`).
 pub const TLS_KEY: &str = "SWITCHYARD_TLS_KEY";
+/// Namespace of every Redis key and channel (`redis_prefix`).
+pub const REDIS_PREFIX: &str = "SWITCHYARD_REDIS_PREFIX";
 /// PEM CA file a `rediss://` Redis is verified with, instead of the web PKI roots.
 pub const REDIS_CA_FILE: &str = "SWITCHYARD_REDIS_CA_FILE";
 /// `switchyard node --ca-file`: extra CAs the agent trusts for a `wss://` server.

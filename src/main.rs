@@ -65,7 +65,8 @@ struct MigrateArgs {
 
 #[derive(Debug, Args)]
 struct NodeArgs {
-    /// The server's base URL (http://… or https://…).
+    /// The server's base URL (http://… or https://…): its load balancer, or several replicas
+    /// separated by commas, tried in turn after a lost connection.
     #[arg(long)]
     server: String,
     /// This node's id, as issued with its token.
@@ -241,7 +242,6 @@ async fn demo(args: DemoArgs) -> anyhow::Result<()> {
 }
 
 async fn serve(args: ServeArgs) -> anyhow::Result<()> {
-    const PREFIX: &str = "switchyard:";
     let mut config = Config::load(args.config.as_deref())?;
     if let Some(listen) = args.listen {
         config.listen = listen;
@@ -254,19 +254,14 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         (Some(url), Some(ca)) => Arc::new(
             RedisCoordinator::connect_tls(
                 url,
-                PREFIX,
+                &config.redis_prefix,
                 RedisCoordinatorOptions::default(),
                 Some(ca),
             )
             .await?,
         ),
-        (url, _) => coord::connect_coordinator(url.as_deref(), PREFIX).await?,
+        (url, _) => coord::connect_coordinator(url.as_deref(), &config.redis_prefix).await?,
     };
-    if config.redis_url.is_some() {
-        tracing::warn!(
-            "REDIS_URL is set: heartbeats and coordination state go to Redis, but request routing across replicas is not in this build; run one replica"
-        );
-    }
     let server = Server::bind(config, store, coordinator).await?;
     shutdown_signal().await;
     server.shutdown(Duration::from_secs(30)).await;

@@ -282,8 +282,11 @@ impl Server {
         let generations = supervision.generations.clone();
         let queues = supervision.queues.clone();
         // A stream's place outlives the longest request (plus the wait for its usage report).
-        let slot_ttl =
-            Duration::from_secs(config.timeouts.total_secs + config.timeouts.settle_wait_secs + 60);
+        let slot_ttl = Duration::from_secs(
+            config.timeouts.total_secs
+                + config.timeouts.settle_wait_secs
+                + config.timeouts.sweep_grace_secs,
+        );
         let per_second =
             NonZeroU32::new(config.nodes.registrations_per_second).unwrap_or(NonZeroU32::MIN);
         let launcher = Launcher {
@@ -333,6 +336,8 @@ impl Server {
         // (and a margin) are swept.
         tokio::spawn(crate::sweeper::run(
             state.store.clone(),
+            state.coordinator.clone(),
+            state.replica_id.clone(),
             state.clock.clone(),
             Duration::from_secs(state.config.timeouts.sweep_interval_secs.max(1)),
             slot_ttl,

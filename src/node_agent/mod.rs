@@ -91,8 +91,18 @@ pub async fn run_with(
     dialer: Arc<dyn Dialer>,
 ) -> Result<(), AgentError> {
     cfg.validate()?;
-    let endpoint = Endpoint::from_server_url(&cfg.server)?;
-    if endpoint.scheme == Scheme::Wss && !dialer.supports_tls() {
+    // Several replicas without a load balancer in front: a comma-separated list, tried in
+    // turn.
+    let endpoints = cfg
+        .server
+        .split(',')
+        .filter(|s| !s.trim().is_empty())
+        .map(Endpoint::from_server_url)
+        .collect::<Result<Vec<_>, _>>()?;
+    if endpoints.is_empty() {
+        return Err(AgentError::ServerUrl("no server URL".into()));
+    }
+    if endpoints.iter().any(|e| e.scheme == Scheme::Wss) && !dialer.supports_tls() {
         return Err(AgentError::TlsUnsupported);
     }
     let engine = EngineClient::new(&cfg.engine)?;
@@ -100,7 +110,8 @@ pub async fn run_with(
     let shared = Shared {
         ledger: Arc::new(Ledger::new(stats.clone())),
         cfg,
-        endpoint,
+        endpoints,
+        next: std::sync::atomic::AtomicUsize::new(0),
         dialer,
         engine,
         stats,
@@ -110,7 +121,7 @@ pub async fn run_with(
 }
 
 async fn agent_loop(sh: Shared, shutdown: CancellationToken) {
-    tracing::info!(server = %sh.endpoint.url, engine = %sh.cfg.engine, "node agent starting");
+    tracing::info!(server = %sh.endpoint().url, engine = %sh.cfg.engine, "node agent starting");
     let mut backoff = FullJitter::new(sh.cfg.backoff_min, sh.cfg.backoff_max, sh.cfg.seed);
     // Survives reconnects: a drained node only reconnects to deliver its last dones.
     let mut draining = false;
@@ -129,6 +140,7 @@ async fn agent_loop(sh: Shared, shutdown: CancellationToken) {
                 return;
             }
             SessionEnd::Lost(reason) => {
+                sh.rotate();
                 let delay = backoff.next_delay();
                 tracing::warn!(%reason, delay_ms = delay.as_millis() as u64, "disconnected; reconnecting");
                 delay
@@ -138,6 +150,7 @@ async fn agent_loop(sh: Shared, shutdown: CancellationToken) {
                 retry_after,
             } => {
                 sh.stats.rejected();
+                sh.rotate();
                 let delay = backoff.next_delay().max(retry_after.unwrap_or_default());
                 tracing::warn!(%reason, delay_ms = delay.as_millis() as u64, "registration rejected; retrying");
                 delay

@@ -45,11 +45,27 @@ const MIN_IDLE: Duration = Duration::from_secs(2);
 #[derive(Debug)]
 pub(crate) struct Shared {
     pub cfg: AgentConfig,
-    pub endpoint: Endpoint,
+    /// The server's replicas (or the load balancer in front of them), tried in turn.
+    pub endpoints: Vec<Endpoint>,
+    /// Which endpoint the next session dials.
+    pub next: std::sync::atomic::AtomicUsize,
     pub dialer: Arc<dyn Dialer>,
     pub engine: EngineClient,
     pub ledger: Arc<Ledger>,
     pub stats: Arc<AgentStats>,
+}
+
+impl Shared {
+    /// The endpoint the next session dials.
+    pub fn endpoint(&self) -> &Endpoint {
+        let i = self.next.load(std::sync::atomic::Ordering::Relaxed);
+        &self.endpoints[i % self.endpoints.len()]
+    }
+
+    /// Moves on to the next endpoint (after a lost or refused connection).
+    pub fn rotate(&self) {
+        self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
 }
 
 /// Why a session ended.
@@ -119,7 +135,7 @@ async fn connect(sh: &Shared, models: &[String]) -> Result<Ws, SessionEnd> {
     };
     let text = serde_json::to_string(&register).map_err(|e| lost("register frame", e))?;
     let attempt = async {
-        let mut ws = transport::open(sh.dialer.as_ref(), &sh.endpoint)
+        let mut ws = transport::open(sh.dialer.as_ref(), sh.endpoint())
             .await
             .map_err(|e| lost("connect", e))?;
         sh.stats.connected();

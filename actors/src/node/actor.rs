@@ -22,6 +22,8 @@ use crate::tasks::TaskGuard;
 
 /// How often the actor checks that heartbeats still arrive.
 const HEARTBEAT_CHECK: Duration = Duration::from_secs(1);
+/// Stray assignments remembered as already cancelled (forgotten all at once past this).
+const MAX_STRAYS: usize = 10_000;
 /// Engine refusals in a row after which a node leaves routing until its next heartbeat.
 const REFUSALS_BEFORE_SUSPENSION: u32 = 2;
 
@@ -95,6 +97,8 @@ pub struct NodeState {
     pub(super) transport: Transport,
     /// Assignments by request id: the node's own in-flight count.
     pub(super) in_flight: BTreeMap<String, InFlight>,
+    /// Requests whose chunks no generation took, already told to cancel.
+    strays: std::collections::BTreeSet<String>,
     /// When the last heartbeat (or registration) arrived.
     last_heartbeat: tokio::time::Instant,
     /// The last heartbeat's load.
@@ -176,6 +180,7 @@ impl Actor for NodeActor {
             fence,
             transport,
             in_flight: BTreeMap::new(),
+            strays: std::collections::BTreeSet::new(),
             load: NodeLoad::default(),
             draining: false,
             violations: VecDeque::new(),
@@ -467,7 +472,7 @@ pub(super) async fn on_frame(state: &mut NodeState, myself: &ActorRef<NodeMsg>, 
                 }
             };
             let from = state.handle.clone();
-            route(
+            let taken = route(
                 state,
                 &request_id,
                 attempt,
@@ -478,6 +483,22 @@ pub(super) async fn on_frame(state: &mut NodeState, myself: &ActorRef<NodeMsg>, 
                     from,
                 },
             );
+            // Nobody here waits for it (its generation lived on a replica that died, or
+            // ended): the node is told once to stop spending the GPU on it. Its `done`
+            // still settles the row.
+            if !taken && state.strays.insert(request_id.clone()) {
+                if state.strays.len() > MAX_STRAYS {
+                    state.strays.clear();
+                }
+                send(
+                    state,
+                    myself,
+                    ServerFrame::Cancel {
+                        request_id,
+                        attempt,
+                    },
+                );
+            }
         }
         NodeFrame::Error {
             request_id,
