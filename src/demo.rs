@@ -203,10 +203,15 @@ impl Fleet {
         let server =
             Server::start(config.server.clone(), store.clone(), coordinator, listener).await?;
         let mut peers = Vec::new();
-        for _ in 1..config.replicas {
-            // Each replica with its own pools, as separate processes would have.
+        for i in 1..config.replicas {
+            // Each replica with its own pools, as separate processes would have, on the
+            // ports after the first one's (any free port when that one took any).
             let mut peer = config.server.clone();
-            peer.listen.set_port(0);
+            let port = match config.server.listen.port() {
+                0 => 0,
+                p => p.saturating_add(u16::try_from(i).unwrap_or(u16::MAX)),
+            };
+            peer.listen.set_port(port);
             let listener = TcpListener::bind(peer.listen).await?;
             let store = crate::store::connect_store(database_url).await?;
             let coordinator = crate::coord::connect_coordinator(
@@ -267,7 +272,12 @@ impl Fleet {
         model: &str,
         replica: usize,
     ) -> Result<SimNode, FleetError> {
-        let server = self.replicas()[replica % self.replicas().len()].base_url();
+        // Its replica first, then the others: the agent fails over to them in turn.
+        let replicas = self.replicas();
+        let server = (0..replicas.len())
+            .map(|i| replicas[(replica + i) % replicas.len()].base_url())
+            .collect::<Vec<_>>()
+            .join(",");
         // The configured embedding model runs beside the first chat model, as a small
         // embedding model shares a GPU node in production.
         let models = &config.server.models;
@@ -384,12 +394,60 @@ pub fn banner(fleet: &Fleet, env_file: &Path) -> String {
 Try it:\n  curl -N {base}/chat/completions -H \"Authorization: Bearer {key}\" -H 'Content-Type: application/json' \\\n    \
 -d '{{\"model\":\"small\",\"messages\":[{{\"role\":\"user\",\"content\":\"Hello\"}}],\"max_tokens\":32,\"stream\":true}}'\n\n  \
 set -a; . {env}; set +a\n  python3 -c 'import openai; c=openai.OpenAI(); print(c.chat.completions.create(model=\"small\", messages=[{{\"role\":\"user\",\"content\":\"Hello\"}}], max_tokens=32).choices[0].message.content)'\n\n\
-Ctrl-C stops the demo.",
+{cluster}Ctrl-C stops the demo.",
+        cluster = cluster_lines(fleet),
         nodes = nodes.join(", "),
         env = env_file.display(),
         key = fleet.api_key,
         admin = fleet.admin_token,
     )
+}
+
+/// With several replicas: where each is, and how to watch who holds which node.
+fn cluster_lines(fleet: &Fleet) -> String {
+    let replicas = fleet.replicas();
+    if replicas.len() < 2 {
+        return String::new();
+    }
+    let mut out = String::from("Replicas (every one routes to every node):\n");
+    for r in &replicas {
+        out.push_str(&format!("  {}  {}\n", r.state().replica_id, r.base_url()));
+    }
+    out.push_str(&format!(
+        "Who holds each node:\n  curl -s -H \"Authorization: Bearer {admin}\" {base}/admin/nodes | jq '.data[] | {{node_id, owner_replica, in_flight}}'\n\n",
+        admin = fleet.admin_token,
+        base = fleet.server.base_url(),
+    ));
+    out
+}
+
+/// The PostgreSQL database of `demo --replicas N`: `DATABASE_URL`, or `switchyard_demo` on
+/// the local server (created when missing).
+pub async fn cluster_database_url() -> Result<String, FleetError> {
+    if let Ok(url) = std::env::var(crate::env_names::DATABASE_URL) {
+        return Ok(url);
+    }
+    let server = "postgres://postgres@127.0.0.1:5432";
+    let admin = sqlx::PgPool::connect(&format!("{server}/postgres"))
+        .await
+        .map_err(|e| {
+            FleetError::Nodes(format!(
+                "no DATABASE_URL and no PostgreSQL at {server} ({e}); set DATABASE_URL"
+            ))
+        })?;
+    let exists: Option<i32> =
+        sqlx::query_scalar("SELECT 1 FROM pg_database WHERE datname = 'switchyard_demo'")
+            .fetch_optional(&admin)
+            .await
+            .map_err(|e| FleetError::Nodes(format!("reading PostgreSQL's databases: {e}")))?;
+    if exists.is_none() {
+        sqlx::query("CREATE DATABASE switchyard_demo")
+            .execute(&admin)
+            .await
+            .map_err(|e| FleetError::Nodes(format!("creating switchyard_demo: {e}")))?;
+    }
+    admin.close().await;
+    Ok(format!("{server}/switchyard_demo"))
 }
 
 /// Addresses the demo binds.

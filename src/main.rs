@@ -219,6 +219,11 @@ struct DemoArgs {
     /// Divide every engine delay by this factor.
     #[arg(long, default_value_t = 1.0)]
     time_scale: f64,
+    /// Server replicas, on consecutive ports from `--listen`. More than one needs PostgreSQL
+    /// (`DATABASE_URL`, default database switchyard_demo on 127.0.0.1:5432) and Redis
+    /// (`REDIS_URL`, default redis://127.0.0.1:6379); nodes are spread over the replicas.
+    #[arg(long, default_value_t = 1)]
+    replicas: usize,
 }
 
 async fn demo(args: DemoArgs) -> anyhow::Result<()> {
@@ -226,13 +231,28 @@ async fn demo(args: DemoArgs) -> anyhow::Result<()> {
     std::fs::create_dir_all(&dir).context("creating .switchyard/")?;
     let mut server = Config::load(None)?;
     server.listen = args.listen;
+    let mut database_url = demo::demo_database_url(&dir);
+    if args.replicas > 1 {
+        // A cluster shares PostgreSQL and Redis: the ones the environment names, or the
+        // local ones.
+        database_url = demo::cluster_database_url().await?;
+        server.redis_url = Some(
+            std::env::var(switchyard::env_names::REDIS_URL)
+                .unwrap_or_else(|_| "redis://127.0.0.1:6379".into()),
+        );
+        server.redis_prefix = "switchyard-demo:".into();
+    }
     let config = FleetConfig {
+        redis_prefix: server.redis_prefix.clone(),
         server,
         nodes: demo::parse_nodes(&args.nodes)?,
         time_scale: args.time_scale,
+        replicas: args.replicas.max(1),
         ..FleetConfig::default()
     };
-    let fleet = Fleet::start(config, &demo::demo_database_url(&dir)).await?;
+    let fleet = Fleet::start(config, &database_url).await.context(
+        "starting the demo (several replicas need PostgreSQL and Redis: see docs/operations.md)",
+    )?;
     let env_file = demo::write_env_file(&dir, &fleet)?;
     println!("{}", demo::banner(&fleet, &env_file));
     shutdown_signal().await;
