@@ -157,3 +157,21 @@ async fn max_streams_holds_for_one_key_entering_every_replica() {
     assert!(got.iter().filter(|g| g.status == 200).all(|g| g.done));
     c.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn requests_per_minute_hold_for_one_key_entering_every_replica() {
+    let c = cluster(3, 3, 10.0, |_| {}).await;
+    let key = key_with(&c, json!({"rpm": 10})).await;
+    let got: Vec<Got> = futures::stream::iter(0..30usize)
+        .map(|i| {
+            let (c, key) = (&c, key.clone());
+            async move { stream_through(c, i % 3, &key, &chat(4)).await }
+        })
+        .buffer_unordered(30)
+        .collect()
+        .await;
+    let admitted = got.iter().filter(|g| g.status == 200).count();
+    let refused = got.iter().filter(|g| g.status == 429).count();
+    assert_eq!((admitted, refused), (10, 20), "{got:?}");
+    c.stop().await;
+}
