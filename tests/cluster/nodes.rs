@@ -170,3 +170,53 @@ async fn a_node_that_reconnects_to_another_replica_moves_there_and_its_old_conne
     moved.sim.shutdown().await;
     c.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_owners_queue_counts_only_its_own_dispatches_of_a_shared_node() {
+    let c = cluster(2, 1, 1.0, |_| {}).await;
+    let key = c.fleet.api_key.clone();
+    // Three long streams of replica 0, whose socket the node is.
+    let long: Vec<_> = (0..3)
+        .map(|_| {
+            let (url, key) = (c.url(0, "/v1/chat/completions"), key.clone());
+            tokio::spawn(async move {
+                let resp = http()
+                    .post(url)
+                    .bearer_auth(key)
+                    .json(&chat(300))
+                    .send()
+                    .await
+                    .unwrap();
+                resp.text().await.unwrap()
+            })
+        })
+        .collect();
+    let cr = &c;
+    wait_for(
+        Duration::from_secs(5),
+        "replica 0 to dispatch its three",
+        move || async move { queue_view(cr, 0, "small-1").await == Some((3, false)) },
+    )
+    .await;
+    // Short ones through replica 1 run on the same node and end while those run.
+    for _ in 0..4 {
+        let resp = http()
+            .post(c.url(1, "/v1/chat/completions"))
+            .bearer_auth(&key)
+            .json(&chat(4))
+            .send()
+            .await
+            .unwrap();
+        assert!(resp.text().await.unwrap().contains("[DONE]"));
+    }
+    assert_eq!(
+        queue_view(&c, 0, "small-1").await,
+        Some((3, false)),
+        "replica 0 still counts its own three"
+    );
+    assert_eq!(queue_view(&c, 1, "small-1").await, Some((0, false)));
+    for l in long {
+        assert!(l.await.unwrap().contains("[DONE]"));
+    }
+    c.stop().await;
+}

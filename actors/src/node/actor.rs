@@ -694,9 +694,13 @@ fn relays_to(state: &NodeState, request_id: &str, attempt: u64) -> Option<String
     }
 }
 
-/// Forgets an assignment and gives its slot back to the model's queue.
+/// Forgets an assignment and gives its slot back to the model's queue (when this replica's
+/// queue dispatched it).
 pub(super) fn release(state: &mut NodeState, request_id: &str) {
+    // Only this replica's own dispatches count in its queue: another replica's assignment
+    // is given back by that replica's proxy.
     if let Some(f) = state.in_flight.remove(request_id)
+        && matches!(f.dest, Dest::Local(_))
         && let Some(queue) = state.args.queues.get(&f.model)
     {
         queue.released(&state.args.node_id);
