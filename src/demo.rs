@@ -61,8 +61,6 @@ pub struct FleetConfig {
     pub heartbeat_interval: Duration,
     /// Credits given to the `demo` team, microcredits.
     pub credits: i64,
-    /// Namespace of every Redis key and channel, when `server.redis_url` is set.
-    pub redis_prefix: String,
     /// The node protocol version the agents speak (older ones in upgrade tests).
     pub agent_protocol: u32,
     /// Replicas of the server (more than one needs PostgreSQL and Redis); nodes dial them in
@@ -84,7 +82,6 @@ impl Default for FleetConfig {
             agent_backoff_min: Duration::from_secs(1),
             heartbeat_interval: Duration::from_secs(5),
             credits: 1_000_000_000_000,
-            redis_prefix: "switchyard:".into(),
             agent_protocol: switchyard_actors::protocol::PROTOCOL_VERSION,
             replicas: 1,
         }
@@ -197,7 +194,7 @@ impl Fleet {
         let listener = TcpListener::bind(config.server.listen).await?;
         let coordinator = crate::coord::connect_coordinator(
             config.server.redis_url.as_deref(),
-            &config.redis_prefix,
+            &config.server.redis_prefix,
         )
         .await?;
         let server =
@@ -216,7 +213,7 @@ impl Fleet {
             let store = crate::store::connect_store(database_url).await?;
             let coordinator = crate::coord::connect_coordinator(
                 config.server.redis_url.as_deref(),
-                &config.redis_prefix,
+                &config.server.redis_prefix,
             )
             .await?;
             peers.push(Server::start(peer, store, coordinator, listener).await?);

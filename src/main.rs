@@ -243,7 +243,6 @@ async fn demo(args: DemoArgs) -> anyhow::Result<()> {
         server.redis_prefix = "switchyard-demo:".into();
     }
     let config = FleetConfig {
-        redis_prefix: server.redis_prefix.clone(),
         server,
         nodes: demo::parse_nodes(&args.nodes)?,
         time_scale: args.time_scale,

@@ -41,12 +41,12 @@ pub async fn cluster(
         time_scale,
         agent_backoff_min: Duration::from_millis(100),
         heartbeat_interval: Duration::from_millis(500),
-        redis_prefix: prefix.clone(),
         replicas,
         ..Default::default()
     };
     config.server.listen = "127.0.0.1:0".parse().unwrap();
     config.server.redis_url = Some(redis_url());
+    config.server.redis_prefix = prefix.clone();
     tweak(&mut config);
     let fleet = Fleet::start(config, &db_url).await.unwrap();
     assert!(fleet.wait_registered(Duration::from_secs(10)).await);

@@ -39,11 +39,11 @@ async fn two_replicas(cancel_grace_ms: u64) -> TwoReplicas {
         time_scale: 1.0,
         agent_backoff_min: Duration::from_millis(100),
         heartbeat_interval: Duration::from_millis(500),
-        redis_prefix: prefix.clone(),
         ..Default::default()
     };
     config.server.listen = "127.0.0.1:0".parse().unwrap();
     config.server.redis_url = Some(redis_url());
+    config.server.redis_prefix = prefix.clone();
     config.server.timeouts.cancel_grace_ms = cancel_grace_ms;
     let server_b = config.server.clone();
     let a = Fleet::start(config, &db_url).await.unwrap();

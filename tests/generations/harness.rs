@@ -37,11 +37,11 @@ pub async fn pg_fleet(
         time_scale,
         agent_backoff_min: Duration::from_millis(100),
         heartbeat_interval: Duration::from_millis(500),
-        redis_prefix: prefix.clone(),
         ..Default::default()
     };
     config.server.listen = "127.0.0.1:0".parse().unwrap();
     config.server.redis_url = Some(redis_url());
+    config.server.redis_prefix = prefix.clone();
     config.server.timeouts.lease_ms = 500;
     config.server.timeouts.settle_wait_secs = 3;
     tweak(&mut config);

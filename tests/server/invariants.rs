@@ -23,12 +23,12 @@ async fn ledger_invariants_hold_after_2000_requests_with_drops_and_crashes() {
     let mut config = switchyard::demo::FleetConfig {
         nodes: vec![("small".into(), 3)],
         time_scale: 50.0,
-        redis_prefix: prefix.clone(),
         credits: CREDITS,
         ..Default::default()
     };
     config.server.listen = "127.0.0.1:0".parse().unwrap();
     config.server.redis_url = Some(redis_url());
+    config.server.redis_prefix = prefix.clone();
     config.server.timeouts.cancel_grace_ms = 100;
     let fleet = switchyard::demo::Fleet::start(config, &db_url)
         .await

@@ -79,11 +79,11 @@ async fn max_streams_holds_under_500_concurrent_streams_and_places_come_back() {
     let mut config = switchyard::demo::FleetConfig {
         nodes: vec![("small".into(), 2)],
         time_scale: 10.0,
-        redis_prefix: prefix.clone(),
         ..Default::default()
     };
     config.server.listen = "127.0.0.1:0".parse().unwrap();
     config.server.redis_url = Some(redis_url());
+    config.server.redis_prefix = prefix.clone();
     let fleet = switchyard::demo::Fleet::start(config, &db_url)
         .await
         .unwrap();

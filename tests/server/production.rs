@@ -16,11 +16,11 @@ async fn a_stream_settles_in_postgresql_and_heartbeats_reach_redis() {
         nodes: vec![("small".into(), 1)],
         time_scale: 20.0,
         heartbeat_interval: Duration::from_millis(200),
-        redis_prefix: prefix.clone(),
         ..Default::default()
     };
     config.server.listen = "127.0.0.1:0".parse().unwrap();
     config.server.redis_url = Some(redis_url());
+    config.server.redis_prefix = prefix.clone();
     let fleet = switchyard::demo::Fleet::start(config, &db_url)
         .await
         .unwrap();

@@ -453,11 +453,11 @@ async fn every_bad_input_is_refused_cleanly_and_changes_nothing_on_postgresql() 
     let mut config = switchyard::demo::FleetConfig {
         nodes: vec![("small".into(), 1)],
         time_scale: 20.0,
-        redis_prefix: prefix.clone(),
         ..Default::default()
     };
     config.server.listen = "127.0.0.1:0".parse().unwrap();
     config.server.redis_url = Some(redis_url());
+    config.server.redis_prefix = prefix.clone();
     let fleet = switchyard::demo::Fleet::start(config, &db_url)
         .await
         .unwrap();
