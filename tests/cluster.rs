@@ -90,6 +90,20 @@ impl Cluster {
         .await;
     }
 
+    /// A streamed chat completion of up to `max_tokens` through replica `i`, answered 200:
+    /// the whole body.
+    pub async fn chat_through(&self, i: usize, max_tokens: u32) -> String {
+        let resp = http()
+            .post(self.url(i, "/v1/chat/completions"))
+            .bearer_auth(&self.fleet.api_key)
+            .json(&chat(max_tokens))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 200);
+        resp.text().await.unwrap()
+    }
+
     /// `GET /admin/nodes` on replica `i`.
     pub async fn admin_nodes(&self, i: usize) -> Vec<Value> {
         let body: Value = http()

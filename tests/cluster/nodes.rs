@@ -57,15 +57,7 @@ async fn every_replica_shows_each_nodes_owner_and_a_drain_reaches_it_from_anywhe
     // No new work goes to it, from either replica.
     let before: u64 = c.fleet.nodes[1].sim.stats().success.iter().sum();
     for i in 0..4 {
-        let resp = http()
-            .post(c.url(i, "/v1/chat/completions"))
-            .bearer_auth(&c.fleet.api_key)
-            .json(&chat(8))
-            .send()
-            .await
-            .unwrap();
-        assert_eq!(resp.status(), 200);
-        let _ = resp.bytes().await.unwrap();
+        let _ = c.chat_through(i, 8).await;
     }
     let after: u64 = c.fleet.nodes[1].sim.stats().success.iter().sum();
     assert_eq!(after, before, "a drained node took new work");
@@ -82,15 +74,7 @@ async fn a_node_that_leaves_leaves_routing_on_every_replica_at_once() {
     // Requests through every replica still complete, on the other two nodes.
     let before: u64 = c.fleet.nodes[1].sim.stats().success.iter().sum();
     for i in 0..6 {
-        let resp = http()
-            .post(c.url(i, "/v1/chat/completions"))
-            .bearer_auth(&c.fleet.api_key)
-            .json(&chat(8))
-            .send()
-            .await
-            .unwrap();
-        assert_eq!(resp.status(), 200);
-        assert!(resp.text().await.unwrap().contains("[DONE]"));
+        assert!(c.chat_through(i, 8).await.contains("[DONE]"));
     }
     let after: u64 = c.fleet.nodes[1].sim.stats().success.iter().sum();
     assert_eq!(after, before, "work reached a node that left");
@@ -154,15 +138,7 @@ async fn a_node_that_reconnects_to_another_replica_moves_there_and_its_old_conne
     assert_eq!(node["owner_replica"], b.replica_id.as_str(), "{node}");
     // Work through either replica now runs on the new connection's engine.
     for i in 0..4 {
-        let resp = http()
-            .post(c.url(i, "/v1/chat/completions"))
-            .bearer_auth(&c.fleet.api_key)
-            .json(&chat(8))
-            .send()
-            .await
-            .unwrap();
-        assert_eq!(resp.status(), 200);
-        assert!(resp.text().await.unwrap().contains("[DONE]"));
+        assert!(c.chat_through(i, 8).await.contains("[DONE]"));
     }
     let served: u64 = moved.sim.stats().success.iter().sum();
     assert_eq!(served, 4);

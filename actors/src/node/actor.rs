@@ -577,18 +577,8 @@ pub(super) async fn on_frame(state: &mut NodeState, myself: &ActorRef<NodeMsg>, 
                 if link::relay(state, myself, replica, &frame) {
                     return;
                 }
-                // Its replica stopped listening: settled here.
-                settle_orphan(
-                    state,
-                    myself,
-                    request_id,
-                    attempt,
-                    prompt_tokens,
-                    completion_tokens,
-                    finish_reason,
-                )
-                .await;
-                return;
+                // Its replica stopped listening: no generation here takes it either, so it
+                // is settled here below.
             }
             let msg = GenerationMsg::Done {
                 attempt,

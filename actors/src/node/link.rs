@@ -12,7 +12,7 @@ use tokio::sync::mpsc;
 
 use super::actor::{NodeState, assign, on_frame, send, violation};
 use super::msg::NodeMsg;
-use super::orphan::settle_orphan;
+use super::orphan::settle_orphan_done;
 use crate::cluster::{
     Announcement, Command, FromNode, NODES_CHANNEL, NodeNews, Outbox, ToNode, node_key, to_node,
     to_replica,
@@ -421,26 +421,7 @@ pub(super) async fn replica_gone(state: &mut NodeState, myself: &ActorRef<NodeMs
         send(state, myself, cancel);
     }
     for done in dones {
-        if let NodeFrame::Done {
-            request_id,
-            attempt,
-            prompt_tokens,
-            completion_tokens,
-            finish_reason,
-            ..
-        } = done
-        {
-            settle_orphan(
-                state,
-                myself,
-                request_id,
-                attempt,
-                prompt_tokens,
-                completion_tokens,
-                finish_reason,
-            )
-            .await;
-        }
+        settle_orphan_done(state, myself, done).await;
     }
 }
 

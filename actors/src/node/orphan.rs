@@ -8,7 +8,7 @@ use crate::metric_names::STALE_FRAMES_TOTAL;
 use crate::ports::{
     EntryStatus, LedgerEntry, MAX_TOKEN_COUNT, ReviewReason, SettleOutcome, Settlement,
 };
-use crate::protocol::ServerFrame;
+use crate::protocol::{NodeFrame, ServerFrame};
 use ractor::ActorRef;
 
 /// A `done` whose generation is gone (a replica restart, a crashed actor): settle the row
@@ -153,4 +153,32 @@ pub(super) async fn settle_orphan(
             attempt,
         },
     );
+}
+
+/// [`settle_orphan`] for a whole `done` frame (any other frame is ignored).
+pub(super) async fn settle_orphan_done(
+    state: &mut NodeState,
+    myself: &ActorRef<NodeMsg>,
+    done: NodeFrame,
+) {
+    if let NodeFrame::Done {
+        request_id,
+        attempt,
+        prompt_tokens,
+        completion_tokens,
+        finish_reason,
+        ..
+    } = done
+    {
+        settle_orphan(
+            state,
+            myself,
+            request_id,
+            attempt,
+            prompt_tokens,
+            completion_tokens,
+            finish_reason,
+        )
+        .await;
+    }
 }
