@@ -88,6 +88,9 @@ pub struct QueueSettings {
     pub max_waiting: usize,
     /// Seconds a request may wait for a node before `capacity_exhausted`.
     pub deadline_secs: u64,
+    /// Seconds a replica's lease on a model's queue lasts (renewed three times within it):
+    /// after an owner dies, another replica owns the queue within this.
+    pub lease_secs: u64,
 }
 
 impl Default for QueueSettings {
@@ -95,6 +98,7 @@ impl Default for QueueSettings {
         Self {
             max_waiting: 256,
             deadline_secs: 30,
+            lease_secs: 6,
         }
     }
 }
@@ -463,6 +467,11 @@ impl Config {
                 .parse()
                 .map_err(|_| bad(env_names::QUEUE_DEADLINE_SECS, &v))?;
         }
+        if let Some(v) = get(env_names::QUEUE_LEASE_SECS) {
+            self.queue.lease_secs = v
+                .parse()
+                .map_err(|_| bad(env_names::QUEUE_LEASE_SECS, &v))?;
+        }
         Ok(())
     }
 
@@ -497,6 +506,9 @@ impl Config {
         }
         if self.queue.deadline_secs == 0 || self.timeouts.total_secs == 0 {
             return invalid("queue deadline and total timeout must be > 0".into());
+        }
+        if self.queue.lease_secs == 0 {
+            return invalid("queue.lease_secs must be > 0".into());
         }
         let g = &self.generations;
         if g.window_hours == 0 || 24 % g.window_hours != 0 {

@@ -11,7 +11,7 @@ use std::time::Duration;
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use switchyard_actors::budget::{BudgetConfig, BudgetSupervisor, TeamBudgets};
 use switchyard_actors::generation::{Generations, Launcher};
-use switchyard_actors::model_queue::{ModelQueueHandle, QueueArgs};
+use switchyard_actors::model_queue::{ModelQueueHandle, QueueArgs, QueueCluster};
 use switchyard_actors::node::NodeHandle;
 use switchyard_actors::ports::{Clock, Coordinator, SystemClock};
 use switchyard_actors::supervision::{RestartPolicy, Spec, Supervision, SupervisionArgs};
@@ -258,6 +258,16 @@ impl Server {
         let (budgets, budget_args) =
             TeamBudgets::unstarted(ledger.clone(), clock.clone(), BudgetConfig::default());
         let budgets = Arc::new(budgets);
+        // One owner per model queue in the cluster (alone, this replica takes every lease).
+        let lease_ttl = Duration::from_secs(config.queue.lease_secs);
+        let memberships: BTreeMap<String, Arc<QueueCluster>> = config
+            .models
+            .iter()
+            .map(|model| {
+                let member = QueueCluster::new(coordinator.clone(), replica_id.clone(), lease_ttl);
+                (model.name.clone(), Arc::new(member))
+            })
+            .collect();
         let supervision = Supervision::start(SupervisionArgs {
             ledger,
             queues: config
@@ -267,6 +277,7 @@ impl Server {
                     model: model.name.clone(),
                     config: config.queue_config(model),
                     clock: clock.clone(),
+                    cluster: memberships.get(&model.name).cloned(),
                 })
                 .collect(),
             queue_policy: RestartPolicy::QUEUES,
@@ -281,6 +292,11 @@ impl Server {
         .map_err(|e| StartError::Actors(e.to_string()))?;
         let generations = supervision.generations.clone();
         let queues = supervision.queues.clone();
+        for (model, member) in &memberships {
+            if let Some(queue) = queues.get(model) {
+                member.spawn(queue.clone(), clock.clone());
+            }
+        }
         // A stream's place outlives the longest request (plus the wait for its usage report).
         let slot_ttl = Duration::from_secs(
             config.timeouts.total_secs

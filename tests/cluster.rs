@@ -88,6 +88,29 @@ impl Cluster {
             || async move { (0..replicas).all(|i| self.routable(i) == n) },
         )
         .await;
+        self.wait_queue_owner().await;
+    }
+
+    /// Every replica knows one owner of each model's queue: the replica it names.
+    pub async fn wait_queue_owner(&self) -> String {
+        let owner = std::sync::Mutex::new(None);
+        common::wait_for(Duration::from_secs(10), "one known queue owner", || {
+            let owner = &owner;
+            async move {
+                let mut seen = std::collections::BTreeSet::new();
+                for r in self.fleet.replicas() {
+                    for q in r.state().queues.values() {
+                        seen.insert(q.stats().await.and_then(|s| s.owner));
+                    }
+                }
+                let first = seen.first().cloned().flatten();
+                let one = seen.len() == 1 && first.is_some();
+                *owner.lock().unwrap() = first;
+                one
+            }
+        })
+        .await;
+        owner.into_inner().unwrap().unwrap_or_default()
     }
 
     /// A streamed chat completion of up to `max_tokens` through replica `i`, answered 200:

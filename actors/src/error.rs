@@ -145,7 +145,7 @@ impl fmt::Display for ErrorCode {
 
 /// A classified failure: the code, a message safe to show the client (never prompt text),
 /// and an optional wait before a retry can succeed.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Failure {
     /// The client-visible code.
     pub code: ErrorCode,

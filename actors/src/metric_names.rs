@@ -41,3 +41,5 @@ pub const LISTENER_REFUSALS_TOTAL: &str = "switchyard_listener_refusals_total";
 /// their supervisor, by `kind` (`generation`, `node`, `model_queue`, `team_budget`,
 /// `supervisor`), whether the policy restarted them or not.
 pub const ACTOR_RESTARTS_TOTAL: &str = "switchyard_actor_restarts_total";
+/// Counter: messages from a model queue's former owner dropped by their fencing token.
+pub const QUEUE_FENCED_TOTAL: &str = "switchyard_queue_fenced_total";

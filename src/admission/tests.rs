@@ -30,6 +30,7 @@ async fn admission(config: Config) -> (Admission, Arc<SqliteStore>) {
             model: model.name.clone(),
             config: config.queue_config(model),
             clock: clock.clone(),
+            cluster: None,
         };
         queues.insert(
             model.name.clone(),

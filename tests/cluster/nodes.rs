@@ -148,18 +148,32 @@ async fn a_node_that_reconnects_to_another_replica_moves_there_and_its_old_conne
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn the_owners_queue_counts_only_its_own_dispatches_of_a_shared_node() {
-    let c = cluster(2, 1, 1.0, |_| {}).await;
+async fn a_node_never_runs_more_than_its_capacity_for_work_entering_every_replica() {
+    // Three replicas admit work for one node that runs two at once: one queue owner counts
+    // the node's assignments wherever they were admitted.
+    let c = cluster(3, 1, 1.0, |cfg| {
+        for m in &mut cfg.server.models {
+            m.node_concurrency = 2;
+        }
+    })
+    .await;
+    // One queue owner, which every replica knows.
+    let owner = c.wait_queue_owner().await;
+    assert!(
+        c.fleet
+            .replicas()
+            .iter()
+            .any(|r| r.state().replica_id == owner)
+    );
     let key = c.fleet.api_key.clone();
-    // Three long streams of replica 0, whose socket the node is.
-    let long: Vec<_> = (0..3)
-        .map(|_| {
-            let (url, key) = (c.url(0, "/v1/chat/completions"), key.clone());
+    let streams: Vec<_> = (0..12)
+        .map(|i| {
+            let (url, key) = (c.url(i % 3, "/v1/chat/completions"), key.clone());
             tokio::spawn(async move {
                 let resp = http()
                     .post(url)
                     .bearer_auth(key)
-                    .json(&chat(300))
+                    .json(&chat(30))
                     .send()
                     .await
                     .unwrap();
@@ -167,32 +181,23 @@ async fn the_owners_queue_counts_only_its_own_dispatches_of_a_shared_node() {
             })
         })
         .collect();
-    let cr = &c;
-    wait_for(
-        Duration::from_secs(5),
-        "replica 0 to dispatch its three",
-        move || async move { queue_view(cr, 0, "small-1").await == Some((3, false)) },
-    )
-    .await;
-    // Short ones through replica 1 run on the same node and end while those run.
-    for _ in 0..4 {
-        let resp = http()
-            .post(c.url(1, "/v1/chat/completions"))
-            .bearer_auth(&key)
-            .json(&chat(4))
-            .send()
-            .await
-            .unwrap();
-        assert!(resp.text().await.unwrap().contains("[DONE]"));
+    let mut peak = 0;
+    while !streams.iter().all(|s| s.is_finished()) {
+        let s = c.fleet.nodes[0].sim.stats();
+        peak = peak.max(s.running + s.waiting_capacity + s.waiting_deferred);
+        tokio::time::sleep(Duration::from_millis(1)).await;
     }
-    assert_eq!(
-        queue_view(&c, 0, "small-1").await,
-        Some((3, false)),
-        "replica 0 still counts its own three"
-    );
-    assert_eq!(queue_view(&c, 1, "small-1").await, Some((0, false)));
-    for l in long {
-        assert!(l.await.unwrap().contains("[DONE]"));
+    for s in streams {
+        assert!(s.await.unwrap().contains("[DONE]"));
+    }
+    assert!(peak >= 1, "the sampler saw the node work");
+    assert!(peak <= 2, "the node ran {peak} at once; its capacity is 2");
+    for i in 0..3 {
+        assert_eq!(
+            queue_view(&c, i, "small-1").await,
+            Some((0, false)),
+            "replica {i}"
+        );
     }
     c.stop().await;
 }

@@ -16,13 +16,24 @@
 //!   ([`FromNode`]), numbered per (node connection, replica) so duplicates are dropped and
 //!   a gap is seen.
 //!
-//! A generation whose node is local never touches pub/sub.
+//! - [`QUEUE_OWNERS_CHANNEL`]: the owner of each model's queue (a lease with a fencing
+//!   token) says so ([`QueueOwner`]).
+//! - [`to_queue`]`(model)`: other replicas' enqueues, withdrawals, releases and reports for
+//!   the owner of a model's queue ([`ToQueue`]).
+//! - [`from_queue`]`(model, replica)`: the owner's verdicts, dispatches and timeouts for one
+//!   replica's generations ([`FromQueue`]), with the owner's fence.
+//!
+//! A generation whose node is local never touches pub/sub for its frames; one admitted on
+//! the replica owning its model's queue never touches it for its dispatch.
 
 mod outbox;
 pub mod wire;
 
 pub use outbox::Outbox;
-pub use wire::{Announcement, Command, FromNode, NodeNews, ToNode};
+pub use wire::{
+    Announcement, Command, FromNode, FromQueue, NodeNews, QueueItem, QueueNews, QueueOwner,
+    QueueReply, ToNode, ToQueue,
+};
 
 /// The channel every replica hears node announcements on.
 pub const NODES_CHANNEL: &str = "nodes";
@@ -40,4 +51,22 @@ pub fn to_node(node_id: &str) -> String {
 /// The channel replica `replica_id` hears its generations' frames on.
 pub fn to_replica(replica_id: &str) -> String {
     format!("to_replica:{replica_id}")
+}
+
+/// The channel queue owners announce themselves on.
+pub const QUEUE_OWNERS_CHANNEL: &str = "queue_owners";
+
+/// The lease (and fencing token) of a model's queue.
+pub fn queue_lease(model: &str) -> String {
+    format!("queue:{model}")
+}
+
+/// The channel the owner of `model`'s queue hears other replicas on.
+pub fn to_queue(model: &str) -> String {
+    format!("to_queue:{model}")
+}
+
+/// The channel replica `replica_id` hears the owner of `model`'s queue on.
+pub fn from_queue(model: &str, replica_id: &str) -> String {
+    format!("from_queue:{model}:{replica_id}")
 }

@@ -99,3 +99,114 @@ pub struct FromNode {
     /// [`crate::protocol::decode_node_frame`]).
     pub frames: Vec<Box<RawValue>>,
 }
+
+/// On [`super::QUEUE_OWNERS_CHANNEL`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum QueueNews {
+    /// The owner of a model's queue says so when it takes the lease, with every renewal, and
+    /// when asked; a replica that sees a new (owner, fence, incarnation) sends the new owner
+    /// what it knows (its waiting generations, its running count per node).
+    Owner(QueueOwner),
+    /// A replica's queue started: the owner of `model`'s queue announces itself now rather
+    /// than at its next renewal.
+    Hello {
+        /// The model.
+        model: String,
+    },
+}
+
+/// Who owns a model's queue (see [`QueueNews::Owner`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct QueueOwner {
+    /// The model.
+    pub model: String,
+    /// The replica holding the lease.
+    pub replica: String,
+    /// The lease's fencing token.
+    pub fence: u64,
+    /// Greater after each restart of the owner's queue actor (which forgets what others sent).
+    pub incarnation: u64,
+}
+
+/// On [`super::to_queue`]: what a replica tells the owner of a model's queue, in order.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ToQueue {
+    /// The sending replica (where the verdicts and dispatches go).
+    pub from: String,
+    /// In order.
+    pub items: Vec<QueueItem>,
+}
+
+/// One message to a queue's owner.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum QueueItem {
+    /// A generation of the sender waits for a node (answered with a verdict).
+    Enqueue {
+        /// Its request id.
+        request_id: String,
+        /// A retry goes to the front.
+        front: bool,
+        /// A retry avoids its failed node.
+        avoid: Option<String>,
+        /// The engine API it needs.
+        api: crate::protocol::Api,
+    },
+    /// It left while waiting.
+    Withdraw {
+        /// Its request id.
+        request_id: String,
+    },
+    /// One of the sender's generations finished on `node_id` (or never started there).
+    Released {
+        /// The node whose slot is free.
+        node_id: String,
+    },
+    /// What the sender's generations run now, for the owner (fence, incarnation) it names.
+    Report {
+        /// The owner's fence it answers.
+        fence: u64,
+        /// The owner's incarnation it answers.
+        incarnation: u64,
+        /// Generations of the sender running on each node.
+        running: std::collections::BTreeMap<String, u32>,
+        /// Dispatches heard from this owner so far: later ones are not in `running` yet.
+        seen: u64,
+    },
+}
+
+/// On [`super::from_queue`]: what a queue's owner tells one replica, in order.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct FromQueue {
+    /// The owner's lease token: a replica drops what an owner older than the newest it saw
+    /// sends (a partitioned owner that lost its lease dispatches nothing).
+    pub fence: u64,
+    /// In order.
+    pub items: Vec<QueueReply>,
+}
+
+/// One answer of a queue's owner.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum QueueReply {
+    /// The enqueue of `request_id` was admitted (`refused` is `None`) or refused.
+    Verdict {
+        /// The generation.
+        request_id: String,
+        /// Why it was refused.
+        refused: Option<crate::error::Failure>,
+    },
+    /// Run `request_id` on `node_id` (the owner counted it against the node).
+    Dispatch {
+        /// The generation.
+        request_id: String,
+        /// The chosen node.
+        node_id: String,
+    },
+    /// Its deadline passed.
+    Timeout {
+        /// The generation.
+        request_id: String,
+    },
+}

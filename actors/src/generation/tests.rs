@@ -47,6 +47,7 @@ async fn harness(max_waiting: usize, node_capacity: u32) -> Harness {
         model: MODEL.into(),
         config,
         clock: Arc::new(SystemClock),
+        cluster: None,
     })
     .await
     .unwrap();

@@ -9,6 +9,7 @@ use std::time::Duration;
 use ractor::{Actor, ActorCell, ActorProcessingErr, ActorRef};
 use tokio::time::Instant;
 
+use super::cluster::QueueCluster;
 use super::msg::{ModelQueueHandle, NodeReport, QueueMsg, QueueStats};
 use super::routing::{NodeView, RoutingStrategy};
 use crate::error::{ErrorCode, Failure};
@@ -46,47 +47,93 @@ pub struct QueueArgs {
     pub config: QueueConfig,
     /// Time source.
     pub clock: Arc<dyn Clock>,
+    /// In a cluster, the lease and channels that make one replica's queue the owner; `None`
+    /// runs the queue alone (one replica, or tests).
+    pub cluster: Option<Arc<QueueCluster>>,
+}
+
+/// Whose generation waits: this replica's, or another's (in a cluster, the owner holds the
+/// waiting generations of every replica).
+#[derive(Debug)]
+pub(super) enum Waiter {
+    /// A generation on this replica.
+    Local(ActorRef<GenerationMsg>),
+    /// A generation on another replica, reached through [`crate::cluster::from_queue`].
+    Remote(String),
 }
 
 #[derive(Debug)]
-struct Waiting {
-    request_id: String,
-    generation: ActorRef<GenerationMsg>,
-    deadline: Instant,
+pub(super) struct Waiting {
+    pub(super) request_id: String,
+    pub(super) waiter: Waiter,
+    pub(super) deadline: Instant,
     /// A retry's failed node: another one is preferred.
-    avoid: Option<String>,
+    pub(super) avoid: Option<String>,
     /// The engine API it needs.
-    api: Api,
+    pub(super) api: Api,
 }
 
 #[derive(Debug)]
-struct NodeEntry {
-    handle: NodeHandle,
-    in_flight: u32,
-    load: NodeLoad,
-    draining: bool,
+pub(super) struct NodeEntry {
+    pub(super) handle: NodeHandle,
+    /// Assignments running on it by replica (this replica's under its own id); only this
+    /// replica's are known unless it owns the queue.
+    pub(super) running: BTreeMap<String, u32>,
+    pub(super) load: NodeLoad,
+    pub(super) draining: bool,
     /// Its engine refused work twice in a row; back with its next heartbeat.
-    suspended: bool,
+    pub(super) suspended: bool,
 }
 
 impl NodeEntry {
+    fn new(handle: NodeHandle, load: NodeLoad) -> Self {
+        Self {
+            handle,
+            running: BTreeMap::new(),
+            load,
+            draining: false,
+            suspended: false,
+        }
+    }
+
     /// Takes new work at all (room aside).
     fn routable(&self) -> bool {
         !self.draining && !self.suspended
+    }
+
+    /// Assignments it carries, as far as this replica knows.
+    pub(super) fn in_flight(&self) -> u32 {
+        self.running.values().fold(0, |a, b| a.saturating_add(*b))
+    }
+
+    /// One more of `replica`'s.
+    pub(super) fn take(&mut self, replica: &str) {
+        *self.running.entry(replica.to_owned()).or_default() += 1;
+    }
+
+    /// One fewer of `replica`'s.
+    pub(super) fn give_back(&mut self, replica: &str) {
+        if let Some(n) = self.running.get_mut(replica) {
+            *n = n.saturating_sub(1);
+        }
     }
 }
 
 /// The actor's state.
 #[derive(Debug)]
 pub struct QueueState {
-    args: QueueArgs,
-    waiting: VecDeque<Waiting>,
+    pub(super) args: QueueArgs,
+    pub(super) waiting: VecDeque<Waiting>,
     /// Nodes by id (ordered, so choice is deterministic).
-    nodes: BTreeMap<String, NodeEntry>,
+    pub(super) nodes: BTreeMap<String, NodeEntry>,
     /// Recent dispatch times, for the drain rate.
     dispatches: VecDeque<Instant>,
     cursor: usize,
     ticker: Option<ractor::concurrency::JoinHandle<()>>,
+    /// This replica's id in [`NodeEntry::running`].
+    pub(super) me: String,
+    /// In a cluster: the lease, the owner, what was forwarded to it.
+    pub(super) cluster: Option<super::follow::Membership>,
     _guard: TaskGuard,
 }
 
@@ -124,6 +171,13 @@ impl Actor for ModelQueueActor {
         args: QueueArgs,
     ) -> Result<QueueState, ActorProcessingErr> {
         let ticker = myself.send_interval(TICK, || QueueMsg::Tick);
+        let (me, cluster) = match &args.cluster {
+            Some(c) => (
+                c.replica_id.clone(),
+                Some(super::follow::Membership::new(c.clone(), myself.clone())),
+            ),
+            None => (String::new(), None),
+        };
         Ok(QueueState {
             args,
             waiting: VecDeque::new(),
@@ -131,6 +185,8 @@ impl Actor for ModelQueueActor {
             dispatches: VecDeque::new(),
             cursor: 0,
             ticker: Some(ticker),
+            me,
+            cluster,
             _guard: TaskGuard::new("model_queue"),
         })
     }
@@ -150,25 +206,27 @@ impl Actor for ModelQueueActor {
                 api,
                 reply,
             } => {
-                let verdict = state.admit(request_id, generation, front, avoid, api);
+                if state.follows() {
+                    state.forward(request_id, generation, front, avoid, api, reply);
+                    return Ok(());
+                }
+                let waiter = Waiter::Local(generation);
+                let verdict = state.admit(request_id, waiter, front, avoid, api);
                 let _ = reply.send(verdict);
                 state.dispatch();
             }
             QueueMsg::Withdraw { request_id } => {
-                state.waiting.retain(|w| w.request_id != request_id)
+                if state.follows() {
+                    state.withdraw_forwarded(&request_id);
+                } else {
+                    state.waiting.retain(|w| {
+                        w.request_id != request_id || !matches!(w.waiter, Waiter::Local(_))
+                    });
+                }
             }
             QueueMsg::NodeUp(handle, load) => {
                 let id = handle.node_id().to_owned();
-                state.nodes.insert(
-                    id,
-                    NodeEntry {
-                        handle,
-                        in_flight: 0,
-                        load,
-                        draining: false,
-                        suspended: false,
-                    },
-                );
+                state.nodes.insert(id, NodeEntry::new(handle, load));
                 state.dispatch();
             }
             QueueMsg::NodeRejoin(NodeReport {
@@ -179,16 +237,11 @@ impl Actor for ModelQueueActor {
                 suspended,
             }) => {
                 let id = node.node_id().to_owned();
-                state.nodes.insert(
-                    id,
-                    NodeEntry {
-                        handle: node,
-                        in_flight,
-                        load,
-                        draining,
-                        suspended,
-                    },
-                );
+                let mut entry = NodeEntry::new(node, load);
+                entry.running.insert(state.me.clone(), in_flight);
+                entry.draining = draining;
+                entry.suspended = suspended;
+                state.nodes.insert(id, entry);
                 state.dispatch();
             }
             QueueMsg::NodeDown(node) => {
@@ -207,9 +260,13 @@ impl Actor for ModelQueueActor {
             }
             QueueMsg::Released(id) => {
                 if let Some(n) = state.nodes.get_mut(&id) {
-                    n.in_flight = n.in_flight.saturating_sub(1);
+                    n.give_back(&state.me);
                 }
-                state.dispatch();
+                if state.follows() {
+                    state.tell_owner(crate::cluster::QueueItem::Released { node_id: id });
+                } else {
+                    state.dispatch();
+                }
             }
             QueueMsg::NodeDraining(id) => {
                 if let Some(n) = state.nodes.get_mut(&id) {
@@ -224,8 +281,21 @@ impl Actor for ModelQueueActor {
             }
             QueueMsg::Tick => {
                 state.expire();
+                state.expire_forwarded();
                 state.dispatch();
             }
+            QueueMsg::Role(role) => {
+                state.role(role);
+                state.dispatch();
+            }
+            QueueMsg::Owner(owner) => state.owner_heard(owner),
+            QueueMsg::Remote(asked) => {
+                state.remote(asked);
+                state.dispatch();
+            }
+            QueueMsg::Replies(replies) => state.replies(replies),
+            QueueMsg::OwnerGone(fence, incarnation) => state.owner_gone(fence, incarnation),
+            QueueMsg::ReplicaGone(replica) => state.forget_replica(&replica),
             QueueMsg::Stats(reply) => {
                 let _ = reply.send(state.stats());
             }
@@ -253,8 +323,11 @@ impl Actor for ModelQueueActor {
             t.abort();
         }
         for w in state.waiting.drain(..) {
-            let _ = w.generation.cast(GenerationMsg::QueueTimeout);
+            if let Waiter::Local(generation) = w.waiter {
+                let _ = generation.cast(GenerationMsg::QueueTimeout);
+            }
         }
+        state.stop_forwarded();
         Ok(())
     }
 }
@@ -264,10 +337,39 @@ impl QueueState {
         self.nodes.values().filter(|n| n.routable()).count()
     }
 
-    fn admit(
+    /// Why no node could take work of `api` now, if none could.
+    pub(super) fn unroutable(&self, api: Api) -> Option<Failure> {
+        let model = &self.args.model;
+        if self.live_nodes() == 0 {
+            return Some(
+                Failure::new(
+                    ErrorCode::NoHealthyNode,
+                    format!("No healthy node serves {model} right now."),
+                )
+                .retry_after(5),
+            );
+        }
+        if !self.nodes.values().any(|n| n.handle.speaks(api)) {
+            // Mid-upgrade: only older agents serve the model, and they cannot run this API.
+            return Some(
+                Failure::new(
+                    ErrorCode::NoHealthyNode,
+                    format!(
+                        "No node serving {model} runs an agent that supports {} yet.",
+                        api.path()
+                    ),
+                )
+                .retry_after(5),
+            );
+        }
+        None
+    }
+
+    /// Admits a generation to the queue, or says why not.
+    pub(super) fn admit(
         &mut self,
         request_id: String,
-        generation: ActorRef<GenerationMsg>,
+        waiter: Waiter,
         front: bool,
         avoid: Option<String>,
         api: Api,
@@ -278,23 +380,8 @@ impl QueueState {
         if self.waiting.iter().any(|w| w.request_id == request_id) {
             return Ok(());
         }
-        if self.live_nodes() == 0 {
-            return Err(Failure::new(
-                ErrorCode::NoHealthyNode,
-                format!("No healthy node serves {model} right now."),
-            )
-            .retry_after(5));
-        }
-        if !self.nodes.values().any(|n| n.handle.speaks(api)) {
-            // Mid-upgrade: only older agents serve the model, and they cannot run this API.
-            return Err(Failure::new(
-                ErrorCode::NoHealthyNode,
-                format!(
-                    "No node serving {model} runs an agent that supports {} yet.",
-                    api.path()
-                ),
-            )
-            .retry_after(5));
+        if let Some(failure) = self.unroutable(api) {
+            return Err(failure);
         }
         if self.waiting.len() >= self.args.config.max_waiting && !front {
             let wait = self.retry_after_secs();
@@ -307,7 +394,7 @@ impl QueueState {
         let deadline = self.args.clock.now() + self.args.config.deadline;
         let entry = Waiting {
             request_id,
-            generation,
+            waiter,
             deadline,
             avoid,
             api,
@@ -337,15 +424,19 @@ impl QueueState {
         recent as f64 / RATE_WINDOW.as_secs_f64()
     }
 
-    /// `switchyard_queue_depth`: the signal that scales a model up, from zero too.
+    /// `switchyard_queue_depth`: the signal that scales a model up, from zero too (only the
+    /// owner holds waiting generations, so the sum over replicas counts each once).
     fn publish_depth(&self) {
         metrics::gauge!(QUEUE_DEPTH, "model" => self.args.model.clone())
             .set(self.waiting.len() as f64);
     }
 
-    /// Hands waiting generations to nodes with room, head first.
-    fn dispatch(&mut self) {
-        self.dispatch_waiting();
+    /// Hands waiting generations to nodes with room, head first — while this replica may
+    /// decide (it runs alone, or holds the queue's lease).
+    pub(super) fn dispatch(&mut self) {
+        if self.decides() {
+            self.dispatch_waiting();
+        }
         self.publish_depth();
     }
 
@@ -368,13 +459,13 @@ impl QueueState {
                 .iter()
                 .filter(|(id, n)| {
                     n.routable()
-                        && n.in_flight < capacity
+                        && n.in_flight() < capacity
                         && Some(id.as_str()) != avoid
                         && n.handle.speaks(api)
                 })
                 .map(|(id, n)| NodeView {
                     node_id: id,
-                    in_flight: n.in_flight,
+                    in_flight: n.in_flight(),
                     capacity,
                     kv_cache_usage: n.load.kv_cache_usage,
                     engine_waiting: n.load.queue_depth,
@@ -399,14 +490,26 @@ impl QueueState {
             let Some(w) = self.waiting.remove(i) else {
                 return;
             };
-            let Some(entry) = self.nodes.get_mut(&node_id) else {
-                return;
+            let sent = match &w.waiter {
+                Waiter::Local(generation) => {
+                    let Some(entry) = self.nodes.get_mut(&node_id) else {
+                        return;
+                    };
+                    let msg = GenerationMsg::Dispatch {
+                        node: entry.handle.clone(),
+                    };
+                    let sent = generation.cast(msg).is_ok();
+                    if sent {
+                        entry.take(&self.me);
+                    }
+                    sent
+                }
+                Waiter::Remote(replica) => {
+                    let replica = replica.clone();
+                    self.dispatch_remote(&replica, w.request_id, &node_id)
+                }
             };
-            let msg = GenerationMsg::Dispatch {
-                node: entry.handle.clone(),
-            };
-            if w.generation.cast(msg).is_ok() {
-                entry.in_flight += 1;
+            if sent {
                 let now = self.args.clock.now();
                 self.dispatches.push_back(now);
                 while self
@@ -427,17 +530,27 @@ impl QueueState {
             self.waiting.drain(..).partition(|w| w.deadline <= now);
         self.waiting = kept.into();
         for w in expired {
-            let _ = w.generation.cast(GenerationMsg::QueueTimeout);
+            match w.waiter {
+                Waiter::Local(generation) => {
+                    let _ = generation.cast(GenerationMsg::QueueTimeout);
+                }
+                Waiter::Remote(replica) => self.tell_replica(
+                    &replica,
+                    crate::cluster::QueueReply::Timeout {
+                        request_id: w.request_id,
+                    },
+                ),
+            }
         }
     }
 
     fn stats(&self) -> QueueStats {
         QueueStats {
-            waiting: self.waiting.len(),
+            waiting: self.waiting.len() + self.forwarded(),
             nodes: self
                 .nodes
                 .iter()
-                .map(|(id, n)| (id.clone(), n.in_flight, n.draining))
+                .map(|(id, n)| (id.clone(), n.in_flight(), n.draining))
                 .collect(),
             suspended: self
                 .nodes
@@ -446,6 +559,7 @@ impl QueueState {
                 .map(|(id, _)| id.clone())
                 .collect(),
             drain_rate: self.drain_rate(),
+            owner: self.owner(),
         }
     }
 }

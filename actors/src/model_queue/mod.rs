@@ -1,12 +1,16 @@
 //! One [`ModelQueueActor`] per model: a bounded queue of admitted generations, a deadline
 //! for each, and the choice of the node that gets the next one. Nodes register with the
 //! queues of the models they serve; every dispatch and release goes through here, so the
-//! queue knows each node's in-flight count exactly, not from a 5-second-old heartbeat.
+//! queue knows each node's in-flight count exactly, not from a 5-second-old heartbeat. In a
+//! cluster one replica's queue decides for all of them ([`cluster`]).
 
 mod actor;
+pub mod cluster;
+mod follow;
 mod msg;
 mod routing;
 
 pub use actor::{ModelQueueActor, QueueArgs, QueueConfig};
+pub use cluster::{QueueCluster, Role};
 pub use msg::{ModelQueueHandle, NodeReport, QueueMsg, QueueStats};
 pub use routing::{NodeView, RoutingStrategy};

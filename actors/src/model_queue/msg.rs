@@ -6,6 +6,8 @@ use std::sync::{Arc, PoisonError, RwLock};
 
 use ractor::{ActorRef, RpcReplyPort};
 
+use super::cluster::Role;
+use crate::cluster::{FromQueue, QueueOwner, ToQueue};
 use crate::error::Failure;
 use crate::generation::GenerationMsg;
 use crate::node::{NodeHandle, NodeLoad};
@@ -22,6 +24,9 @@ pub struct QueueStats {
     pub suspended: Vec<String>,
     /// Dispatches per second over the measuring window.
     pub drain_rate: f64,
+    /// The replica owning the queue, as far as this one knows (`None` standalone, or while
+    /// no owner is known).
+    pub owner: Option<String>,
 }
 
 /// What a [`super::ModelQueueActor`] handles.
@@ -66,6 +71,18 @@ pub enum QueueMsg {
     NodeSuspended(String, bool),
     /// Periodic: expire deadlines, publish the depth gauge.
     Tick,
+    /// The lease task took, renewed or lost the queue's lease.
+    Role(Role),
+    /// A replica announced that it owns this model's queue.
+    Owner(QueueOwner),
+    /// Another replica's enqueues, withdrawals, releases and reports (heard by the owner).
+    Remote(ToQueue),
+    /// The owner's verdicts, dispatches and timeouts for this replica's generations.
+    Replies(FromQueue),
+    /// Nobody heard what this replica sent the owner (fence, incarnation): it is gone.
+    OwnerGone(u64, u64),
+    /// Nobody heard what the owner sent a replica: it is gone, with its generations.
+    ReplicaGone(String),
     /// Current statistics.
     Stats(RpcReplyPort<QueueStats>),
     /// Test-only fault hook: the queue panics while handling it, as a bug would.
@@ -95,6 +112,8 @@ pub struct ModelQueueHandle {
     /// The live queue actor; `None` while its supervisor waits to restart it or gave up on it
     /// (every call then fails at once with `no_healthy_node`, never hangs).
     slot: Arc<RwLock<Option<ActorRef<QueueMsg>>>>,
+    /// Set once by [`ModelQueueHandle::stop`]: the queue's lease task ends with it.
+    stopped: Arc<tokio::sync::watch::Sender<bool>>,
 }
 
 impl ModelQueueHandle {
@@ -103,6 +122,7 @@ impl ModelQueueHandle {
         Self {
             model,
             slot: Arc::new(RwLock::new(actor)),
+            stopped: Arc::new(tokio::sync::watch::Sender::new(false)),
         }
     }
 
@@ -121,7 +141,7 @@ impl ModelQueueHandle {
 
     /// Casts to the bound queue; a message to an unbound or dead queue is dropped (a restarted
     /// queue is rebuilt from the nodes and the waiting generations, not from lost casts).
-    fn cast(&self, msg: QueueMsg) {
+    pub(crate) fn cast(&self, msg: QueueMsg) {
         if let Some(actor) = self.actor() {
             let _ = actor.cast(msg);
         }
@@ -220,8 +240,14 @@ impl ModelQueueHandle {
         }
     }
 
-    /// Stops the queue actor.
+    /// Becomes true when the queue is stopped for good.
+    pub(crate) fn stopped(&self) -> tokio::sync::watch::Receiver<bool> {
+        self.stopped.subscribe()
+    }
+
+    /// Stops the queue actor (and, in a cluster, gives its lease up).
     pub fn stop(&self) {
+        self.stopped.send_replace(true);
         if let Some(actor) = self.actor() {
             actor.stop(None);
         }

@@ -285,10 +285,12 @@ impl Actor for NodeActor {
             NodeMsg::Announce => link::announce(state).await,
             NodeMsg::Reannounce { model, reply } => {
                 if let Some(queue) = state.args.queues.get(&model) {
+                    // This replica's own dispatches: another replica's are counted by the
+                    // queue's owner from that replica's reports.
                     let in_flight = state
                         .in_flight
                         .values()
-                        .filter(|f| f.model == model)
+                        .filter(|f| f.model == model && matches!(f.dest, Dest::Local(_)))
                         .count();
                     queue.node_rejoin(NodeReport {
                         node: state.handle.clone(),

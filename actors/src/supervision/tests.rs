@@ -102,6 +102,7 @@ async fn harness(node_capacity: u32, queue_policy: RestartPolicy) -> Harness {
                 routing: RoutingStrategy::LeastLoaded,
             },
             clock: Arc::new(SystemClock),
+            cluster: None,
         }],
         queue_policy,
         supervisor_policy: RestartPolicy {

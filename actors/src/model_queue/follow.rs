@@ -1,0 +1,686 @@
+//! What a queue does as a member of a cluster (see [`super::cluster`]): as a follower it
+//! forwards its generations to the owner and runs what the owner dispatches to them; as the
+//! owner it decides for every replica's generations and counts every replica's assignments.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::Arc;
+use std::time::Duration;
+
+use ractor::{ActorRef, RpcReplyPort};
+use tokio::time::Instant;
+
+use super::actor::{QueueState, Waiter, Waiting};
+use super::cluster::{QueueCluster, Role};
+use super::msg::QueueMsg;
+use crate::cluster::{FromQueue, Outbox, QueueItem, QueueOwner, QueueReply, ToQueue};
+use crate::cluster::{from_queue, to_queue};
+use crate::error::{ErrorCode, Failure};
+use crate::generation::GenerationMsg;
+use crate::metric_names::QUEUE_FENCED_TOTAL;
+use crate::protocol::Api;
+
+/// How long a forwarded enqueue waits for the owner's verdict before it is refused.
+const VERDICT_WAIT: Duration = Duration::from_secs(4);
+/// A forwarded generation outlives its deadline by this much before this replica times it
+/// out itself (the owner normally does it first).
+const DEADLINE_GRACE: Duration = Duration::from_secs(1);
+
+/// A generation of this replica waiting in another replica's queue.
+#[derive(Debug)]
+pub(super) struct Forwarded {
+    generation: ActorRef<GenerationMsg>,
+    front: bool,
+    avoid: Option<String>,
+    api: Api,
+    deadline: Instant,
+    /// The generation's enqueue call, until the owner's verdict (and when it was asked).
+    verdict: Option<(RpcReplyPort<Result<(), Failure>>, Instant)>,
+}
+
+/// Another replica, as the owner sees it.
+#[derive(Debug)]
+struct Follower {
+    outbox: Outbox<QueueReply>,
+    /// Dispatches sent to it.
+    sent: u64,
+    /// Dispatches (number, node) its last report had not seen yet.
+    unreported: VecDeque<(u64, String)>,
+    /// When it last said anything (it reports every lease period).
+    heard: Instant,
+}
+
+/// A queue's membership of the cluster.
+#[derive(Debug)]
+pub(super) struct Membership {
+    cluster: Arc<QueueCluster>,
+    myself: ActorRef<QueueMsg>,
+    incarnation: u64,
+    role: Role,
+    /// The newest lease token heard of: anything an older owner sends is dropped.
+    newest: u64,
+    /// As a follower: the owner it synced with, and the way to it.
+    owner: Option<QueueOwner>,
+    to_owner: Option<Outbox<QueueItem>>,
+    forwarded: BTreeMap<String, Forwarded>,
+    /// Dispatches heard from the current owner.
+    seen: u64,
+    /// As the owner: the other replicas that asked.
+    followers: BTreeMap<String, Follower>,
+}
+
+impl Membership {
+    /// A new incarnation of the queue actor `myself`.
+    pub(super) fn new(cluster: Arc<QueueCluster>, myself: ActorRef<QueueMsg>) -> Self {
+        let (incarnation, role, owner) = cluster.incarnate();
+        let newest = match role {
+            Role::Owner { fence, .. } => fence,
+            Role::Follower => 0,
+        };
+        // Synced with at once: a restarted follower forwards without waiting for the next
+        // announcement.
+        if let Some(owner) = owner {
+            let _ = myself.cast(QueueMsg::Owner(owner));
+        }
+        Self {
+            cluster,
+            myself,
+            incarnation,
+            role,
+            newest,
+            owner: None,
+            to_owner: None,
+            forwarded: BTreeMap::new(),
+            seen: 0,
+            followers: BTreeMap::new(),
+        }
+    }
+}
+
+impl QueueState {
+    /// Another replica decides: this one forwards.
+    pub(super) fn follows(&self) -> bool {
+        self.cluster
+            .as_ref()
+            .is_some_and(|m| m.role == Role::Follower)
+    }
+
+    /// This replica may dispatch now: it runs alone, or holds a lease that cannot have run
+    /// out yet.
+    pub(super) fn decides(&self) -> bool {
+        match &self.cluster {
+            None => true,
+            Some(m) => match m.role {
+                Role::Owner { until, .. } => self.args.clock.now() < until,
+                Role::Follower => false,
+            },
+        }
+    }
+
+    /// The owner's replica, as far as this one knows.
+    pub(super) fn owner(&self) -> Option<String> {
+        let m = self.cluster.as_ref()?;
+        match m.role {
+            Role::Owner { .. } => Some(self.me.clone()),
+            Role::Follower => m.owner.as_ref().map(|o| o.replica.clone()),
+        }
+    }
+
+    /// This replica's generations waiting in another replica's queue.
+    pub(super) fn forwarded(&self) -> usize {
+        self.cluster.as_ref().map_or(0, |m| m.forwarded.len())
+    }
+
+    /// A local generation enters the owner's queue; answered with the owner's verdict.
+    pub(super) fn forward(
+        &mut self,
+        request_id: String,
+        generation: ActorRef<GenerationMsg>,
+        front: bool,
+        avoid: Option<String>,
+        api: Api,
+        reply: RpcReplyPort<Result<(), Failure>>,
+    ) {
+        let now = self.args.clock.now();
+        let deadline = now + self.args.config.deadline + DEADLINE_GRACE;
+        let refused = self.unroutable(api);
+        let Some(m) = self.cluster.as_mut() else {
+            return;
+        };
+        if m.forwarded.contains_key(&request_id) {
+            let _ = reply.send(Ok(()));
+            return;
+        }
+        if let Some(failure) = refused {
+            // Every replica sees every node: no node, no need to ask.
+            let _ = reply.send(Err(failure));
+            return;
+        }
+        let item = QueueItem::Enqueue {
+            request_id: request_id.clone(),
+            front,
+            avoid: avoid.clone(),
+            api,
+        };
+        m.forwarded.insert(
+            request_id,
+            Forwarded {
+                generation,
+                front,
+                avoid,
+                api,
+                deadline,
+                verdict: Some((reply, now)),
+            },
+        );
+        // With no owner known yet it is sent when one is.
+        self.tell_owner(item);
+    }
+
+    /// A forwarded generation left.
+    pub(super) fn withdraw_forwarded(&mut self, request_id: &str) {
+        if let Some(m) = self.cluster.as_mut()
+            && m.forwarded.remove(request_id).is_some()
+        {
+            self.tell_owner(QueueItem::Withdraw {
+                request_id: request_id.to_owned(),
+            });
+        }
+    }
+
+    /// Sends `item` to the owner, if one is known.
+    pub(super) fn tell_owner(&mut self, item: QueueItem) {
+        if let Some(outbox) = self.cluster.as_ref().and_then(|m| m.to_owner.as_ref()) {
+            let _ = outbox.push(item);
+        }
+    }
+
+    /// As the owner: sends `reply` to a follower.
+    pub(super) fn tell_replica(&mut self, replica: &str, reply: QueueReply) {
+        if let Some(f) = self
+            .cluster
+            .as_mut()
+            .and_then(|m| m.followers.get_mut(replica))
+        {
+            let _ = f.outbox.push(reply);
+        }
+    }
+
+    /// As the owner: dispatches a follower's generation; false when the follower is gone.
+    pub(super) fn dispatch_remote(
+        &mut self,
+        replica: &str,
+        request_id: String,
+        node: &str,
+    ) -> bool {
+        let Some(f) = self
+            .cluster
+            .as_mut()
+            .and_then(|m| m.followers.get_mut(replica))
+        else {
+            return false;
+        };
+        let sent = f.outbox.push(QueueReply::Dispatch {
+            request_id,
+            node_id: node.to_owned(),
+        });
+        if !sent {
+            return false;
+        }
+        f.sent += 1;
+        f.unreported.push_back((f.sent, node.to_owned()));
+        if let Some(n) = self.nodes.get_mut(node) {
+            n.take(replica);
+        }
+        true
+    }
+
+    /// Periodic: forwarded generations with no verdict in time or past their deadline end;
+    /// as the owner, followers silent for a lease period are forgotten.
+    pub(super) fn expire_forwarded(&mut self) {
+        let now = self.args.clock.now();
+        let model = self.args.model.clone();
+        let Some(m) = self.cluster.as_mut() else {
+            return;
+        };
+        let silent_after = m.cluster.lease_ttl + m.cluster.period();
+        let silent: Vec<String> = m
+            .followers
+            .iter()
+            .filter(|(_, f)| now.saturating_duration_since(f.heard) > silent_after)
+            .map(|(r, _)| r.clone())
+            .collect();
+        let late: Vec<String> = m
+            .forwarded
+            .iter()
+            .filter(|(_, f)| {
+                f.deadline <= now
+                    || f.verdict
+                        .as_ref()
+                        .is_some_and(|(_, at)| now.saturating_duration_since(*at) > VERDICT_WAIT)
+            })
+            .map(|(id, _)| id.clone())
+            .collect();
+        let late: Vec<(String, Forwarded)> = late
+            .into_iter()
+            .filter_map(|id| m.forwarded.remove(&id).map(|f| (id, f)))
+            .collect();
+        for (request_id, f) in late {
+            match f.verdict {
+                Some((reply, _)) => {
+                    let failure = Failure::new(
+                        ErrorCode::NoHealthyNode,
+                        format!("The queue of {model} is changing hands; retry in a moment."),
+                    )
+                    .retry_after(1);
+                    let _ = reply.send(Err(failure));
+                }
+                None => {
+                    let _ = f.generation.cast(GenerationMsg::QueueTimeout);
+                }
+            }
+            self.tell_owner(QueueItem::Withdraw { request_id });
+        }
+        for replica in silent {
+            tracing::info!(model = %model, %replica, "a replica following this queue went silent; forgetting its work");
+            self.forget_replica(&replica);
+        }
+    }
+
+    /// The lease task's news.
+    pub(super) fn role(&mut self, role: Role) {
+        let Some(m) = self.cluster.as_mut() else {
+            return;
+        };
+        match (m.role, role) {
+            (Role::Owner { fence: a, .. }, Role::Owner { fence: b, .. }) if a == b => {
+                m.role = role;
+            }
+            (_, Role::Owner { fence, .. }) => {
+                m.role = role;
+                m.newest = m.newest.max(fence);
+                self.take_over();
+            }
+            (Role::Owner { .. }, Role::Follower) => self.step_down(),
+            (Role::Follower, Role::Follower) => {}
+        }
+    }
+
+    /// This replica got the lease: its forwarded generations join the queue, and it counts
+    /// only its own assignments until the followers report theirs.
+    fn take_over(&mut self) {
+        let Some(m) = self.cluster.as_mut() else {
+            return;
+        };
+        tracing::info!(model = %self.args.model, "this replica owns the model's queue now");
+        m.owner = None;
+        m.to_owner = None;
+        m.followers.clear();
+        let forwarded = std::mem::take(&mut m.forwarded);
+        let me = self.me.clone();
+        for n in self.nodes.values_mut() {
+            n.running.retain(|r, _| *r == me);
+        }
+        for (request_id, f) in forwarded {
+            let waiter = Waiter::Local(f.generation);
+            match f.verdict {
+                Some((reply, _)) => {
+                    let verdict = self.admit(request_id, waiter, f.front, f.avoid, f.api);
+                    let _ = reply.send(verdict);
+                }
+                None => self.waiting.push_back(Waiting {
+                    request_id,
+                    waiter,
+                    deadline: f.deadline,
+                    avoid: f.avoid,
+                    api: f.api,
+                }),
+            }
+        }
+    }
+
+    /// This replica lost the lease: its own waiting generations wait for the next owner;
+    /// the others' are theirs to send again.
+    fn step_down(&mut self) {
+        let deadline = self.args.clock.now() + self.args.config.deadline;
+        let Some(m) = self.cluster.as_mut() else {
+            return;
+        };
+        tracing::info!(model = %self.args.model, "this replica no longer owns the model's queue");
+        m.role = Role::Follower;
+        m.followers.clear();
+        m.owner = None;
+        m.to_owner = None;
+        for w in std::mem::take(&mut self.waiting) {
+            if let Waiter::Local(generation) = w.waiter {
+                m.forwarded.insert(
+                    w.request_id,
+                    Forwarded {
+                        generation,
+                        front: true,
+                        avoid: w.avoid,
+                        api: w.api,
+                        deadline: w.deadline.min(deadline),
+                        verdict: None,
+                    },
+                );
+            }
+        }
+        let me = self.me.clone();
+        for n in self.nodes.values_mut() {
+            n.running.retain(|r, _| *r == me);
+        }
+        if let Some(owner) = m.cluster.last_owner() {
+            self.owner_heard(owner);
+        }
+    }
+
+    /// An owner announced itself: a follower that sees a new one sends it its waiting
+    /// generations; every announcement gets a report of what runs here.
+    pub(super) fn owner_heard(&mut self, owner: QueueOwner) {
+        let Some(m) = self.cluster.as_mut() else {
+            return;
+        };
+        if owner.fence < m.newest {
+            return;
+        }
+        m.newest = owner.fence;
+        if owner.replica == self.me {
+            return;
+        }
+        if let Role::Owner { fence, .. } = m.role {
+            if fence >= owner.fence {
+                return;
+            }
+            // A newer owner: this replica's lease ran out unnoticed.
+            self.step_down();
+        }
+        let Some(m) = self.cluster.as_mut() else {
+            return;
+        };
+        if m.owner.as_ref() != Some(&owner) || m.to_owner.is_none() {
+            let gone = m.myself.clone();
+            let (fence, incarnation) = (owner.fence, owner.incarnation);
+            let from = self.me.clone();
+            m.to_owner = Some(Outbox::spawn(
+                m.cluster.coordinator.clone(),
+                to_queue(&self.args.model),
+                move |_, items| {
+                    serde_json::to_vec(&ToQueue {
+                        from: from.clone(),
+                        items,
+                    })
+                    .ok()
+                },
+                move || {
+                    let _ = gone.cast(QueueMsg::OwnerGone(fence, incarnation));
+                },
+            ));
+            m.owner = Some(owner.clone());
+            m.seen = 0;
+            let again: Vec<QueueItem> = m
+                .forwarded
+                .iter()
+                .map(|(request_id, f)| QueueItem::Enqueue {
+                    request_id: request_id.clone(),
+                    front: f.front,
+                    avoid: f.avoid.clone(),
+                    api: f.api,
+                })
+                .collect();
+            for item in again {
+                self.tell_owner(item);
+            }
+        }
+        let running: BTreeMap<String, u32> = self
+            .nodes
+            .iter()
+            .filter_map(|(id, n)| {
+                let mine = n.running.get(&self.me).copied().unwrap_or(0);
+                (mine > 0).then(|| (id.clone(), mine))
+            })
+            .collect();
+        let seen = self.cluster.as_ref().map_or(0, |m| m.seen);
+        self.tell_owner(QueueItem::Report {
+            fence: owner.fence,
+            incarnation: owner.incarnation,
+            running,
+            seen,
+        });
+    }
+
+    /// As the owner: what a follower asked.
+    pub(super) fn remote(&mut self, asked: ToQueue) {
+        let now = self.args.clock.now();
+        let model = self.args.model.clone();
+        let Some(m) = self.cluster.as_mut() else {
+            return;
+        };
+        let Role::Owner { fence, .. } = m.role else {
+            // It sends again to whoever owns the queue once it hears of them.
+            return;
+        };
+        let from = asked.from;
+        if from == self.me {
+            return;
+        }
+        let incarnation = m.incarnation;
+        let follower = m.followers.entry(from.clone()).or_insert_with(|| {
+            let gone = m.myself.clone();
+            let replica = from.clone();
+            Follower {
+                outbox: Outbox::spawn(
+                    m.cluster.coordinator.clone(),
+                    from_queue(&model, &from),
+                    move |_, items| serde_json::to_vec(&FromQueue { fence, items }).ok(),
+                    move || {
+                        let _ = gone.cast(QueueMsg::ReplicaGone(replica));
+                    },
+                ),
+                sent: 0,
+                unreported: VecDeque::new(),
+                heard: now,
+            }
+        });
+        follower.heard = now;
+        for item in asked.items {
+            match item {
+                QueueItem::Enqueue {
+                    request_id,
+                    front,
+                    avoid,
+                    api,
+                } => {
+                    let waiter = Waiter::Remote(from.clone());
+                    let verdict = self.admit(request_id.clone(), waiter, front, avoid, api);
+                    self.tell_replica(
+                        &from,
+                        QueueReply::Verdict {
+                            request_id,
+                            refused: verdict.err(),
+                        },
+                    );
+                }
+                QueueItem::Withdraw { request_id } => self.waiting.retain(|w| {
+                    w.request_id != request_id
+                        || !matches!(&w.waiter, Waiter::Remote(r) if *r == from)
+                }),
+                QueueItem::Released { node_id } => {
+                    if let Some(n) = self.nodes.get_mut(&node_id) {
+                        n.give_back(&from);
+                    }
+                }
+                QueueItem::Report {
+                    fence: f,
+                    incarnation: i,
+                    running,
+                    seen,
+                } if f == fence && i == incarnation => self.reconcile(&from, &running, seen),
+                QueueItem::Report { .. } => {}
+            }
+        }
+    }
+
+    /// A follower's report: what runs there now, plus what was dispatched to it since.
+    fn reconcile(&mut self, from: &str, running: &BTreeMap<String, u32>, seen: u64) {
+        let Some(f) = self
+            .cluster
+            .as_mut()
+            .and_then(|m| m.followers.get_mut(from))
+        else {
+            return;
+        };
+        f.unreported.retain(|(n, _)| *n > seen);
+        let unreported: Vec<String> = f.unreported.iter().map(|(_, node)| node.clone()).collect();
+        for (id, n) in &mut self.nodes {
+            let later = unreported.iter().filter(|u| *u == id).count();
+            let count = running
+                .get(id)
+                .copied()
+                .unwrap_or(0)
+                .saturating_add(u32::try_from(later).unwrap_or(u32::MAX));
+            n.running.insert(from.to_owned(), count);
+        }
+    }
+
+    /// As a follower: the owner's answers.
+    pub(super) fn replies(&mut self, replies: FromQueue) {
+        let model = self.args.model.clone();
+        let Some(m) = self.cluster.as_mut() else {
+            return;
+        };
+        if replies.fence < m.newest {
+            // An owner that lost its lease (partitioned from the coordinator, typically):
+            // nothing it decided runs.
+            metrics::counter!(QUEUE_FENCED_TOTAL, "model" => model).increment(1);
+            return;
+        }
+        m.newest = replies.fence;
+        if matches!(m.role, Role::Owner { .. }) {
+            return;
+        }
+        for reply in replies.items {
+            self.reply(reply, &model);
+        }
+    }
+
+    fn reply(&mut self, reply: QueueReply, model: &str) {
+        let Some(m) = self.cluster.as_mut() else {
+            return;
+        };
+        match reply {
+            QueueReply::Verdict {
+                request_id,
+                refused,
+            } => {
+                let Some(f) = m.forwarded.get_mut(&request_id) else {
+                    return;
+                };
+                match (f.verdict.take(), refused) {
+                    (Some((reply, _)), None) => {
+                        let _ = reply.send(Ok(()));
+                    }
+                    (Some((reply, _)), Some(failure)) => {
+                        let _ = reply.send(Err(failure));
+                        m.forwarded.remove(&request_id);
+                    }
+                    // Sent again to a new owner, which refused it: it cannot wait any more.
+                    (None, Some(_)) => {
+                        if let Some(f) = m.forwarded.remove(&request_id) {
+                            let _ = f.generation.cast(GenerationMsg::QueueTimeout);
+                        }
+                    }
+                    (None, None) => {}
+                }
+            }
+            QueueReply::Dispatch {
+                request_id,
+                node_id,
+            } => {
+                m.seen += 1;
+                let forwarded = m.forwarded.remove(&request_id);
+                let node = self.nodes.get_mut(&node_id);
+                match (forwarded, node) {
+                    (Some(f), Some(n)) => {
+                        if let Some((reply, _)) = f.verdict {
+                            let _ = reply.send(Ok(()));
+                        }
+                        let msg = GenerationMsg::Dispatch {
+                            node: n.handle.clone(),
+                        };
+                        if f.generation.cast(msg).is_ok() {
+                            n.take(&self.me);
+                        } else {
+                            self.tell_owner(QueueItem::Released { node_id });
+                        }
+                    }
+                    (Some(f), None) => {
+                        // The node left this replica's view meanwhile: wait for another.
+                        let again = QueueItem::Enqueue {
+                            request_id: request_id.clone(),
+                            front: true,
+                            avoid: f.avoid.clone(),
+                            api: f.api,
+                        };
+                        m.forwarded.insert(request_id, f);
+                        self.tell_owner(QueueItem::Released { node_id });
+                        self.tell_owner(again);
+                    }
+                    // It left meanwhile: the slot goes back.
+                    (None, _) => self.tell_owner(QueueItem::Released { node_id }),
+                }
+            }
+            QueueReply::Timeout { request_id } => {
+                if let Some(f) = m.forwarded.remove(&request_id) {
+                    match f.verdict {
+                        Some((reply, _)) => {
+                            let failure = Failure::new(
+                                ErrorCode::CapacityExhausted,
+                                format!("No node of {model} had room in time."),
+                            )
+                            .retry_after(5);
+                            let _ = reply.send(Err(failure));
+                        }
+                        None => {
+                            let _ = f.generation.cast(GenerationMsg::QueueTimeout);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Nobody heard this replica's messages to the owner (fence, incarnation).
+    pub(super) fn owner_gone(&mut self, fence: u64, incarnation: u64) {
+        if let Some(m) = self.cluster.as_mut()
+            && m.owner
+                .as_ref()
+                .is_some_and(|o| o.fence == fence && o.incarnation == incarnation)
+        {
+            m.owner = None;
+            m.to_owner = None;
+        }
+    }
+
+    /// As the owner: a follower is gone, and its generations with it.
+    pub(super) fn forget_replica(&mut self, replica: &str) {
+        if let Some(m) = self.cluster.as_mut() {
+            m.followers.remove(replica);
+        }
+        self.waiting
+            .retain(|w| !matches!(&w.waiter, Waiter::Remote(r) if r == replica));
+        for n in self.nodes.values_mut() {
+            n.running.remove(replica);
+        }
+    }
+
+    /// The actor stops: forwarded generations end as if their deadline passed.
+    pub(super) fn stop_forwarded(&mut self) {
+        if let Some(m) = self.cluster.as_mut() {
+            for (_, f) in std::mem::take(&mut m.forwarded) {
+                if f.verdict.is_none() {
+                    let _ = f.generation.cast(GenerationMsg::QueueTimeout);
+                }
+            }
+        }
+    }
+}
