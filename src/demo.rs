@@ -66,6 +66,9 @@ pub struct FleetConfig {
     /// Replicas of the server (more than one needs PostgreSQL and Redis); nodes dial them in
     /// turn, the first node the first replica.
     pub replicas: usize,
+    /// Replicas (by index) that reach Redis at another URL than `server.redis_url` (a drill
+    /// puts one behind a TCP proxy to cut it off).
+    pub redis_urls: BTreeMap<usize, String>,
 }
 
 impl Default for FleetConfig {
@@ -84,6 +87,7 @@ impl Default for FleetConfig {
             credits: 1_000_000_000_000,
             agent_protocol: switchyard_actors::protocol::PROTOCOL_VERSION,
             replicas: 1,
+            redis_urls: BTreeMap::new(),
         }
     }
 }
@@ -192,11 +196,15 @@ impl Fleet {
         };
         config.server.admin_token = Some(admin_token.clone());
         let listener = TcpListener::bind(config.server.listen).await?;
-        let coordinator = crate::coord::connect_coordinator(
-            config.server.redis_url.as_deref(),
-            &config.server.redis_prefix,
-        )
-        .await?;
+        let redis_of = |i: usize| {
+            config
+                .redis_urls
+                .get(&i)
+                .map(String::as_str)
+                .or(config.server.redis_url.as_deref())
+        };
+        let coordinator =
+            crate::coord::connect_coordinator(redis_of(0), &config.server.redis_prefix).await?;
         let server =
             Server::start(config.server.clone(), store.clone(), coordinator, listener).await?;
         let mut peers = Vec::new();
@@ -211,11 +219,8 @@ impl Fleet {
             peer.listen.set_port(port);
             let listener = TcpListener::bind(peer.listen).await?;
             let store = crate::store::connect_store(database_url).await?;
-            let coordinator = crate::coord::connect_coordinator(
-                config.server.redis_url.as_deref(),
-                &config.server.redis_prefix,
-            )
-            .await?;
+            let coordinator =
+                crate::coord::connect_coordinator(redis_of(i), &config.server.redis_prefix).await?;
             peers.push(Server::start(peer, store, coordinator, listener).await?);
         }
         let mut fleet = Fleet {

@@ -292,9 +292,11 @@ impl Server {
         .map_err(|e| StartError::Actors(e.to_string()))?;
         let generations = supervision.generations.clone();
         let queues = supervision.queues.clone();
+        // Each queue's first try at its lease is over before the replica serves: a replica
+        // starting alone (or first) owns its queues from its first request on.
         for (model, member) in &memberships {
             if let Some(queue) = queues.get(model) {
-                member.spawn(queue.clone(), clock.clone());
+                member.spawn(queue.clone(), clock.clone()).await;
             }
         }
         // A stream's place outlives the longest request (plus the wait for its usage report).

@@ -9,6 +9,11 @@ mod common;
 
 #[path = "cluster/nodes.rs"]
 mod nodes;
+#[path = "coord/proxy.rs"]
+#[allow(dead_code)]
+mod proxy;
+#[path = "cluster/queues.rs"]
+mod queues;
 #[path = "cluster/relay.rs"]
 mod relay;
 
@@ -24,6 +29,8 @@ use common::{clean_redis, drop_pg, fresh_pg, http, redis_url};
 #[derive(Debug)]
 pub struct Cluster {
     pub fleet: Fleet,
+    /// What it was started with (to add nodes).
+    pub config: FleetConfig,
     pub db_name: String,
     pub prefix: String,
 }
@@ -48,10 +55,11 @@ pub async fn cluster(
     config.server.redis_url = Some(redis_url());
     config.server.redis_prefix = prefix.clone();
     tweak(&mut config);
-    let fleet = Fleet::start(config, &db_url).await.unwrap();
+    let fleet = Fleet::start(config.clone(), &db_url).await.unwrap();
     assert!(fleet.wait_registered(Duration::from_secs(10)).await);
     let c = Cluster {
         fleet,
+        config,
         db_name,
         prefix,
     };
@@ -91,22 +99,31 @@ impl Cluster {
         self.wait_queue_owner().await;
     }
 
-    /// Every replica knows one owner of each model's queue: the replica it names.
+    /// Every replica knows the same owner of each model's queue; the owner of `small`'s.
     pub async fn wait_queue_owner(&self) -> String {
+        let small = self
+            .config
+            .server
+            .resolve_model("small")
+            .unwrap()
+            .name
+            .clone();
         let owner = std::sync::Mutex::new(None);
-        common::wait_for(Duration::from_secs(10), "one known queue owner", || {
-            let owner = &owner;
+        common::wait_for(Duration::from_secs(10), "one known owner per queue", || {
+            let (owner, small) = (&owner, &small);
             async move {
-                let mut seen = std::collections::BTreeSet::new();
+                let mut seen = std::collections::BTreeMap::new();
                 for r in self.fleet.replicas() {
-                    for q in r.state().queues.values() {
-                        seen.insert(q.stats().await.and_then(|s| s.owner));
+                    for (model, q) in &r.state().queues {
+                        let o = q.stats().await.and_then(|s| s.owner);
+                        seen.entry(model.clone())
+                            .or_insert_with(std::collections::BTreeSet::new)
+                            .insert(o);
                     }
                 }
-                let first = seen.first().cloned().flatten();
-                let one = seen.len() == 1 && first.is_some();
-                *owner.lock().unwrap() = first;
-                one
+                *owner.lock().unwrap() = seen[small].first().cloned().flatten();
+                seen.values()
+                    .all(|o| o.len() == 1 && o.first().is_some_and(Option::is_some))
             }
         })
         .await;
@@ -143,6 +160,18 @@ impl Cluster {
 }
 
 /// A streamed chat completion of `small`.
+/// A streamed chat completion of up to `max_tokens` at `url`: the whole body.
+pub async fn stream_body(url: &str, key: &str, max_tokens: u32) -> String {
+    let resp = http()
+        .post(url)
+        .bearer_auth(key)
+        .json(&chat(max_tokens))
+        .send()
+        .await
+        .unwrap();
+    resp.text().await.unwrap()
+}
+
 pub fn chat(max_tokens: u32) -> Value {
     json!({
         "model": "small",

@@ -98,15 +98,19 @@ impl QueueCluster {
     }
 
     /// Keeps the lease of `handle`'s model (or follows its owner) until the handle is
-    /// stopped; then gives the lease up, so another replica takes over at once.
-    pub fn spawn(self: &Arc<Self>, handle: ModelQueueHandle, clock: Arc<dyn Clock>) {
+    /// stopped; then gives the lease up, so another replica takes over at once. Returns once
+    /// the first attempt at the lease is over (a replica starts knowing its role), or after
+    /// one lease time.
+    pub async fn spawn(self: &Arc<Self>, handle: ModelQueueHandle, clock: Arc<dyn Clock>) {
         let cluster = self.clone();
+        let (first, tried) = tokio::sync::oneshot::channel();
+        let mut first = Some(first);
         tokio::spawn(async move {
             let _guard = TaskGuard::new("queue_lease");
             let mut stopped = handle.stopped();
             let mut pause = Duration::from_millis(100);
             loop {
-                let run = cluster.run(&handle, &clock);
+                let run = cluster.run(&handle, &clock, &mut first);
                 tokio::select! {
                     _ = stopped.wait_for(|s| *s) => break,
                     result = run => {
@@ -128,6 +132,8 @@ impl QueueCluster {
                 .release_lease(&lease, &cluster.replica_id)
                 .await;
         });
+        // Bounded: an unreachable coordinator delays the start by a lease, not forever.
+        let _ = tokio::time::timeout(self.lease_ttl, tried).await;
     }
 
     /// Subscribes, then renews the lease every period and passes what is heard to the queue,
@@ -136,6 +142,7 @@ impl QueueCluster {
         &self,
         handle: &ModelQueueHandle,
         clock: &Arc<dyn Clock>,
+        first: &mut Option<tokio::sync::oneshot::Sender<()>>,
     ) -> Result<(), CoordError> {
         let model = handle.model().to_owned();
         let mut owners = self.coordinator.subscribe(QUEUE_OWNERS_CHANNEL).await?;
@@ -157,7 +164,13 @@ impl QueueCluster {
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tokio::select! {
-                _ = tick.tick() => self.renew(handle, clock, &mut asks).await?,
+                _ = tick.tick() => {
+                    let renewed = self.renew(handle, clock, &mut asks).await;
+                    if let Some(first) = first.take() {
+                        let _ = first.send(());
+                    }
+                    renewed?;
+                }
                 msg = owners.recv() => {
                     let payload = msg.ok_or_else(|| CoordError::Unavailable("subscription ended".into()))?;
                     match serde_json::from_slice::<QueueNews>(&payload) {
