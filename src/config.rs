@@ -88,9 +88,6 @@ pub struct QueueSettings {
     pub max_waiting: usize,
     /// Seconds a request may wait for a node before `capacity_exhausted`.
     pub deadline_secs: u64,
-    /// Seconds a replica's lease on a model's queue lasts (renewed three times within it):
-    /// after an owner dies, another replica owns the queue within this.
-    pub lease_secs: u64,
 }
 
 impl Default for QueueSettings {
@@ -98,7 +95,6 @@ impl Default for QueueSettings {
         Self {
             max_waiting: 256,
             deadline_secs: 30,
-            lease_secs: 6,
         }
     }
 }
@@ -290,6 +286,10 @@ pub struct Config {
     pub redis_ca_file: Option<PathBuf>,
     /// Namespace of every Redis key and channel: the replicas of one cluster share it.
     pub redis_prefix: String,
+    /// Seconds a replica's lease on a model's queue or a team's budget lasts (a queue's is
+    /// renewed every third of it): when an owner dies, another replica owns what it owned
+    /// within this.
+    pub owner_lease_secs: u64,
     /// This replica's id; random when absent.
     pub replica_id: Option<String>,
     /// Bootstrap admin token.
@@ -337,6 +337,7 @@ impl Default for Config {
             redis_url: None,
             redis_ca_file: None,
             redis_prefix: "switchyard:".into(),
+            owner_lease_secs: 6,
             replica_id: None,
             admin_token: None,
             jwks_url: None,
@@ -467,10 +468,10 @@ impl Config {
                 .parse()
                 .map_err(|_| bad(env_names::QUEUE_DEADLINE_SECS, &v))?;
         }
-        if let Some(v) = get(env_names::QUEUE_LEASE_SECS) {
-            self.queue.lease_secs = v
+        if let Some(v) = get(env_names::OWNER_LEASE_SECS) {
+            self.owner_lease_secs = v
                 .parse()
-                .map_err(|_| bad(env_names::QUEUE_LEASE_SECS, &v))?;
+                .map_err(|_| bad(env_names::OWNER_LEASE_SECS, &v))?;
         }
         Ok(())
     }
@@ -507,8 +508,8 @@ impl Config {
         if self.queue.deadline_secs == 0 || self.timeouts.total_secs == 0 {
             return invalid("queue deadline and total timeout must be > 0".into());
         }
-        if self.queue.lease_secs == 0 {
-            return invalid("queue.lease_secs must be > 0".into());
+        if self.owner_lease_secs == 0 {
+            return invalid("owner_lease_secs must be > 0".into());
         }
         let g = &self.generations;
         if g.window_hours == 0 || 24 % g.window_hours != 0 {

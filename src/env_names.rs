@@ -22,8 +22,8 @@ pub const ROUTING: &str = "SWITCHYARD_ROUTING";
 pub const QUEUE_MAX_WAITING: &str = "SWITCHYARD_QUEUE_MAX_WAITING";
 /// Seconds a request may wait for a node.
 pub const QUEUE_DEADLINE_SECS: &str = "SWITCHYARD_QUEUE_DEADLINE_SECS";
-/// Overrides `queue.lease_secs`.
-pub const QUEUE_LEASE_SECS: &str = "SWITCHYARD_QUEUE_LEASE_SECS";
+/// Overrides `owner_lease_secs`.
+pub const OWNER_LEASE_SECS: &str = "SWITCHYARD_OWNER_LEASE_SECS";
 /// OTLP/HTTP collector base URL for trace export (OpenTelemetry's standard variable).
 pub const OTLP_ENDPOINT: &str = "OTEL_EXPORTER_OTLP_ENDPOINT";
 /// `json` for JSON logs.

@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
-use switchyard_actors::budget::{BudgetConfig, BudgetSupervisor, TeamBudgets};
+use switchyard_actors::budget::{BudgetCluster, BudgetConfig, BudgetSupervisor, TeamBudgets};
 use switchyard_actors::generation::{Generations, Launcher};
 use switchyard_actors::model_queue::{ModelQueueHandle, QueueArgs, QueueCluster};
 use switchyard_actors::node::NodeHandle;
@@ -257,9 +257,16 @@ impl Server {
         let ledger: Arc<dyn switchyard_actors::ports::Ledger> = store.clone();
         let (budgets, budget_args) =
             TeamBudgets::unstarted(ledger.clone(), clock.clone(), BudgetConfig::default());
-        let budgets = Arc::new(budgets);
-        // One owner per model queue in the cluster (alone, this replica takes every lease).
-        let lease_ttl = Duration::from_secs(config.queue.lease_secs);
+        // One owner per model queue and per team budget in the cluster (alone, this replica
+        // takes every lease).
+        let lease_ttl = Duration::from_secs(config.owner_lease_secs);
+        let budget_cluster = Arc::new(BudgetCluster::new(
+            coordinator.clone(),
+            replica_id.clone(),
+            lease_ttl,
+            clock.clone(),
+        ));
+        let budgets = Arc::new(budgets.in_cluster(budget_cluster.clone()));
         let memberships: BTreeMap<String, Arc<QueueCluster>> = config
             .models
             .iter()
@@ -365,6 +372,7 @@ impl Server {
         spawn_cancel_listener(&state).await;
         spawn_client_back_listener(&state).await;
         crate::cluster::spawn_view(&state).await;
+        budget_cluster.spawn(state.budgets.clone()).await;
         let addr = listener.local_addr()?;
         let app = crate::http::router(state.clone());
         let shutdown = state.shutdown.clone();

@@ -9,11 +9,11 @@ mod common;
 
 #[path = "cluster/nodes.rs"]
 mod nodes;
+#[path = "cluster/owners.rs"]
+mod owners;
 #[path = "coord/proxy.rs"]
 #[allow(dead_code)]
 mod proxy;
-#[path = "cluster/queues.rs"]
-mod queues;
 #[path = "cluster/relay.rs"]
 mod relay;
 

@@ -586,6 +586,12 @@ impl Coordinator for Counting {
     ) -> Result<(), switchyard::coord::CoordError> {
         self.inner.release_lease(name, owner).await
     }
+    async fn lease_holder(
+        &self,
+        name: &str,
+    ) -> Result<Option<String>, switchyard_actors::ports::CoordError> {
+        self.inner.lease_holder(name).await
+    }
     async fn incr(
         &self,
         key: &str,

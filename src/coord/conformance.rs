@@ -308,9 +308,12 @@ pub async fn lease_release(c: &dyn Coordinator, prefix: &str) -> Outcome {
     c.release_lease(&name, "b").await?;
     expect_eq(CHECK, c.acquire_lease(&name, "b", LONG).await?, None)?;
 
+    expect_eq(CHECK, c.lease_holder(&name).await?, Some("a".to_owned()))?;
     c.release_lease(&name, "a").await?;
+    expect_eq(CHECK, c.lease_holder(&name).await?, None)?;
     let t2 = granted(CHECK, c.acquire_lease(&name, "b", LONG).await?)?;
     expect(CHECK, t2 > t1, || format!("token {t2} not above {t1}"))?;
+    expect_eq(CHECK, c.lease_holder(&name).await?, Some("b".to_owned()))?;
 
     c.release_lease(&name, "b").await?;
     let t3 = granted(CHECK, c.acquire_lease(&name, "b", LONG).await?)?;

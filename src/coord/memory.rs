@@ -373,6 +373,19 @@ impl Coordinator for MemoryCoordinator {
         Ok(())
     }
 
+    async fn lease_holder(&self, name: &str) -> Result<Option<String>, CoordError> {
+        let now = Instant::now();
+        let mut inner = self.lock();
+        match inner.live(name, now) {
+            None => Ok(None),
+            Some(Entry {
+                value: Value::Lease { owner, .. },
+                ..
+            }) => Ok(Some(owner.clone())),
+            Some(entry) => Err(wrong_type(name, &entry.value, "lease")),
+        }
+    }
+
     async fn incr(&self, key: &str, by: i64, ttl: Duration) -> Result<i64, CoordError> {
         let now = Instant::now();
         let mut inner = self.lock();

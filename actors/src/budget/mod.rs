@@ -7,10 +7,12 @@
 //! [`Ledger`]: crate::ports::Ledger
 
 mod actor;
+mod cluster;
 mod msg;
 mod supervisor;
 
 pub use actor::{BudgetConfig, TeamBudgetActor, TeamBudgetArgs, TeamBudgetState};
+pub use cluster::BudgetCluster;
 pub use msg::{BudgetSupervisorMsg, TeamBudgetMsg, TeamBudgetStats};
 pub use supervisor::{BudgetOwners, BudgetSupervisor, BudgetSupervisorArgs, TeamBudgets};
 

@@ -11,6 +11,7 @@ use ractor::rpc::CallResult;
 use ractor::{Actor, ActorProcessingErr, ActorRef, ActorStatus, MessagingErr, SupervisionEvent};
 
 use super::actor::{BudgetConfig, TeamBudgetActor, TeamBudgetArgs};
+use super::cluster::{Answer, BudgetCluster, Route};
 use super::msg::{BudgetSupervisorMsg, TeamBudgetMsg, TeamBudgetStats};
 use crate::metric_names::ACTOR_RESTARTS_TOTAL;
 use crate::ports::{
@@ -22,9 +23,8 @@ use crate::tasks::TaskGuard;
 /// goes through the supervisor, which spawns a fresh actor).
 const ROUTE_ATTEMPTS: usize = 3;
 
-/// Which actor owns which team's budget. Per replica for now: the supervisor writes it,
-/// callers read it. When a team's budget becomes one actor cluster-wide, this is the one
-/// type that learns to answer "another replica owns it" (a lease in the coordinator).
+/// Which actor owns which team's budget on this replica: the supervisor writes it, callers
+/// read it. Which replica owns it is [`BudgetCluster`]'s to say.
 #[derive(Debug, Clone, Default)]
 pub struct BudgetOwners {
     owners: Arc<RwLock<BTreeMap<i64, ActorRef<TeamBudgetMsg>>>>,
@@ -231,6 +231,8 @@ pub struct TeamBudgets {
     supervisor: SupervisorSlot,
     owners: BudgetOwners,
     config: BudgetConfig,
+    /// In a cluster: who owns each team's budget, and the way to them.
+    cluster: Option<Arc<BudgetCluster>>,
 }
 
 impl TeamBudgets {
@@ -267,8 +269,16 @@ impl TeamBudgets {
             supervisor: slot,
             owners,
             config,
+            cluster: None,
         };
         (budgets, args)
+    }
+
+    /// In a cluster: a team's reservations are decided by the replica holding its lease.
+    #[must_use]
+    pub fn in_cluster(mut self, cluster: Arc<BudgetCluster>) -> Self {
+        self.cluster = Some(cluster);
+        self
     }
 
     /// Test-only fault hook: makes the budget supervisor panic.
@@ -313,6 +323,9 @@ impl TeamBudgets {
 
     /// Stops the supervisor and every team actor.
     pub fn stop(&self) {
+        if let Some(cluster) = &self.cluster {
+            cluster.stop();
+        }
         if let Some(supervisor) = self
             .supervisor
             .write()
@@ -357,6 +370,46 @@ fn unavailable(why: &str) -> LedgerError {
 #[async_trait]
 impl Ledger for TeamBudgets {
     async fn reserve(&self, reservation: &Reservation) -> Result<(), LedgerError> {
+        let Some(cluster) = &self.cluster else {
+            return self.reserve_here(reservation).await;
+        };
+        for _ in 0..ROUTE_ATTEMPTS {
+            match cluster.route(reservation.team_id).await? {
+                Route::Here => return self.reserve_here(reservation).await,
+                Route::There(replica) => {
+                    match cluster
+                        .ask(&replica, reservation, self.config.reply_timeout)
+                        .await?
+                    {
+                        Some(Answer::Decided(result)) => return result,
+                        Some(Answer::NotOwner) => cluster.forget(reservation.team_id),
+                        // Nobody heard it: the owner is gone and its lease runs out soon.
+                        // Deciding here meanwhile costs batching, not money (the ledger
+                        // judges every reservation).
+                        None => return self.reserve_here(reservation).await,
+                    }
+                }
+            }
+        }
+        Err(unavailable("no replica took the team's reservation"))
+    }
+
+    async fn settle(&self, settlement: &Settlement) -> Result<SettleOutcome, LedgerError> {
+        self.inner.settle(settlement).await
+    }
+
+    async fn cancel(&self, request_id: &str) -> Result<SettleOutcome, LedgerError> {
+        self.inner.cancel(request_id).await
+    }
+
+    async fn entry(&self, request_id: &str) -> Result<Option<LedgerEntry>, LedgerError> {
+        self.inner.entry(request_id).await
+    }
+}
+
+impl TeamBudgets {
+    /// Decides a reservation through this replica's actor of the team.
+    pub(super) async fn reserve_here(&self, reservation: &Reservation) -> Result<(), LedgerError> {
         let mut routed = self.owner(reservation.team_id).await?;
         for _ in 0..ROUTE_ATTEMPTS {
             let sent = routed
@@ -394,17 +447,5 @@ impl Ledger for TeamBudgets {
             }
         }
         Err(unavailable("no team budget actor took the reservation"))
-    }
-
-    async fn settle(&self, settlement: &Settlement) -> Result<SettleOutcome, LedgerError> {
-        self.inner.settle(settlement).await
-    }
-
-    async fn cancel(&self, request_id: &str) -> Result<SettleOutcome, LedgerError> {
-        self.inner.cancel(request_id).await
-    }
-
-    async fn entry(&self, request_id: &str) -> Result<Option<LedgerEntry>, LedgerError> {
-        self.inner.entry(request_id).await
     }
 }

@@ -23,6 +23,9 @@
 //! - [`from_queue`]`(model, replica)`: the owner's verdicts, dispatches and timeouts for one
 //!   replica's generations ([`FromQueue`]), with the owner's fence.
 //!
+//! - [`to_budget`]`(replica)`: reservations for the teams whose budget lease `replica`
+//!   holds, and its answers to the reservations it asked others to decide.
+//!
 //! A generation whose node is local never touches pub/sub for its frames; one admitted on
 //! the replica owning its model's queue never touches it for its dispatch.
 
@@ -69,4 +72,14 @@ pub fn to_queue(model: &str) -> String {
 /// The channel replica `replica_id` hears the owner of `model`'s queue on.
 pub fn from_queue(model: &str, replica_id: &str) -> String {
     format!("from_queue:{model}:{replica_id}")
+}
+
+/// The lease of a team's budget.
+pub fn budget_lease(team_id: i64) -> String {
+    format!("budget:{team_id}")
+}
+
+/// The channel replica `replica_id` hears budget asks and answers on.
+pub fn to_budget(replica_id: &str) -> String {
+    format!("to_budget:{replica_id}")
 }

@@ -300,6 +300,10 @@ mod map_coordinator {
         ) -> Result<Option<u64>, CoordError> {
             Ok(Some(1))
         }
+        async fn lease_holder(&self, _: &str) -> Result<Option<String>, CoordError> {
+            Ok(None)
+        }
+
         async fn release_lease(&self, _: &str, _: &str) -> Result<(), CoordError> {
             Ok(())
         }

@@ -172,7 +172,8 @@ pub enum SettleOutcome {
 }
 
 /// Failures of the ledger.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum LedgerError {
     /// A row with this request id exists already.
     #[error("a ledger row for this request exists already")]
@@ -328,6 +329,8 @@ pub trait Coordinator: Send + Sync + Debug + 'static {
     ) -> Result<Option<u64>, CoordError>;
     /// Gives the lease up if `owner` holds it.
     async fn release_lease(&self, name: &str, owner: &str) -> Result<(), CoordError>;
+    /// Who holds the lease `name` now, if anyone (a snapshot: it may change the next moment).
+    async fn lease_holder(&self, name: &str) -> Result<Option<String>, CoordError>;
     /// Adds `by` to the counter at `key` (created at 0 with expiry `ttl`); returns the sum.
     async fn incr(&self, key: &str, by: i64, ttl: Duration) -> Result<i64, CoordError>;
     /// Takes a place for `member` in the bounded set at `key` (at most `limit` members; a

@@ -459,6 +459,34 @@ impl Coordinator for RedisCoordinator {
         Ok(())
     }
 
+    async fn lease_holder(&self, name: &str) -> Result<Option<String>, CoordError> {
+        let (generation, mut conn) = self.commands();
+        let held: Option<String> = self
+            .bounded(
+                "lease_holder",
+                generation,
+                redis::cmd("GET")
+                    .arg(self.key(name))
+                    .query_async::<Option<String>>(&mut conn),
+            )
+            .await?;
+        let Some(held) = held else {
+            return Ok(None);
+        };
+        // `lease:{token}:{owner}`, as ACQUIRE_LEASE writes it.
+        let owner = held
+            .strip_prefix("lease:")
+            .and_then(|rest| rest.split_once(':'))
+            .filter(|(token, _)| token.parse::<u64>().is_ok())
+            .map(|(_, owner)| owner.to_owned());
+        match owner {
+            Some(owner) => Ok(Some(owner)),
+            None => Err(CoordError::Unavailable(format!(
+                "WRONGTYPE key {name:?} holds something other than a lease"
+            ))),
+        }
+    }
+
     async fn incr(&self, key: &str, by: i64, ttl: Duration) -> Result<i64, CoordError> {
         let mut invocation = INCR.prepare_invoke();
         invocation.key(self.key(key)).arg(by).arg(ttl_millis(ttl));

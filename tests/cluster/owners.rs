@@ -1,5 +1,5 @@
-//! One owner per model queue: a lease with a fencing token, taken over when the owner is
-//! cut off or stops, with nothing waiting lost and nothing run twice.
+//! One owner per model queue and per team budget: a lease with a fencing token, taken over
+//! when the owner is cut off or stops, with nothing waiting lost and nothing run twice.
 
 use std::time::{Duration, Instant};
 
@@ -72,7 +72,7 @@ async fn a_queue_owner_cut_off_from_redis_loses_the_queue_and_nothing_runs_twice
     // Replica 0 (which takes the queue's lease first) reaches Redis through the proxy; the
     // node that runs one request at a time is on replica 1.
     let mut c = cluster(2, 0, 1.0, |cfg| {
-        cfg.server.queue.lease_secs = 1;
+        cfg.server.owner_lease_secs = 1;
         for m in &mut cfg.server.models {
             m.node_concurrency = 1;
         }
@@ -205,4 +205,52 @@ async fn a_queue_owner_that_stops_hands_its_waiting_requests_to_the_next_owner()
     }
     settled_once(&c, 5).await;
     c.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn one_replica_decides_a_teams_reservations_entering_every_replica() {
+    let c = cluster(3, 3, 10.0, |_| {}).await;
+    let team = c.fleet.team_id;
+    let key = c.fleet.api_key.clone();
+    let requests: Vec<_> = (0..30)
+        .map(|i| {
+            let (url, key) = (c.url(i % 3, "/v1/chat/completions"), key.clone());
+            tokio::spawn(async move { super::stream_body(&url, &key, 8).await })
+        })
+        .collect();
+    for r in requests {
+        assert!(r.await.unwrap().contains("[DONE]"));
+    }
+    // The team's actor runs on one replica, which decided all thirty.
+    let mut deciders = Vec::new();
+    for (i, r) in c.fleet.replicas().iter().enumerate() {
+        if let Some(stats) = r.state().budgets.stats(team).await {
+            deciders.push((i, stats.decided));
+        }
+    }
+    assert_eq!(deciders.len(), 1, "{deciders:?}");
+    assert_eq!(deciders[0].1, 30, "{deciders:?}");
+    settled_all(&c, 30).await;
+    c.stop().await;
+}
+
+/// Every row settled, once: the rows.
+async fn settled_all(c: &Cluster, requests: usize) -> Vec<switchyard::store::LedgerRow> {
+    let store = c.fleet.store.clone();
+    wait_for(
+        Duration::from_secs(30),
+        "every reservation to close",
+        || {
+            let store = store.clone();
+            async move { store.open_reservations().await.unwrap() == 0 }
+        },
+    )
+    .await;
+    let rows = c.fleet.store.ledger_rows(None).await.unwrap();
+    assert_eq!(rows.len(), requests, "one row per request");
+    assert!(
+        rows.iter().all(|r| r.status == LedgerStatus::Settled),
+        "{rows:?}"
+    );
+    rows
 }
