@@ -2,8 +2,11 @@
 # `serve` on a fresh PostgreSQL database and Redis, a team with credits, a key with every limit
 # set (so every admission runs every check) and one node agent; stops them and drops the
 # database on exit. Before sourcing, set TTFT_MS and ITL_MS (the simulator's timing) and
-# optionally NODE_CONCURRENCY (1000), MAX_WAITING (10000) and MAX_STREAMS (100000).
-# Afterwards: SY, LT, GW, KEY, ENGINE_PORT, ENGINE_PID, GW_PID, AGENT_PID, WORK.
+# optionally NODE_CONCURRENCY (1000), MAX_WAITING (10000), MAX_STREAMS (100000) and REPLICAS
+# (1: more start further `serve` replicas on the next ports, sharing the database, Redis and a
+# key prefix of their own; the first starts first, so it owns every queue, and the node dials
+# it). Afterwards: SY, LT, GW, KEY, ENGINE_PORT, ENGINE_PID, GW_PID, AGENT_PID, WORK, and
+# GWS / GW_PIDS (every replica's URL / pid, the first one first).
 #
 # Env: BIN_DIR (target/release), DATABASE (postgres://postgres@127.0.0.1:5432/postgres: a
 # database `sybench_<random>` is made there and dropped), REDIS_URL (redis://127.0.0.1:6379),
@@ -35,7 +38,6 @@ DBURL="${PG%/*}/$DB"
 ENGINE_PID=$!; pids+=($ENGINE_PID)
 
 cat > "$WORK/switchyard.toml" <<TOML
-listen = "127.0.0.1:$GW_PORT"
 [[models]]
 name = "tiny"
 price_input_per_mtok = 1000
@@ -48,11 +50,20 @@ max_waiting = ${MAX_WAITING:-10000}
 # Every connection comes from the load generator on this host.
 max_connections_per_client = 0
 TOML
-DATABASE_URL="$DBURL" REDIS_URL="$REDIS_URL" SWITCHYARD_REPLICA_ID=bench \
-  SWITCHYARD_ADMIN_TOKEN=$ADMIN "$SY" serve --config "$WORK/switchyard.toml" > "$WORK/serve.log" 2>&1 &
-GW_PID=$!; pids+=($GW_PID)
-GW=http://127.0.0.1:$GW_PORT
-for _ in $(seq 1 120); do curl -sf "$GW/healthz" >/dev/null && break; sleep 0.5; done
+PREFIX="sybench-$RANDOM$RANDOM:"
+GWS=() GW_PIDS=()
+for i in $(seq 0 $(( ${REPLICAS:-1} - 1 ))); do
+  port=$(( GW_PORT + i ))
+  DATABASE_URL="$DBURL" REDIS_URL="$REDIS_URL" SWITCHYARD_REPLICA_ID=bench-$i \
+    SWITCHYARD_REDIS_PREFIX="$PREFIX" SWITCHYARD_LISTEN="127.0.0.1:$port" \
+    SWITCHYARD_ADMIN_TOKEN=$ADMIN "$SY" serve --config "$WORK/switchyard.toml" \
+    > "$WORK/serve-$i.log" 2>&1 &
+  GW_PIDS+=($!); pids+=($!)
+  GWS+=("http://127.0.0.1:$port")
+  for _ in $(seq 1 120); do curl -sf "${GWS[$i]}/healthz" >/dev/null && break; sleep 0.5; done
+done
+GW_PID=${GW_PIDS[0]}
+GW=${GWS[0]}
 adm() { curl -sS -X "$1" "$GW$2" -H "Authorization: Bearer $ADMIN" -H 'Content-Type: application/json' ${3:+--data "$3"}; }
 json() { python3 -c "import json,sys; print(json.load(sys.stdin)[\"$1\"])"; }
 team=$(adm POST /admin/teams '{"name":"bench"}' | json id)

@@ -29,7 +29,8 @@ pub struct ModelWeight {
 /// Everything [`crate::run`] needs. Build it from the CLI or directly in tests.
 #[derive(Debug, Clone)]
 pub struct RunConfig {
-    /// OpenAI base URL as in `OPENAI_BASE_URL`, e.g. `http://127.0.0.1:8000/v1`.
+    /// OpenAI base URL as in `OPENAI_BASE_URL`, e.g. `http://127.0.0.1:8000/v1`; several,
+    /// comma-separated, take requests in turn (replicas without a load balancer).
     pub url: String,
     /// Sent as `Authorization: Bearer KEY` when present.
     pub api_key: Option<String>,
@@ -80,9 +81,20 @@ impl RunConfig {
         }
     }
 
-    /// `{url}/chat/completions`, tolerating a trailing slash on the base URL.
+    /// `{url}/chat/completions`, tolerating a trailing slash on the base URL (for several
+    /// URLs, they joined with commas).
     pub fn endpoint(&self) -> String {
-        format!("{}/chat/completions", self.url.trim_end_matches('/'))
+        self.endpoints().join(",")
+    }
+
+    /// `{url}/chat/completions` of each comma-separated base URL.
+    pub fn endpoints(&self) -> Vec<String> {
+        self.url
+            .split(',')
+            .map(str::trim)
+            .filter(|u| !u.is_empty())
+            .map(|u| format!("{}/chat/completions", u.trim_end_matches('/')))
+            .collect()
     }
 
     /// Rejects configurations that cannot produce a meaningful run.
@@ -255,5 +267,16 @@ mod tests {
         assert_eq!(cfg.endpoint(), "http://h:1/v1/chat/completions");
         cfg.url = "http://h:1/v1".into();
         assert_eq!(cfg.endpoint(), "http://h:1/v1/chat/completions");
+    }
+
+    #[test]
+    fn several_urls_are_several_endpoints() {
+        let mut cfg = RunConfig::new("http://a:1/v1/, http://b:2/v1", "m");
+        assert_eq!(
+            cfg.endpoints(),
+            ["http://a:1/v1/chat/completions", "http://b:2/v1/chat/completions"]
+        );
+        cfg.url = "http://a:1/v1".into();
+        assert_eq!(cfg.endpoints().len(), 1);
     }
 }

@@ -73,7 +73,10 @@ fn next_idempotency_key() -> String {
 #[derive(Debug, Clone)]
 pub(crate) struct Target {
     pub client: reqwest::Client,
-    pub endpoint: String,
+    /// Where requests go, in turn (usually one).
+    pub endpoints: Vec<String>,
+    /// The next request's turn.
+    pub turn: std::sync::Arc<std::sync::atomic::AtomicUsize>,
     pub auth: Option<String>,
     /// A fresh `Idempotency-Key` per request.
     pub idempotency_keys: bool,
@@ -81,7 +84,11 @@ pub(crate) struct Target {
 
 impl Target {
     fn post(&self, body: &ChatRequest<'_>) -> reqwest::RequestBuilder {
-        let mut req = self.client.post(&self.endpoint).json(body);
+        let turn = self
+            .turn
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let endpoint = &self.endpoints[turn % self.endpoints.len().max(1)];
+        let mut req = self.client.post(endpoint).json(body);
         if self.idempotency_keys {
             req = req.header("idempotency-key", next_idempotency_key());
         }
@@ -261,7 +268,7 @@ pub(crate) async fn probe_prompt_tokens(
             .post(&body)
             .send()
             .await
-            .with_context(|| format!("could not reach {}", target.endpoint))?;
+            .with_context(|| format!("could not reach {}", target.endpoints.join(",")))?;
         let status = resp.status();
         let bytes = read_body_capped(&mut resp).await;
         if !status.is_success() {

@@ -60,9 +60,14 @@ fn make_target(cfg: &RunConfig) -> anyhow::Result<Target> {
         .pool_max_idle_per_host(cfg.streams + 8)
         .build()
         .context("building the HTTP client")?;
+    let endpoints = cfg.endpoints();
+    if endpoints.is_empty() {
+        anyhow::bail!("--url names no endpoint");
+    }
     Ok(Target {
         client,
-        endpoint: cfg.endpoint(),
+        endpoints,
+        turn: Arc::default(),
         auth: cfg.api_key.as_ref().map(|k| format!("Bearer {k}")),
         idempotency_keys: cfg.idempotency_keys,
     })
@@ -174,7 +179,7 @@ async fn calibrate(target: &Target, cfg: &RunConfig, model: &str) -> anyhow::Res
                 format!(
                     "prompt calibration probe ({words} words, max_tokens 1) for model {model:?} \
                      at {} failed; pass --tokens-per-word to skip calibration",
-                    target.endpoint
+                    target.endpoints.join(",")
                 )
             })?;
         Ok((words, tokens))
