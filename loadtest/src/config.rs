@@ -274,7 +274,10 @@ mod tests {
         let mut cfg = RunConfig::new("http://a:1/v1/, http://b:2/v1", "m");
         assert_eq!(
             cfg.endpoints(),
-            ["http://a:1/v1/chat/completions", "http://b:2/v1/chat/completions"]
+            [
+                "http://a:1/v1/chat/completions",
+                "http://b:2/v1/chat/completions"
+            ]
         );
         cfg.url = "http://a:1/v1".into();
         assert_eq!(cfg.endpoints().len(), 1);

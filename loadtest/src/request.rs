@@ -84,9 +84,7 @@ pub(crate) struct Target {
 
 impl Target {
     fn post(&self, body: &ChatRequest<'_>) -> reqwest::RequestBuilder {
-        let turn = self
-            .turn
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let turn = self.turn.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let endpoint = &self.endpoints[turn % self.endpoints.len().max(1)];
         let mut req = self.client.post(endpoint).json(body);
         if self.idempotency_keys {

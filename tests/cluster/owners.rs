@@ -254,3 +254,65 @@ async fn settled_all(c: &Cluster, requests: usize) -> Vec<switchyard::store::Led
     );
     rows
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_teams_balance_holds_for_reservations_entering_every_replica() {
+    let c = cluster(3, 3, 4.0, |_| {}).await;
+    let (team, store) = (c.fleet.team_id, c.fleet.store.clone());
+    // One request shows what a reservation of this size holds.
+    assert!(c.chat_through(0, 200).await.contains("[DONE]"));
+    let held = store.ledger_rows(Some(team)).await.unwrap()[0].estimated_cost_microcredits;
+    let balance = store
+        .team(team)
+        .await
+        .unwrap()
+        .unwrap()
+        .balance_microcredits;
+    // Room for five such reservations and a half.
+    store
+        .add_credits(team, 5 * held + held / 2 - balance, "test: room for five")
+        .await
+        .unwrap();
+    // Twenty at once, entering all three replicas: five run, the rest are refused.
+    let key = c.fleet.api_key.clone();
+    let requests: Vec<_> = (0..20)
+        .map(|i| {
+            let (url, key) = (c.url(i % 3, "/v1/chat/completions"), key.clone());
+            tokio::spawn(async move {
+                let resp = crate::common::http()
+                    .post(url)
+                    .bearer_auth(key)
+                    .json(&super::chat(200))
+                    .send()
+                    .await
+                    .unwrap();
+                (resp.status().as_u16(), resp.text().await.unwrap())
+            })
+        })
+        .collect();
+    let mut admitted = 0;
+    for r in requests {
+        let (status, body) = r.await.unwrap();
+        match status {
+            200 => {
+                assert!(body.contains("[DONE]"), "{body}");
+                admitted += 1;
+            }
+            402 => assert!(body.contains("insufficient_balance"), "{body}"),
+            other => panic!("{other}: {body}"),
+        }
+    }
+    assert_eq!(admitted, 5, "room for five reservations");
+    let rows = settled_all(&c, 6).await;
+    let settled: i64 = rows.iter().map(|r| r.cost_microcredits).sum();
+    let left = store
+        .team(team)
+        .await
+        .unwrap()
+        .unwrap()
+        .balance_microcredits;
+    assert!(left >= 0, "balance {left}");
+    let probe = rows.iter().min_by_key(|r| r.id).unwrap().cost_microcredits;
+    assert_eq!(left, 5 * held + held / 2 - (settled - probe));
+    c.stop().await;
+}
