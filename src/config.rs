@@ -508,8 +508,8 @@ impl Config {
         if self.queue.deadline_secs == 0 || self.timeouts.total_secs == 0 {
             return invalid("queue deadline and total timeout must be > 0".into());
         }
-        if self.owner_lease_secs == 0 {
-            return invalid("owner_lease_secs must be > 0".into());
+        if self.owner_lease_secs == 0 || self.owner_lease_secs > 3600 {
+            return invalid("owner_lease_secs must be between 1 and 3600".into());
         }
         let g = &self.generations;
         if g.window_hours == 0 || 24 % g.window_hours != 0 {

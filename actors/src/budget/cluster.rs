@@ -42,6 +42,8 @@ enum BudgetWire {
     Answer {
         /// The ask it answers.
         id: u64,
+        /// The reservation's request, checked against the ask (ids restart with a process).
+        request_id: String,
         /// What became of it.
         answer: Answer,
     },
@@ -77,8 +79,8 @@ pub struct BudgetCluster {
     held: Mutex<BTreeMap<i64, Instant>>,
     /// Teams another replica owns, as last looked up (trusted for a third of a lease).
     known: Mutex<BTreeMap<i64, (String, Instant)>>,
-    /// Asks waiting for their answer.
-    waiting: Mutex<BTreeMap<u64, oneshot::Sender<Answer>>>,
+    /// Asks waiting for their answer, with their request id.
+    waiting: Mutex<BTreeMap<u64, (String, oneshot::Sender<Answer>)>>,
     next_ask: AtomicU64,
     stopped: watch::Sender<bool>,
 }
@@ -170,14 +172,14 @@ impl BudgetCluster {
         timeout: Duration,
     ) -> Result<Option<Answer>, LedgerError> {
         let id = self.next_ask.fetch_add(1, Ordering::Relaxed);
-        let (tx, rx) = oneshot::channel();
-        lock(&self.waiting).insert(id, tx);
         let ask = BudgetWire::Ask {
             id,
             from: self.replica_id.clone(),
             reservation: Box::new(reservation.clone()),
         };
         let payload = serde_json::to_vec(&ask).map_err(unavailable)?;
+        let (tx, rx) = oneshot::channel();
+        lock(&self.waiting).insert(id, (reservation.request_id.clone(), tx));
         match self.coordinator.publish(&to_budget(replica), payload).await {
             Ok(0) => {
                 lock(&self.waiting).remove(&id);
@@ -254,8 +256,15 @@ impl BudgetCluster {
 
     fn heard(self: &Arc<Self>, budgets: &Arc<TeamBudgets>, payload: &[u8]) {
         match serde_json::from_slice::<BudgetWire>(payload) {
-            Ok(BudgetWire::Answer { id, answer }) => {
-                if let Some(waiter) = lock(&self.waiting).remove(&id) {
+            Ok(BudgetWire::Answer {
+                id,
+                request_id,
+                answer,
+            }) => {
+                let mut waiting = lock(&self.waiting);
+                if waiting.get(&id).is_some_and(|(r, _)| *r == request_id)
+                    && let Some((_, waiter)) = waiting.remove(&id)
+                {
                     let _ = waiter.send(answer);
                 }
             }
@@ -273,7 +282,12 @@ impl BudgetCluster {
                         Ok(Route::There(_)) => Answer::NotOwner,
                         Err(e) => Answer::Decided(Err(e)),
                     };
-                    let reply = BudgetWire::Answer { id, answer };
+                    let request_id = reservation.request_id.clone();
+                    let reply = BudgetWire::Answer {
+                        id,
+                        request_id,
+                        answer,
+                    };
                     if let Ok(payload) = serde_json::to_vec(&reply)
                         && let Err(e) = cluster
                             .coordinator

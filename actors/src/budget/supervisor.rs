@@ -23,6 +23,9 @@ use crate::tasks::TaskGuard;
 /// goes through the supervisor, which spawns a fresh actor).
 const ROUTE_ATTEMPTS: usize = 3;
 
+/// How much longer a replica waits for another's answer than that one waits for its actor.
+const ASK_MARGIN: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// Which actor owns which team's budget on this replica: the supervisor writes it, callers
 /// read it. Which replica owns it is [`BudgetCluster`]'s to say.
 #[derive(Debug, Clone, Default)]
@@ -377,10 +380,11 @@ impl Ledger for TeamBudgets {
             match cluster.route(reservation.team_id).await? {
                 Route::Here => return self.reserve_here(reservation).await,
                 Route::There(replica) => {
-                    match cluster
-                        .ask(&replica, reservation, self.config.reply_timeout)
-                        .await?
-                    {
+                    // Longer than the owner's own wait for its actor, so an answer it sends
+                    // in time is heard: giving up while it may still commit would leave a
+                    // row nobody answers for.
+                    let wait = self.config.reply_timeout + ASK_MARGIN;
+                    match cluster.ask(&replica, reservation, wait).await? {
                         Some(Answer::Decided(result)) => return result,
                         Some(Answer::NotOwner) => cluster.forget(reservation.team_id),
                         // Nobody heard it: the owner is gone and its lease runs out soon.

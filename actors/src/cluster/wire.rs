@@ -171,8 +171,9 @@ pub enum QueueItem {
         incarnation: u64,
         /// Generations of the sender running on each node.
         running: std::collections::BTreeMap<String, u32>,
-        /// Dispatches heard from this owner so far: later ones are not in `running` yet.
-        seen: u64,
+        /// The last dispatch heard from this owner (its `epoch` and `n`): later ones are not
+        /// in `running` yet.
+        seen: Option<(u64, u64)>,
     },
 }
 
@@ -203,7 +204,14 @@ pub enum QueueReply {
         request_id: String,
         /// The chosen node.
         node_id: String,
+        /// Names the owner's record of this replica (a new one after it forgot the replica).
+        epoch: u64,
+        /// 1, 2, … within `epoch`: a report names the last one it includes.
+        n: u64,
     },
+    /// The owner (re)started its record of this replica: send every generation still
+    /// waiting again (duplicates are ignored).
+    Resync,
     /// Its deadline passed.
     Timeout {
         /// The generation.

@@ -174,7 +174,12 @@ impl Actor for ModelQueueActor {
         let (me, cluster) = match &args.cluster {
             Some(c) => (
                 c.replica_id.clone(),
-                Some(super::follow::Membership::new(c.clone(), myself.clone())),
+                Some(super::follow::Membership::new(
+                    c.clone(),
+                    myself.clone(),
+                    &args.model,
+                    args.clock.now(),
+                )),
             ),
             None => (String::new(), None),
         };

@@ -59,6 +59,8 @@ struct Shared {
     role: Option<Role>,
     owner: Option<QueueOwner>,
     incarnation: u64,
+    /// When a follower last asked this replica's queue anything (it owned the queue then).
+    peer_heard: Option<Instant>,
 }
 
 impl QueueCluster {
@@ -87,6 +89,29 @@ impl QueueCluster {
         )
     }
 
+    /// Announces this replica as the owner now (a restarted owner actor, whose followers
+    /// must send it what they had sent its previous incarnation).
+    pub(super) fn announce_now(self: &Arc<Self>, model: &str) {
+        let (cluster, model) = (self.clone(), model.to_owned());
+        tokio::spawn(async move {
+            if let Err(e) = cluster.announce(&model).await {
+                tracing::warn!(model, error = %e, "could not announce the queue's owner");
+            }
+        });
+    }
+
+    /// A follower asked this replica's queue something.
+    pub(super) fn peer_heard(&self, now: Instant) {
+        self.lock().peer_heard = Some(now);
+    }
+
+    /// Whether a follower asked anything within the last lease.
+    pub(super) fn has_peers(&self, now: Instant) -> bool {
+        self.lock()
+            .peer_heard
+            .is_some_and(|at| now.saturating_duration_since(at) < self.lease_ttl)
+    }
+
     /// The owner last announced (by any replica, this one included).
     pub(super) fn last_owner(&self) -> Option<QueueOwner> {
         self.lock().owner.clone()
@@ -110,7 +135,8 @@ impl QueueCluster {
             let mut stopped = handle.stopped();
             let mut pause = Duration::from_millis(100);
             loop {
-                let run = cluster.run(&handle, &clock, &mut first);
+                let mut renewed = false;
+                let run = cluster.run(&handle, &clock, &mut first, &mut renewed);
                 tokio::select! {
                     _ = stopped.wait_for(|s| *s) => break,
                     result = run => {
@@ -119,7 +145,11 @@ impl QueueCluster {
                         }
                     }
                 }
-                cluster.set_role(&handle, Role::Follower);
+                // The role stands: an owner keeps deciding until its lease may have run out
+                // (the actor checks `until`), and the next renewal says what it is.
+                if renewed {
+                    pause = Duration::from_millis(100);
+                }
                 tokio::select! {
                     _ = stopped.wait_for(|s| *s) => break,
                     () = tokio::time::sleep(pause) => {}
@@ -143,6 +173,7 @@ impl QueueCluster {
         handle: &ModelQueueHandle,
         clock: &Arc<dyn Clock>,
         first: &mut Option<tokio::sync::oneshot::Sender<()>>,
+        renewed: &mut bool,
     ) -> Result<(), CoordError> {
         let model = handle.model().to_owned();
         let mut owners = self.coordinator.subscribe(QUEUE_OWNERS_CHANNEL).await?;
@@ -165,17 +196,24 @@ impl QueueCluster {
         loop {
             tokio::select! {
                 _ = tick.tick() => {
-                    let renewed = self.renew(handle, clock, &mut asks).await;
+                    let result = self.renew(handle, clock, &mut asks).await;
                     if let Some(first) = first.take() {
                         let _ = first.send(());
                     }
-                    renewed?;
+                    result?;
+                    *renewed = true;
                 }
                 msg = owners.recv() => {
                     let payload = msg.ok_or_else(|| CoordError::Unavailable("subscription ended".into()))?;
                     match serde_json::from_slice::<QueueNews>(&payload) {
                         Ok(QueueNews::Owner(owner)) if owner.model == model => {
-                            self.lock().owner = Some(owner.clone());
+                            {
+                                let mut s = self.lock();
+                                // An owner older than the one known is out of date.
+                                if s.owner.as_ref().is_none_or(|o| o.fence <= owner.fence) {
+                                    s.owner = Some(owner.clone());
+                                }
+                            }
                             handle.cast(QueueMsg::Owner(owner));
                         }
                         Ok(QueueNews::Hello { model: m }) if m == model => self.announce(&model).await?,
@@ -219,6 +257,18 @@ impl QueueCluster {
         let model = handle.model();
         let started = clock.now();
         let lease = queue_lease(model);
+        if !handle.is_bound() {
+            // No queue actor to decide (awaiting a restart, or given up): another replica's
+            // should.
+            if matches!(self.lock().role, Some(Role::Owner { .. })) {
+                self.coordinator
+                    .release_lease(&lease, &self.replica_id)
+                    .await?;
+            }
+            *asks = None;
+            self.set_role(handle, Role::Follower);
+            return Ok(());
+        }
         match self
             .coordinator
             .acquire_lease(&lease, &self.replica_id, self.lease_ttl)

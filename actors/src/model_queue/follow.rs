@@ -41,6 +41,8 @@ pub(super) struct Forwarded {
 #[derive(Debug)]
 struct Follower {
     outbox: Outbox<QueueReply>,
+    /// Names this record in its dispatches (unique within the owner's fence).
+    epoch: u64,
     /// Dispatches sent to it.
     sent: u64,
     /// Dispatches (number, node) its last report had not seen yet.
@@ -62,23 +64,41 @@ pub(super) struct Membership {
     owner: Option<QueueOwner>,
     to_owner: Option<Outbox<QueueItem>>,
     forwarded: BTreeMap<String, Forwarded>,
-    /// Dispatches heard from the current owner.
-    seen: u64,
+    /// The last dispatch heard: (fence, epoch, n).
+    seen: Option<(u64, u64, u64)>,
     /// As the owner: the other replicas that asked.
     followers: BTreeMap<String, Follower>,
+    /// Follower records started by this incarnation (their epochs).
+    records: u64,
+    /// After a takeover: no dispatch before this, so the followers' reports arrive first.
+    hold_until: Option<Instant>,
 }
 
 impl Membership {
     /// A new incarnation of the queue actor `myself`.
-    pub(super) fn new(cluster: Arc<QueueCluster>, myself: ActorRef<QueueMsg>) -> Self {
+    pub(super) fn new(
+        cluster: Arc<QueueCluster>,
+        myself: ActorRef<QueueMsg>,
+        model: &str,
+        now: Instant,
+    ) -> Self {
         let (incarnation, role, owner) = cluster.incarnate();
         let newest = match role {
             Role::Owner { fence, .. } => fence,
             Role::Follower => 0,
-        };
-        // Synced with at once: a restarted follower forwards without waiting for the next
-        // announcement.
-        if let Some(owner) = owner {
+        }
+        .max(owner.as_ref().map_or(0, |o| o.fence));
+        let mut hold_until = None;
+        if let Role::Owner { .. } = role {
+            // A restarted owner knows only its own assignments: it says so at once, and
+            // dispatches once its followers, if it has any, had a period to report theirs.
+            cluster.announce_now(model);
+            if cluster.has_peers(now) {
+                hold_until = Some(now + cluster.period());
+            }
+        } else if let Some(owner) = owner {
+            // Synced with at once: a restarted follower forwards without waiting for the
+            // next announcement.
             let _ = myself.cast(QueueMsg::Owner(owner));
         }
         Self {
@@ -90,8 +110,10 @@ impl Membership {
             owner: None,
             to_owner: None,
             forwarded: BTreeMap::new(),
-            seen: 0,
+            seen: None,
             followers: BTreeMap::new(),
+            records: 0,
+            hold_until,
         }
     }
 }
@@ -107,10 +129,13 @@ impl QueueState {
     /// This replica may dispatch now: it runs alone, or holds a lease that cannot have run
     /// out yet.
     pub(super) fn decides(&self) -> bool {
+        let now = self.args.clock.now();
         match &self.cluster {
             None => true,
             Some(m) => match m.role {
-                Role::Owner { until, .. } => self.args.clock.now() < until,
+                Role::Owner { until, .. } => {
+                    now < until && m.hold_until.is_none_or(|hold| hold <= now)
+                }
                 Role::Follower => false,
             },
         }
@@ -222,6 +247,8 @@ impl QueueState {
         let sent = f.outbox.push(QueueReply::Dispatch {
             request_id,
             node_id: node.to_owned(),
+            epoch: f.epoch,
+            n: f.sent + 1,
         });
         if !sent {
             return false;
@@ -295,7 +322,15 @@ impl QueueState {
             (Role::Owner { fence: a, .. }, Role::Owner { fence: b, .. }) if a == b => {
                 m.role = role;
             }
+            // A renewal heard after a newer owner was: out of date.
+            (_, Role::Owner { fence, .. }) if fence < m.newest => {}
             (_, Role::Owner { fence, .. }) => {
+                // Another replica owned it before: its followers report what runs on them
+                // before this replica dispatches (a fresh cluster's first owner starts at
+                // once).
+                if m.newest > 0 {
+                    m.hold_until = Some(self.args.clock.now() + m.cluster.period());
+                }
                 m.role = role;
                 m.newest = m.newest.max(fence);
                 self.take_over();
@@ -416,7 +451,6 @@ impl QueueState {
                 },
             ));
             m.owner = Some(owner.clone());
-            m.seen = 0;
             let again: Vec<QueueItem> = m
                 .forwarded
                 .iter()
@@ -439,7 +473,12 @@ impl QueueState {
                 (mine > 0).then(|| (id.clone(), mine))
             })
             .collect();
-        let seen = self.cluster.as_ref().map_or(0, |m| m.seen);
+        let seen = self
+            .cluster
+            .as_ref()
+            .and_then(|m| m.seen)
+            .filter(|(fence, _, _)| *fence == owner.fence)
+            .map(|(_, epoch, n)| (epoch, n));
         self.tell_owner(QueueItem::Report {
             fence: owner.fence,
             incarnation: owner.incarnation,
@@ -464,18 +503,27 @@ impl QueueState {
             return;
         }
         let incarnation = m.incarnation;
+        if !m.followers.contains_key(&from) {
+            m.records += 1;
+        }
+        let epoch = (incarnation << 32) | (m.records & 0xffff_ffff);
+        m.cluster.peer_heard(now);
         let follower = m.followers.entry(from.clone()).or_insert_with(|| {
             let gone = m.myself.clone();
             let replica = from.clone();
+            let outbox = Outbox::spawn(
+                m.cluster.coordinator.clone(),
+                from_queue(&model, &from),
+                move |_, items| serde_json::to_vec(&FromQueue { fence, items }).ok(),
+                move || {
+                    let _ = gone.cast(QueueMsg::ReplicaGone(replica));
+                },
+            );
+            // Whatever it sent an earlier record of it is gone: it sends it again.
+            let _ = outbox.push(QueueReply::Resync);
             Follower {
-                outbox: Outbox::spawn(
-                    m.cluster.coordinator.clone(),
-                    from_queue(&model, &from),
-                    move |_, items| serde_json::to_vec(&FromQueue { fence, items }).ok(),
-                    move || {
-                        let _ = gone.cast(QueueMsg::ReplicaGone(replica));
-                    },
-                ),
+                outbox,
+                epoch,
                 sent: 0,
                 unreported: VecDeque::new(),
                 heard: now,
@@ -521,7 +569,7 @@ impl QueueState {
     }
 
     /// A follower's report: what runs there now, plus what was dispatched to it since.
-    fn reconcile(&mut self, from: &str, running: &BTreeMap<String, u32>, seen: u64) {
+    fn reconcile(&mut self, from: &str, running: &BTreeMap<String, u32>, seen: Option<(u64, u64)>) {
         let Some(f) = self
             .cluster
             .as_mut()
@@ -529,6 +577,10 @@ impl QueueState {
         else {
             return;
         };
+        // A report that saw none of this record's dispatches includes none of them.
+        let seen = seen
+            .filter(|(epoch, _)| *epoch == f.epoch)
+            .map_or(0, |(_, n)| n);
         f.unreported.retain(|(n, _)| *n > seen);
         let unreported: Vec<String> = f.unreported.iter().map(|(_, node)| node.clone()).collect();
         for (id, n) in &mut self.nodes {
@@ -559,11 +611,11 @@ impl QueueState {
             return;
         }
         for reply in replies.items {
-            self.reply(reply, &model);
+            self.reply(reply, replies.fence, &model);
         }
     }
 
-    fn reply(&mut self, reply: QueueReply, model: &str) {
+    fn reply(&mut self, reply: QueueReply, fence: u64, model: &str) {
         let Some(m) = self.cluster.as_mut() else {
             return;
         };
@@ -592,11 +644,28 @@ impl QueueState {
                     (None, None) => {}
                 }
             }
+            QueueReply::Resync => {
+                let again: Vec<QueueItem> = m
+                    .forwarded
+                    .iter()
+                    .map(|(request_id, f)| QueueItem::Enqueue {
+                        request_id: request_id.clone(),
+                        front: f.front,
+                        avoid: f.avoid.clone(),
+                        api: f.api,
+                    })
+                    .collect();
+                for item in again {
+                    self.tell_owner(item);
+                }
+            }
             QueueReply::Dispatch {
                 request_id,
                 node_id,
+                epoch,
+                n,
             } => {
-                m.seen += 1;
+                m.seen = Some((fence, epoch, n));
                 let forwarded = m.forwarded.remove(&request_id);
                 let node = self.nodes.get_mut(&node_id);
                 match (forwarded, node) {
