@@ -162,16 +162,74 @@ async fn max_streams_holds_for_one_key_entering_every_replica() {
 async fn requests_per_minute_hold_for_one_key_entering_every_replica() {
     let c = cluster(3, 3, 10.0, |_| {}).await;
     let key = key_with(&c, json!({"rpm": 10})).await;
+    assert_eq!(thirty_at_once(&c, &key).await, (10, 20));
+    c.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn tokens_per_day_hold_for_one_key_entering_every_replica() {
+    // Counted at settle (prompt and completion) into one Redis counter, read at admission
+    // by every replica: requests through the three in turn are admitted while the day's
+    // count is under the limit, and refused by every replica once it is not.
+    const LIMIT: i64 = 100;
+    let c = cluster(3, 3, 10.0, |_| {}).await;
+    let key = key_with(&c, json!({"tokens_per_day": LIMIT})).await;
+    let mut admitted = 0;
+    for i in 0..40 {
+        let got = stream_through(&c, i % 3, &key, &chat(10)).await;
+        match got.status {
+            200 => {
+                assert!(got.done, "{got:?}");
+                admitted += 1;
+            }
+            429 => break,
+            other => panic!("{other}: {got:?}"),
+        }
+        // The stream's settle counts its tokens just after its end.
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    for replica in 0..3 {
+        let got = stream_through(&c, replica, &key, &chat(10)).await;
+        assert_eq!(got.status, 429, "replica {replica}: {got:?}");
+    }
+    let mut rows = c.fleet.store.ledger_rows(None).await.unwrap();
+    rows.sort_by_key(|r| r.id);
+    assert_eq!(rows.len(), admitted);
+    let used: Vec<i64> = rows
+        .iter()
+        .map(|r| r.prompt_tokens + r.completion_tokens)
+        .collect();
+    let before_last: i64 = used[..used.len() - 1].iter().sum();
+    assert!(before_last < LIMIT, "admitted after the limit: {used:?}");
+    assert!(before_last + used[used.len() - 1] >= LIMIT, "{used:?}");
+    c.stop().await;
+}
+
+/// Thirty requests of one key at once, ten through each replica: what each got.
+async fn thirty_at_once(c: &Cluster, key: &str) -> (usize, usize) {
     let got: Vec<Got> = futures::stream::iter(0..30usize)
-        .map(|i| {
-            let (c, key) = (&c, key.clone());
-            async move { stream_through(c, i % 3, &key, &chat(4)).await }
-        })
+        .map(|i| async move { stream_through(c, i % 3, key, &chat(4)).await })
         .buffer_unordered(30)
         .collect()
         .await;
     let admitted = got.iter().filter(|g| g.status == 200).count();
     let refused = got.iter().filter(|g| g.status == 429).count();
-    assert_eq!((admitted, refused), (10, 20), "{got:?}");
+    assert_eq!(admitted + refused, 30, "{got:?}");
+    (admitted, refused)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn message_windows_and_bursts_hold_for_one_key_entering_every_replica() {
+    // Both are decided in PostgreSQL with the request's record, whichever replica it
+    // entered.
+    let c = cluster(3, 3, 10.0, |_| {}).await;
+    let windowed = key_with(&c, json!({"message_quota": 12, "burst_capacity": 100})).await;
+    assert_eq!(thirty_at_once(&c, &windowed).await, (12, 18));
+    let bursty = key_with(
+        &c,
+        json!({"message_quota": 1000, "burst_capacity": 7, "burst_refill_seconds": 3600}),
+    )
+    .await;
+    assert_eq!(thirty_at_once(&c, &bursty).await, (7, 23));
     c.stop().await;
 }
