@@ -276,10 +276,22 @@ impl Fleet {
     ) -> Result<SimNode, FleetError> {
         // Its replica first, then the others: the agent fails over to them in turn.
         let replicas = self.replicas();
-        let server = (0..replicas.len())
+        let servers: Vec<String> = (0..replicas.len())
             .map(|i| replicas[(replica + i) % replicas.len()].base_url())
-            .collect::<Vec<_>>()
-            .join(",");
+            .collect();
+        self.add_node_at(config, node_id, model, &servers).await
+    }
+
+    /// Starts one more simulated node serving `model`, dialing `servers` in turn (base URLs;
+    /// a drill puts a replica outside this fleet first).
+    pub async fn add_node_at(
+        &self,
+        config: &FleetConfig,
+        node_id: &str,
+        model: &str,
+        servers: &[String],
+    ) -> Result<SimNode, FleetError> {
+        let server = servers.join(",");
         // The configured embedding model runs beside the first chat model, as a small
         // embedding model shares a GPU node in production.
         let models = &config.server.models;

@@ -7,6 +7,8 @@
 
 mod common;
 
+#[path = "cluster/drills.rs"]
+mod drills;
 #[path = "cluster/nodes.rs"]
 mod nodes;
 #[path = "cluster/owners.rs"]

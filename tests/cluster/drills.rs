@@ -1,0 +1,222 @@
+//! A replica killed under load: a `switchyard serve` process holding every node's socket and
+//! every queue is killed with SIGKILL while the other replicas' clients stream.
+
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use switchyard::demo::{Fleet, FleetConfig};
+use switchyard::store::LedgerStatus;
+
+use super::{Cluster, chat};
+use crate::common::{fresh_pg, http, redis_url, wait_for};
+
+/// A `switchyard serve` process on `port`, in the cluster of `prefix`.
+fn serve_process(db_url: &str, prefix: &str, port: u16, admin: &str) -> std::process::Child {
+    std::process::Command::new(env!("CARGO_BIN_EXE_switchyard"))
+        .arg("serve")
+        .env("DATABASE_URL", db_url)
+        .env("REDIS_URL", redis_url())
+        .env("SWITCHYARD_REDIS_PREFIX", prefix)
+        .env("SWITCHYARD_LISTEN", format!("127.0.0.1:{port}"))
+        .env("SWITCHYARD_ADMIN_TOKEN", admin)
+        .env("SWITCHYARD_REPLICA_ID", "doomed")
+        .env("SWITCHYARD_OWNER_LEASE_SECS", "1")
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("start switchyard serve")
+}
+
+/// How one stream ended.
+#[derive(Debug, PartialEq, Eq)]
+enum Ended {
+    /// `[DONE]` with no error event.
+    Completed,
+    /// An error event after its output began (its node's replica died under it).
+    Cut,
+    /// Refused before any output (503 or 429).
+    Refused(u16),
+}
+
+async fn stream(url: String, key: String) -> Ended {
+    let resp = http()
+        .post(url)
+        .bearer_auth(key)
+        .json(&chat(60))
+        .send()
+        .await
+        .unwrap();
+    let status = resp.status().as_u16();
+    let body = resp.text().await.unwrap_or_default();
+    match status {
+        200 if body.contains("\"error\"") => Ended::Cut,
+        200 => {
+            assert!(body.contains("[DONE]"), "{body}");
+            Ended::Completed
+        }
+        503 | 429 => Ended::Refused(status),
+        other => panic!("{other}: {body}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_replica_killed_under_load_loses_no_request_and_no_money() {
+    let (db_url, db_name) = fresh_pg().await;
+    let prefix = format!("swcl:{:08x}:", rand::random::<u32>());
+    let admin = format!("adm-{:08x}", rand::random::<u32>());
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    // The doomed replica starts first: it takes every queue's lease.
+    let mut doomed = serve_process(&db_url, &prefix, port, &admin);
+    let doomed_url = format!("http://127.0.0.1:{port}");
+    wait_for(
+        Duration::from_secs(30),
+        "the doomed replica to serve",
+        || {
+            let url = format!("{doomed_url}/healthz");
+            async move {
+                http()
+                    .get(url)
+                    .send()
+                    .await
+                    .is_ok_and(|r| r.status() == 200)
+            }
+        },
+    )
+    .await;
+    let mut config = FleetConfig {
+        nodes: vec![],
+        time_scale: 5.0,
+        agent_backoff_min: Duration::from_millis(100),
+        heartbeat_interval: Duration::from_millis(500),
+        replicas: 2,
+        ..Default::default()
+    };
+    config.server.listen = "127.0.0.1:0".parse().unwrap();
+    config.server.redis_url = Some(redis_url());
+    config.server.redis_prefix = prefix.clone();
+    config.server.owner_lease_secs = 1;
+    config.server.admin_token = Some(admin.clone());
+    let mut fleet = Fleet::start(config.clone(), &db_url).await.unwrap();
+    // Three nodes dial the doomed replica first, the others after it.
+    let model = config.server.resolve_model("small").unwrap().name.clone();
+    let mut servers = vec![doomed_url.clone()];
+    servers.extend(fleet.replicas().iter().map(|r| r.base_url()));
+    for i in 1..=3 {
+        let node = fleet
+            .add_node_at(&config, &format!("small-{i}"), &model, &servers)
+            .await
+            .unwrap();
+        fleet.nodes.push(node);
+    }
+    let c = Cluster {
+        fleet,
+        config,
+        db_name,
+        prefix,
+    };
+    c.wait_routing(3).await;
+    let owner = c.wait_queue_owner().await;
+    assert_eq!(owner, "doomed", "the first replica owns the queue");
+
+    // Forty streams through the two survivors; the doomed one dies under them.
+    let key = c.fleet.api_key.clone();
+    let streams: Vec<_> = (0..40)
+        .map(|i| {
+            let url = c.url(i % 2, "/v1/chat/completions");
+            let key = key.clone();
+            tokio::spawn(async move {
+                tokio::time::sleep(Duration::from_millis(10 * i as u64)).await;
+                tokio::time::timeout(Duration::from_secs(60), stream(url, key)).await
+            })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(250)).await;
+    doomed.kill().unwrap();
+    let killed = Instant::now();
+    doomed.wait().unwrap();
+
+    // Its queues move to a survivor within the lease, its nodes reconnect to the survivors.
+    let cr = &c;
+    let small = model.clone();
+    wait_for(
+        Duration::from_secs(10),
+        "a survivor to own the queue",
+        || {
+            let small = small.clone();
+            async move {
+                let mut owners = Vec::new();
+                for r in cr.fleet.replicas() {
+                    owners.push(r.state().queues[&small].stats().await.and_then(|s| s.owner));
+                }
+                owners[0].is_some()
+                    && owners[0] == owners[1]
+                    && owners[0].as_deref() != Some("doomed")
+            }
+        },
+    )
+    .await;
+    let took = killed.elapsed();
+    assert!(
+        took <= Duration::from_secs(5),
+        "queue ownership moved after {took:?}"
+    );
+    wait_for(
+        Duration::from_secs(20),
+        "the nodes back on the survivors",
+        || async move {
+            let nodes = cr.admin_nodes(0).await;
+            nodes.len() == 3
+                && nodes
+                    .iter()
+                    .all(|n| n["health"] == "ready" && n["owner_replica"] != "doomed")
+        },
+    )
+    .await;
+
+    // Every stream ended: completed, retried elsewhere and completed, or cut with an error
+    // event after its output began; none hung.
+    let mut ended = Vec::new();
+    for s in streams {
+        ended.push(
+            s.await
+                .unwrap()
+                .expect("a stream hung after the replica died"),
+        );
+    }
+    let completed = ended.iter().filter(|e| **e == Ended::Completed).count();
+    assert!(completed >= 20, "{ended:?}");
+    // The survivors serve on.
+    assert!(c.chat_through(0, 5).await.contains("[DONE]"));
+    assert!(c.chat_through(1, 5).await.contains("[DONE]"));
+
+    // No money lost or made: every row settled or cancelled, none open, and the balance is
+    // the credits minus what was settled.
+    let store = c.fleet.store.clone();
+    wait_for(
+        Duration::from_secs(30),
+        "every reservation to close",
+        || {
+            let store = store.clone();
+            async move { store.open_reservations().await.unwrap() == 0 }
+        },
+    )
+    .await;
+    let rows = store.ledger_rows(Some(c.fleet.team_id)).await.unwrap();
+    assert!(
+        rows.iter()
+            .all(|r| matches!(r.status, LedgerStatus::Settled | LedgerStatus::Cancelled))
+    );
+    let settled: i64 = rows.iter().map(|r| r.cost_microcredits).sum();
+    let balance = store
+        .team(c.fleet.team_id)
+        .await
+        .unwrap()
+        .unwrap()
+        .balance_microcredits;
+    assert_eq!(balance, c.config.credits - settled);
+    c.stop().await;
+}
