@@ -32,12 +32,18 @@ fn side(sim: &SimServer, model: &str) -> RunConfig {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn slower_gateway_adds_latency_and_loses_throughput() {
-    // The "gateway" runs at half the speed: every latency doubles in wall clock.
-    let direct = start_sim("engine-model", 20.0).await;
-    let gateway = start_sim("gw-model", 10.0).await;
+    // The "gateway" runs at half the speed: every latency doubles in wall clock. Slow
+    // enough (time scale 4) that the difference is milliseconds, above the noise of a busy
+    // 2-core machine running the rest of the suite.
+    let direct = start_sim("engine-model", 4.0).await;
+    let gateway = start_sim("gw-model", 2.0).await;
+    let scaled = |mut cfg: RunConfig| {
+        cfg.time_scale = 4.0;
+        cfg
+    };
     let cfg = CompareConfig {
-        direct: side(&direct, "engine-model"),
-        gateway: side(&gateway, "gw-model"),
+        direct: scaled(side(&direct, "engine-model")),
+        gateway: scaled(side(&gateway, "gw-model")),
         rounds: 2,
         pids: vec![(Role::Gateway, std::process::id())],
     };
