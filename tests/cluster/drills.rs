@@ -220,3 +220,106 @@ async fn a_replica_killed_under_load_loses_no_request_and_no_money() {
     assert_eq!(balance, c.config.credits - settled);
     c.stop().await;
 }
+
+/// Requests the engine of node `i` has taken so far (finished, running or waiting).
+fn taken(c: &Cluster, i: usize) -> u64 {
+    let s = c.fleet.nodes[i].sim.stats();
+    s.success.iter().sum::<u64>() + s.running + s.waiting_capacity + s.waiting_deferred
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_node_whose_socket_is_cut_leaves_routing_and_gets_nothing_while_gone() {
+    let mut c = super::cluster(2, 0, 2.0, |cfg| {
+        cfg.server.nodes.heartbeat_timeout_secs = 2;
+    })
+    .await;
+    // small-1 reaches replica 1 only through a TCP proxy; small-2 dials replica 0.
+    let r1 = c.fleet.replicas()[1].addr();
+    let proxy = super::proxy::Proxy::start(&format!("redis://{r1}")).await;
+    let through = proxy.url.replacen("redis://", "http://", 1);
+    let model = c.config.server.resolve_model("small").unwrap().name.clone();
+    let cut_node = c
+        .fleet
+        .add_node_at(&c.config, "small-1", &model, &[through])
+        .await
+        .unwrap();
+    c.fleet.nodes.push(cut_node);
+    let other = c
+        .fleet
+        .add_node_to(&c.config, "small-2", &model, 0)
+        .await
+        .unwrap();
+    c.fleet.nodes.push(other);
+    c.wait_routing(2).await;
+
+    // Streams through both replicas, on both nodes; then small-1's socket goes silent (its
+    // bytes stop both ways, the sockets stay open) and no new connection gets through.
+    let key = c.fleet.api_key.clone();
+    let first: Vec<_> = (0..8)
+        .map(|i| {
+            let (url, key) = (c.url(i % 2, "/v1/chat/completions"), key.clone());
+            tokio::spawn(async move {
+                tokio::time::timeout(Duration::from_secs(60), stream(url, key)).await
+            })
+        })
+        .collect();
+    let cr = &c;
+    wait_for(
+        Duration::from_secs(5),
+        "both nodes to work",
+        || async move { taken(cr, 0) > 0 && taken(cr, 1) > 0 },
+    )
+    .await;
+    proxy.pause(true);
+    proxy.strand();
+    let cut = Instant::now();
+    wait_for(
+        Duration::from_secs(10),
+        "small-1 to leave routing",
+        || async move { cr.routable(0) == 1 && cr.routable(1) == 1 },
+    )
+    .await;
+    let left = cut.elapsed();
+    assert!(
+        left <= Duration::from_secs(4),
+        "left routing after {left:?} (heartbeat timeout 2 s)"
+    );
+
+    // While it is gone, nothing is sent to it.
+    let before = taken(&c, 0);
+    for i in 0..6 {
+        assert!(c.chat_through(i % 2, 5).await.contains("[DONE]"));
+    }
+    assert_eq!(
+        taken(&c, 0),
+        before,
+        "work was sent to a node out of routing"
+    );
+    // Every stream of the cut ended: completed (on small-2, or retried there having streamed
+    // nothing) or with an error event; none hung.
+    for s in first {
+        let ended = s
+            .await
+            .unwrap()
+            .expect("a stream hung after its node was cut");
+        assert!(matches!(ended, Ended::Completed | Ended::Cut), "{ended:?}");
+    }
+    let store = c.fleet.store.clone();
+    wait_for(
+        Duration::from_secs(30),
+        "every reservation to close",
+        || {
+            let store = store.clone();
+            async move { store.open_reservations().await.unwrap() == 0 }
+        },
+    )
+    .await;
+    let rows = store.ledger_rows(None).await.unwrap();
+    assert_eq!(rows.len(), 8 + 6, "one row per request");
+    assert!(
+        rows.iter()
+            .all(|r| matches!(r.status, LedgerStatus::Settled | LedgerStatus::Cancelled))
+    );
+    proxy.pause(false);
+    c.stop().await;
+}
