@@ -101,6 +101,20 @@ impl Cluster {
         self.wait_queue_owner().await;
     }
 
+    /// Waits until no ledger row is still reserved.
+    pub async fn wait_reservations_closed(&self) {
+        let store = self.fleet.store.clone();
+        common::wait_for(
+            Duration::from_secs(30),
+            "every reservation to close",
+            || {
+                let store = store.clone();
+                async move { store.open_reservations().await.unwrap() == 0 }
+            },
+        )
+        .await;
+    }
+
     /// Every replica knows the same owner of each model's queue; the owner of `small`'s.
     pub async fn wait_queue_owner(&self) -> String {
         let small = self

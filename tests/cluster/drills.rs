@@ -195,16 +195,8 @@ async fn a_replica_killed_under_load_loses_no_request_and_no_money() {
 
     // No money lost or made: every row settled or cancelled, none open, and the balance is
     // the credits minus what was settled.
+    c.wait_reservations_closed().await;
     let store = c.fleet.store.clone();
-    wait_for(
-        Duration::from_secs(30),
-        "every reservation to close",
-        || {
-            let store = store.clone();
-            async move { store.open_reservations().await.unwrap() == 0 }
-        },
-    )
-    .await;
     let rows = store.ledger_rows(Some(c.fleet.team_id)).await.unwrap();
     assert!(
         rows.iter()
@@ -304,16 +296,8 @@ async fn a_node_whose_socket_is_cut_leaves_routing_and_gets_nothing_while_gone()
             .expect("a stream hung after its node was cut");
         assert!(matches!(ended, Ended::Completed | Ended::Cut), "{ended:?}");
     }
+    c.wait_reservations_closed().await;
     let store = c.fleet.store.clone();
-    wait_for(
-        Duration::from_secs(30),
-        "every reservation to close",
-        || {
-            let store = store.clone();
-            async move { store.open_reservations().await.unwrap() == 0 }
-        },
-    )
-    .await;
     let rows = store.ledger_rows(None).await.unwrap();
     assert_eq!(rows.len(), 8 + 6, "one row per request");
     assert!(

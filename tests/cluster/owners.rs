@@ -42,22 +42,7 @@ async fn node_on(c: &mut Cluster, i: usize) {
 
 /// Every request ran once: one settled row each, billed what the engine produced.
 async fn settled_once(c: &Cluster, requests: usize) {
-    let store = c.fleet.store.clone();
-    wait_for(
-        Duration::from_secs(30),
-        "every reservation to close",
-        || {
-            let store = store.clone();
-            async move { store.open_reservations().await.unwrap() == 0 }
-        },
-    )
-    .await;
-    let rows = c.fleet.store.ledger_rows(None).await.unwrap();
-    assert_eq!(rows.len(), requests, "one row per request");
-    assert!(
-        rows.iter().all(|r| r.status == LedgerStatus::Settled),
-        "{rows:?}"
-    );
+    let rows = settled_all(c, requests).await;
     let stats = c.fleet.nodes[0].sim.stats();
     let ran: u64 = stats.success.iter().sum();
     assert_eq!(ran, requests as u64, "the engine ran each request once");
@@ -236,16 +221,7 @@ async fn one_replica_decides_a_teams_reservations_entering_every_replica() {
 
 /// Every row settled, once: the rows.
 async fn settled_all(c: &Cluster, requests: usize) -> Vec<switchyard::store::LedgerRow> {
-    let store = c.fleet.store.clone();
-    wait_for(
-        Duration::from_secs(30),
-        "every reservation to close",
-        || {
-            let store = store.clone();
-            async move { store.open_reservations().await.unwrap() == 0 }
-        },
-    )
-    .await;
+    c.wait_reservations_closed().await;
     let rows = c.fleet.store.ledger_rows(None).await.unwrap();
     assert_eq!(rows.len(), requests, "one row per request");
     assert!(

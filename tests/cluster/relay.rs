@@ -7,7 +7,7 @@ use serde_json::{Value, json};
 use switchyard::store::LedgerStatus;
 
 use super::{Cluster, chat, cluster};
-use crate::common::{http, wait_for};
+use crate::common::http;
 
 /// What one streamed request got.
 #[derive(Debug, Default)]
@@ -108,16 +108,7 @@ async fn streams_through_three_replicas_run_on_six_nodes_and_settle_once() {
         let finished: u64 = node.sim.stats().success.iter().sum();
         assert!(finished > 0, "node {} took no work", node.node_id);
     }
-    let store = c.fleet.store.clone();
-    wait_for(
-        Duration::from_secs(30),
-        "every reservation to close",
-        || {
-            let store = store.clone();
-            async move { store.open_reservations().await.unwrap() == 0 }
-        },
-    )
-    .await;
+    c.wait_reservations_closed().await;
     let rows = c.fleet.store.ledger_rows(None).await.unwrap();
     assert_eq!(rows.len(), 300, "one row per request");
     assert!(rows.iter().all(|r| r.status == LedgerStatus::Settled));

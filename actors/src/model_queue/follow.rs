@@ -212,6 +212,27 @@ impl QueueState {
         }
     }
 
+    /// Sends the owner every generation of this replica still waiting (it ignores those it
+    /// holds already).
+    fn resend_forwarded(&mut self) {
+        let Some(m) = self.cluster.as_ref() else {
+            return;
+        };
+        let again: Vec<QueueItem> = m
+            .forwarded
+            .iter()
+            .map(|(request_id, f)| QueueItem::Enqueue {
+                request_id: request_id.clone(),
+                front: f.front,
+                avoid: f.avoid.clone(),
+                api: f.api,
+            })
+            .collect();
+        for item in again {
+            self.tell_owner(item);
+        }
+    }
+
     /// Sends `item` to the owner, if one is known.
     pub(super) fn tell_owner(&mut self, item: QueueItem) {
         if let Some(outbox) = self.cluster.as_ref().and_then(|m| m.to_owner.as_ref()) {
@@ -451,19 +472,7 @@ impl QueueState {
                 },
             ));
             m.owner = Some(owner.clone());
-            let again: Vec<QueueItem> = m
-                .forwarded
-                .iter()
-                .map(|(request_id, f)| QueueItem::Enqueue {
-                    request_id: request_id.clone(),
-                    front: f.front,
-                    avoid: f.avoid.clone(),
-                    api: f.api,
-                })
-                .collect();
-            for item in again {
-                self.tell_owner(item);
-            }
+            self.resend_forwarded();
         }
         let running: BTreeMap<String, u32> = self
             .nodes
@@ -644,21 +653,7 @@ impl QueueState {
                     (None, None) => {}
                 }
             }
-            QueueReply::Resync => {
-                let again: Vec<QueueItem> = m
-                    .forwarded
-                    .iter()
-                    .map(|(request_id, f)| QueueItem::Enqueue {
-                        request_id: request_id.clone(),
-                        front: f.front,
-                        avoid: f.avoid.clone(),
-                        api: f.api,
-                    })
-                    .collect();
-                for item in again {
-                    self.tell_owner(item);
-                }
-            }
+            QueueReply::Resync => self.resend_forwarded(),
             QueueReply::Dispatch {
                 request_id,
                 node_id,
