@@ -18,6 +18,8 @@ mod owners;
 mod proxy;
 #[path = "cluster/relay.rs"]
 mod relay;
+#[path = "cluster/storm.rs"]
+mod storm;
 
 use std::time::Duration;
 
@@ -175,7 +177,82 @@ impl Cluster {
     }
 }
 
-/// A streamed chat completion of `small`.
+/// Whether a streamed body carries an error event (not merely the word in its text).
+pub fn has_error_event(body: &str) -> bool {
+    common::sse_data(body).iter().any(|data| {
+        serde_json::from_str::<Value>(data).is_ok_and(|event| event.get("error").is_some())
+    })
+}
+
+/// A `switchyard serve` process on `port` named `replica`, in the cluster of `prefix`, with
+/// an owner lease of 1 s and `extra` arguments (`--config FILE`).
+pub fn serve_process(
+    db_url: &str,
+    prefix: &str,
+    port: u16,
+    admin: &str,
+    replica: &str,
+    extra: &[&str],
+) -> Process {
+    let child = std::process::Command::new(env!("CARGO_BIN_EXE_switchyard"))
+        .arg("serve")
+        .args(extra)
+        .env("DATABASE_URL", db_url)
+        .env("REDIS_URL", redis_url())
+        .env("SWITCHYARD_REDIS_PREFIX", prefix)
+        .env("SWITCHYARD_LISTEN", format!("127.0.0.1:{port}"))
+        .env("SWITCHYARD_ADMIN_TOKEN", admin)
+        .env("SWITCHYARD_REPLICA_ID", replica)
+        .env("SWITCHYARD_OWNER_LEASE_SECS", "1")
+        .env("RUST_LOG", "warn")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("start switchyard serve");
+    Process(child)
+}
+
+/// A child process killed when dropped, so a failing test leaves no replica behind holding
+/// database connections.
+#[derive(Debug)]
+pub struct Process(pub std::process::Child);
+
+impl Process {
+    /// Kills it with SIGKILL and reaps it.
+    pub fn kill(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+impl Drop for Process {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// A free local port.
+pub fn free_port() -> u16 {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    l.local_addr().unwrap().port()
+}
+
+/// Waits until `base` answers `/healthz`.
+pub async fn wait_serving(base: &str) {
+    let url = format!("{base}/healthz");
+    common::wait_for(Duration::from_secs(30), "a replica to serve", || {
+        let url = url.clone();
+        async move {
+            http()
+                .get(url)
+                .send()
+                .await
+                .is_ok_and(|r| r.status() == 200)
+        }
+    })
+    .await;
+}
+
 /// A streamed chat completion of up to `max_tokens` at `url`: the whole body.
 pub async fn stream_body(url: &str, key: &str, max_tokens: u32) -> String {
     let resp = http()

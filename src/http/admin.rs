@@ -13,6 +13,7 @@ use axum::http::StatusCode;
 use axum::http::request::Parts;
 use axum::response::{IntoResponse, Response};
 use chrono::{DateTime, Utc};
+use futures::StreamExt;
 use serde::de::{self, Unexpected, Visitor};
 use serde::{Deserialize, Deserializer};
 use serde_json::{Value, json};
@@ -632,6 +633,9 @@ pub async fn revoke_node_token(
     ))
 }
 
+/// Node lookups `GET /admin/nodes` keeps in flight.
+const NODE_LOOKUPS: usize = 32;
+
 pub async fn list_nodes(
     State(state): State<Arc<AppState>>,
     _admin: Admin,
@@ -641,57 +645,60 @@ pub async fn list_nodes(
         .nodes()
         .await
         .map_err(store_failed("list nodes"))?;
-    let mut data = Vec::new();
-    for node in records {
-        let heartbeat = state
-            .coordinator
-            .get_hash(&format!("node:{}", node.id))
-            .await
-            .ok()
-            .flatten();
-        // Connected to any replica: its owner keeps `node:{id}` alive with heartbeats.
-        let connected = heartbeat.is_some()
-            || state
-                .nodes
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .contains_key(&node.id);
-        let hb = |k: &str| heartbeat.as_ref().and_then(|h| h.get(k)).cloned();
-        // Adding 0 reads the counter without moving its window (it expires 24 h after the
-        // first violation it counted; a node without any gets a 0 that expires the same way).
-        let violations = state
-            .coordinator
-            .incr(
-                &switchyard_actors::node::violations_key(&node.id),
-                0,
-                switchyard_actors::node::VIOLATIONS_KEPT,
-            )
-            .await
-            .ok();
-        let health = match (connected, node.drained_at.is_some()) {
-            (true, true) => "draining",
-            (true, false) => "ready",
-            // A drained agent finishes its work, then disconnects and exits.
-            (false, true) => "drained",
-            (false, false) => "offline",
-        };
-        data.push(json!({
-            "node_id": node.id,
-            "location": node.location,
-            "models": node.models,
-            "gpus": node.gpus,
-            "health": health,
-            "queue_depth": hb("queue_depth").and_then(|v| v.parse::<u64>().ok()),
-            "running": hb("running").and_then(|v| v.parse::<u64>().ok()),
-            "kv_cache_usage": hb("kv_cache_usage").and_then(|v| v.parse::<f64>().ok()),
-            "owner_replica": hb("owner").or(node.orchestrator_id.clone()),
-            "in_flight": hb("in_flight").and_then(|v| v.parse::<u64>().ok()),
-            "last_heartbeat": hb("last_heartbeat"),
-            "last_registration": node.last_seen,
-            "token_revoked": node.token_hash.is_none(),
-            "protocol_violations": violations,
-        }));
-    }
+    // Each node's heartbeat record and violation count, a few nodes at a time: a fleet of
+    // hundreds is listed in round trips to Redis, not hundreds of them in a row.
+    let state = &state;
+    let data: Vec<Value> = futures::stream::iter(records)
+        .map(|node| async move {
+            let heartbeat = state
+                .coordinator
+                .get_hash(&format!("node:{}", node.id))
+                .await
+                .ok()
+                .flatten();
+            // Ready when this replica routes to it: its socket here, or a live proxy of its
+            // owner's connection. Not `node:{id}` alone: a replica killed with its nodes leaves
+            // their records behind until the TTL runs out, and they are not routable.
+            let connected = crate::cluster::reach(state, &node.id).is_some();
+            let hb = |k: &str| heartbeat.as_ref().and_then(|h| h.get(k)).cloned();
+            // Adding 0 reads the counter without moving its window (it expires 24 h after the
+            // first violation it counted; a node without any gets a 0 that expires the same way).
+            let violations = state
+                .coordinator
+                .incr(
+                    &switchyard_actors::node::violations_key(&node.id),
+                    0,
+                    switchyard_actors::node::VIOLATIONS_KEPT,
+                )
+                .await
+                .ok();
+            let health = match (connected, node.drained_at.is_some()) {
+                (true, true) => "draining",
+                (true, false) => "ready",
+                // A drained agent finishes its work, then disconnects and exits.
+                (false, true) => "drained",
+                (false, false) => "offline",
+            };
+            json!({
+                "node_id": node.id,
+                "location": node.location,
+                "models": node.models,
+                "gpus": node.gpus,
+                "health": health,
+                "queue_depth": hb("queue_depth").and_then(|v| v.parse::<u64>().ok()),
+                "running": hb("running").and_then(|v| v.parse::<u64>().ok()),
+                "kv_cache_usage": hb("kv_cache_usage").and_then(|v| v.parse::<f64>().ok()),
+                "owner_replica": hb("owner").or(node.orchestrator_id.clone()),
+                "in_flight": hb("in_flight").and_then(|v| v.parse::<u64>().ok()),
+                "last_heartbeat": hb("last_heartbeat"),
+                "last_registration": node.last_seen,
+                "token_revoked": node.token_hash.is_none(),
+                "protocol_violations": violations,
+            })
+        })
+        .buffered(NODE_LOOKUPS)
+        .collect()
+        .await;
     Ok(ok(StatusCode::OK, json!({ "data": data })))
 }
 
