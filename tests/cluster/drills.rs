@@ -18,18 +18,21 @@ enum Ended {
     Cut,
     /// Refused before any output (503 or 429).
     Refused(u16),
+    /// The connection broke (its replica died).
+    Lost,
 }
 
-async fn stream(url: String, key: String) -> Ended {
-    let resp = http()
-        .post(url)
-        .bearer_auth(key)
-        .json(&chat(60))
-        .send()
-        .await
-        .unwrap();
+/// A stream of 60 tokens of `model` (an alias).
+async fn stream(url: String, key: String, model: &str) -> Ended {
+    let mut body = chat(60);
+    body["model"] = model.into();
+    let Ok(resp) = http().post(url).bearer_auth(key).json(&body).send().await else {
+        return Ended::Lost;
+    };
     let status = resp.status().as_u16();
-    let body = resp.text().await.unwrap_or_default();
+    let Ok(body) = resp.text().await else {
+        return Ended::Lost;
+    };
     match status {
         200 if has_error_event(&body) => Ended::Cut,
         200 => {
@@ -64,6 +67,11 @@ async fn a_replica_killed_under_load_loses_no_request_and_no_money() {
     config.server.redis_prefix = prefix.clone();
     config.server.owner_lease_secs = 1;
     config.server.admin_token = Some(admin.clone());
+    config.server.nodes.heartbeat_timeout_secs = 3;
+    // The survivors sweep every second what outlived 10 + 2 + 1 s.
+    let timeouts = &mut config.server.timeouts;
+    (timeouts.total_secs, timeouts.settle_wait_secs) = (10, 2);
+    (timeouts.sweep_interval_secs, timeouts.sweep_grace_secs) = (1, 1);
     let mut fleet = Fleet::start(config.clone(), &db_url).await.unwrap();
     // Three nodes dial the doomed replica first, the others after it.
     let model = config.server.resolve_model("small").unwrap().name.clone();
@@ -76,27 +84,52 @@ async fn a_replica_killed_under_load_loses_no_request_and_no_money() {
             .unwrap();
         fleet.nodes.push(node);
     }
+    // A node of `medium` knows only the doomed replica: it dies with it (its `done`s never
+    // come back), with the streams of the doomed replica's own clients on it.
+    let medium = config.server.resolve_model("medium").unwrap().name.clone();
+    let node = fleet
+        .add_node_at(
+            &config,
+            "medium-1",
+            &medium,
+            std::slice::from_ref(&doomed_url),
+        )
+        .await
+        .unwrap();
+    fleet.nodes.push(node);
     let c = Cluster {
         fleet,
         config,
         db_name,
         prefix,
     };
-    c.wait_routing(3).await;
+    c.wait_routing(4).await;
     let owner = c.wait_queue_owner().await;
     assert_eq!(owner, "doomed", "the first replica owns the queue");
 
-    // Forty streams through the two survivors; the doomed one dies under them.
+    // Forty streams of `small` through the two survivors and eight of `medium` through the
+    // doomed one, which dies under them.
     let key = c.fleet.api_key.clone();
-    let streams: Vec<_> = (0..40)
-        .map(|i| {
-            let url = c.url(i % 2, "/v1/chat/completions");
-            let key = key.clone();
-            tokio::spawn(async move {
-                tokio::time::sleep(Duration::from_millis(10 * i as u64)).await;
-                tokio::time::timeout(Duration::from_secs(60), stream(url, key)).await
-            })
+    let spawn = |i: usize, url: String, model: &'static str| {
+        let key = key.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(10 * i as u64)).await;
+            tokio::time::timeout(Duration::from_secs(60), stream(url, key, model)).await
         })
+    };
+    let doomed_streams: Vec<_> = (0..8)
+        .map(|i| spawn(i, format!("{doomed_url}/v1/chat/completions"), "medium"))
+        .collect();
+    // Its clients came first: it decides the team's reservations, the survivors ask it.
+    let coordinator = c.fleet.server.state().coordinator.clone();
+    let lease = switchyard_actors::cluster::budget_lease(c.fleet.team_id);
+    wait_for(Duration::from_secs(10), "the doomed replica to own the team's budget", || {
+        let (coordinator, lease) = (coordinator.clone(), lease.clone());
+        async move { coordinator.lease_holder(&lease).await.unwrap().as_deref() == Some("doomed") }
+    })
+    .await;
+    let streams: Vec<_> = (0..40)
+        .map(|i| spawn(i, c.url(i % 2, "/v1/chat/completions"), "small"))
         .collect();
     tokio::time::sleep(Duration::from_millis(250)).await;
     doomed.kill();
@@ -132,10 +165,14 @@ async fn a_replica_killed_under_load_loses_no_request_and_no_money() {
         "the nodes back on the survivors",
         || async move {
             let nodes = cr.admin_nodes(0).await;
-            nodes.len() == 3
-                && nodes
-                    .iter()
-                    .all(|n| n["health"] == "ready" && n["owner_replica"] != "doomed")
+            nodes.len() == 4
+                && nodes.iter().all(|n| {
+                    if n["node_id"] == "medium-1" {
+                        n["health"] == "offline"
+                    } else {
+                        n["health"] == "ready" && n["owner_replica"] != "doomed"
+                    }
+                })
         },
     )
     .await;
@@ -152,14 +189,40 @@ async fn a_replica_killed_under_load_loses_no_request_and_no_money() {
     }
     let completed = ended.iter().filter(|e| **e == Ended::Completed).count();
     assert!(completed >= 20, "{ended:?}");
+    // None lost, none refused: the asks the doomed replica heard and never answered went to
+    // the budget's next owner.
+    assert!(
+        ended
+            .iter()
+            .all(|e| matches!(e, Ended::Completed | Ended::Cut)),
+        "{ended:?}"
+    );
+    // The doomed replica's own clients lost their connections (or finished first).
+    for s in doomed_streams {
+        let ended = s
+            .await
+            .unwrap()
+            .expect("a stream hung after its replica died");
+        assert!(matches!(ended, Ended::Lost | Ended::Completed), "{ended:?}");
+    }
     // The survivors serve on.
     assert!(c.chat_through(0, 5).await.contains("[DONE]"));
     assert!(c.chat_through(1, 5).await.contains("[DONE]"));
 
+    // The doomed replica's reservations on the node that died with it stay open until a
+    // survivor's sweeper cancels them; the others were settled from the nodes' resent `done`s.
+    let store = c.fleet.store.clone();
+    let open = store.open_reservations().await.unwrap();
+    assert!(open > 0, "nothing was left for the sweeper");
     // No money lost or made: every row settled or cancelled, none open, and the balance is
     // the credits minus what was settled.
     c.wait_reservations_closed().await;
-    let store = c.fleet.store.clone();
+    let cut = ended.iter().filter(|e| **e == Ended::Cut).count();
+    eprintln!(
+        "drill: queue moved {took:?} after the kill; {completed} completed, {cut} cut; {open} \
+         reservations open before the sweep, none {:?} after the kill",
+        killed.elapsed()
+    );
     let rows = store.ledger_rows(Some(c.fleet.team_id)).await.unwrap();
     assert!(
         rows.iter()
@@ -214,7 +277,7 @@ async fn a_node_whose_socket_is_cut_leaves_routing_and_gets_nothing_while_gone()
         .map(|i| {
             let (url, key) = (c.url(i % 2, "/v1/chat/completions"), key.clone());
             tokio::spawn(async move {
-                tokio::time::timeout(Duration::from_secs(60), stream(url, key)).await
+                tokio::time::timeout(Duration::from_secs(60), stream(url, key, "small")).await
             })
         })
         .collect();

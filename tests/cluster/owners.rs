@@ -292,3 +292,89 @@ async fn a_teams_balance_holds_for_reservations_entering_every_replica() {
     assert_eq!(left, 5 * held + held / 2 - (settled - probe));
     c.stop().await;
 }
+
+/// A team's budget owner that heard an ask and went without answering (it died: its lease
+/// lapses): the asker takes the reservation to the lease's next holder instead of failing
+/// it, and a row the owner opened before it went counts as the asker's, once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_ask_the_budget_owner_heard_but_never_answered_goes_to_its_successor() {
+    use std::sync::Arc;
+    use switchyard_actors::budget::{BudgetCluster, BudgetConfig, TeamBudgets};
+    use switchyard_actors::cluster::{budget_lease, to_budget};
+    use switchyard_actors::ports::{Clock, Ledger, Reservation, SystemClock, UsageBounds};
+
+    let (db_url, db_name) = crate::common::fresh_pg().await;
+    let prefix = format!("swcl:{:08x}:", rand::random::<u32>());
+    let store = switchyard::store::connect_store(&db_url).await.unwrap();
+    store.migrate().await.unwrap();
+    let coordinator = switchyard::coord::connect_coordinator(Some(&redis_url()), &prefix)
+        .await
+        .unwrap();
+    let clock: Arc<dyn Clock> = Arc::new(SystemClock);
+    let ledger: Arc<dyn Ledger> = store.clone();
+    let lease_ttl = Duration::from_secs(1);
+    let cluster = Arc::new(BudgetCluster::new(
+        coordinator.clone(),
+        "asker".into(),
+        lease_ttl,
+        clock.clone(),
+    ));
+    let budgets = TeamBudgets::start(ledger.clone(), clock, BudgetConfig::default())
+        .await
+        .unwrap()
+        .in_cluster(cluster);
+    // The mute owner hears asks on its channel and never answers.
+    let mut heard = coordinator.subscribe(&to_budget("mute")).await.unwrap();
+
+    for opened_before_it_went in [false, true] {
+        let team = store
+            .create_team(&format!("mute-{opened_before_it_went}"))
+            .await
+            .unwrap();
+        store.add_credits(team.id, 1_000_000, "test").await.unwrap();
+        let reservation = Reservation {
+            request_id: format!("req_mute_{opened_before_it_went}"),
+            team_id: team.id,
+            key_id: None,
+            model: "m".into(),
+            estimated_prompt_tokens: 10,
+            max_tokens: 100,
+            estimated_cost: 110,
+            price_input_per_mtok: 1_000_000,
+            price_output_per_mtok: 2_000_000,
+            bounds: UsageBounds::UNBOUNDED,
+        };
+        coordinator
+            .acquire_lease(&budget_lease(team.id), "mute", lease_ttl)
+            .await
+            .unwrap()
+            .expect("the mute owner takes the team's lease");
+        if opened_before_it_went {
+            ledger.reserve(&reservation).await.unwrap();
+        }
+        let started = Instant::now();
+        budgets
+            .reserve(&reservation)
+            .await
+            .expect("decided by the lease's next holder");
+        // Within about a lease, not the answer timeout (20 s).
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "{:?}",
+            started.elapsed()
+        );
+        assert!(heard.try_recv().is_ok(), "the mute owner heard the ask");
+        let rows: Vec<_> = store
+            .ledger_rows(Some(team.id))
+            .await
+            .unwrap()
+            .into_iter()
+            .filter(|r| r.request_id == reservation.request_id)
+            .collect();
+        assert_eq!(rows.len(), 1);
+        assert_eq!(rows[0].status, LedgerStatus::Reserved);
+    }
+    budgets.stop();
+    crate::common::drop_pg(&db_name).await;
+    crate::common::clean_redis(&prefix).await;
+}

@@ -59,6 +59,18 @@ pub(super) enum Answer {
     NotOwner,
 }
 
+/// How an ask ended.
+#[derive(Debug)]
+pub(super) enum Asked {
+    /// The owner answered.
+    Answered(Answer),
+    /// Nobody heard it (that replica is gone): deciding it elsewhere cannot run it twice.
+    Unheard,
+    /// Heard, but the owner lost the team's lease before answering (it died or was cut
+    /// off): it may have opened the row before it went.
+    Unanswered,
+}
+
 /// Who decides a team's reservations.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(super) enum Route {
@@ -163,14 +175,14 @@ impl BudgetCluster {
         lock(&self.known).remove(&team_id);
     }
 
-    /// Asks `replica` to decide `reservation`. `None` when nobody heard the ask (that replica
-    /// is gone), so deciding it elsewhere cannot run it twice.
+    /// Asks `replica` to decide `reservation`, waiting at most `timeout` for the answer (then
+    /// the ledger counts as unavailable), or until the replica loses the team's lease.
     pub(super) async fn ask(
         &self,
         replica: &str,
         reservation: &Reservation,
         timeout: Duration,
-    ) -> Result<Option<Answer>, LedgerError> {
+    ) -> Result<Asked, LedgerError> {
         let id = self.next_ask.fetch_add(1, Ordering::Relaxed);
         let ask = BudgetWire::Ask {
             id,
@@ -184,7 +196,7 @@ impl BudgetCluster {
             Ok(0) => {
                 lock(&self.waiting).remove(&id);
                 self.forget(reservation.team_id);
-                return Ok(None);
+                return Ok(Asked::Unheard);
             }
             Ok(_) => {}
             Err(e) => {
@@ -192,13 +204,39 @@ impl BudgetCluster {
                 return Err(unavailable(e));
             }
         }
-        match tokio::time::timeout(timeout, rx).await {
-            Ok(Ok(answer)) => Ok(Some(answer)),
-            _ => {
-                lock(&self.waiting).remove(&id);
-                Err(unavailable(
-                    "the team's budget owner did not answer in time",
-                ))
+        let answered = tokio::select! {
+            answer = tokio::time::timeout(timeout, rx) => match answer {
+                Ok(Ok(answer)) => Some(answer),
+                _ => {
+                    lock(&self.waiting).remove(&id);
+                    return Err(unavailable("the team's budget owner did not answer in time"));
+                }
+            },
+            () = self.lease_leaves(replica, reservation.team_id) => None,
+        };
+        if let Some(answer) = answered {
+            return Ok(Asked::Answered(answer));
+        }
+        lock(&self.waiting).remove(&id);
+        self.forget(reservation.team_id);
+        tracing::warn!(
+            team_id = reservation.team_id,
+            owner = replica,
+            "the team's budget owner lost its lease before answering; asking its successor"
+        );
+        Ok(Asked::Unanswered)
+    }
+
+    /// Returns once `replica` no longer holds `team_id`'s lease (checked every third of a
+    /// lease); never while the lease cannot be read.
+    async fn lease_leaves(&self, replica: &str, team_id: i64) {
+        let lease = budget_lease(team_id);
+        loop {
+            tokio::time::sleep(self.lease_ttl / 3).await;
+            if let Ok(holder) = self.coordinator.lease_holder(&lease).await
+                && holder.as_deref() != Some(replica)
+            {
+                return;
             }
         }
     }

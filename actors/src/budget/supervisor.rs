@@ -11,7 +11,7 @@ use ractor::rpc::CallResult;
 use ractor::{Actor, ActorProcessingErr, ActorRef, ActorStatus, MessagingErr, SupervisionEvent};
 
 use super::actor::{BudgetConfig, TeamBudgetActor, TeamBudgetArgs};
-use super::cluster::{Answer, BudgetCluster, Route};
+use super::cluster::{Answer, Asked, BudgetCluster, Route};
 use super::msg::{BudgetSupervisorMsg, TeamBudgetMsg, TeamBudgetStats};
 use crate::metric_names::ACTOR_RESTARTS_TOTAL;
 use crate::ports::{
@@ -376,21 +376,34 @@ impl Ledger for TeamBudgets {
         let Some(cluster) = &self.cluster else {
             return self.reserve_here(reservation).await;
         };
+        // Set once an owner heard an ask and went without answering: it may have opened the
+        // row, so a `Duplicate` now is that row (request ids are the server's, one per
+        // request), not another request's.
+        let mut unanswered = false;
+        let ours = |result: Result<(), LedgerError>, unanswered: bool| match result {
+            Err(LedgerError::Duplicate) if unanswered => Ok(()),
+            other => other,
+        };
         for _ in 0..ROUTE_ATTEMPTS {
             match cluster.route(reservation.team_id).await? {
-                Route::Here => return self.reserve_here(reservation).await,
+                Route::Here => return ours(self.reserve_here(reservation).await, unanswered),
                 Route::There(replica) => {
                     // Longer than the owner's own wait for its actor, so an answer it sends
-                    // in time is heard: giving up while it may still commit would leave a
-                    // row nobody answers for.
+                    // in time is heard.
                     let wait = self.config.reply_timeout + ASK_MARGIN;
                     match cluster.ask(&replica, reservation, wait).await? {
-                        Some(Answer::Decided(result)) => return result,
-                        Some(Answer::NotOwner) => cluster.forget(reservation.team_id),
+                        Asked::Answered(Answer::Decided(result)) => {
+                            return ours(result, unanswered);
+                        }
+                        Asked::Answered(Answer::NotOwner) => cluster.forget(reservation.team_id),
                         // Nobody heard it: the owner is gone and its lease runs out soon.
                         // Deciding here meanwhile costs batching, not money (the ledger
                         // judges every reservation).
-                        None => return self.reserve_here(reservation).await,
+                        Asked::Unheard => {
+                            return ours(self.reserve_here(reservation).await, unanswered);
+                        }
+                        // The owner went: whoever holds the lease now decides.
+                        Asked::Unanswered => unanswered = true,
                     }
                 }
             }

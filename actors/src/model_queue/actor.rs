@@ -22,6 +22,10 @@ use crate::tasks::TaskGuard;
 
 /// How often deadlines are checked.
 const TICK: Duration = Duration::from_millis(100);
+/// How long after its last node left a model still takes requests (they wait in the queue,
+/// up to its deadline): the nodes of a replica that died, or of a restarted engine, reconnect
+/// within seconds, and the requests meanwhile should wait for them, not fail.
+pub const NODES_RETURN_WITHIN: Duration = Duration::from_secs(10);
 /// Dispatches counted for the drain rate behind `Retry-After`.
 const RATE_WINDOW: Duration = Duration::from_secs(30);
 
@@ -130,6 +134,8 @@ pub struct QueueState {
     dispatches: VecDeque<Instant>,
     cursor: usize,
     ticker: Option<ractor::concurrency::JoinHandle<()>>,
+    /// When a routable node was last seen (checked every tick).
+    nodes_seen: Option<Instant>,
     /// This replica's id in [`NodeEntry::running`].
     pub(super) me: String,
     /// In a cluster: the lease, the owner, what was forwarded to it.
@@ -190,6 +196,7 @@ impl Actor for ModelQueueActor {
             dispatches: VecDeque::new(),
             cursor: 0,
             ticker: Some(ticker),
+            nodes_seen: None,
             me,
             cluster,
             _guard: TaskGuard::new("model_queue"),
@@ -285,6 +292,9 @@ impl Actor for ModelQueueActor {
                 state.dispatch();
             }
             QueueMsg::Tick => {
+                if state.live_nodes() > 0 {
+                    state.nodes_seen = Some(state.args.clock.now());
+                }
                 state.expire();
                 state.expire_forwarded();
                 state.dispatch();
@@ -346,6 +356,14 @@ impl QueueState {
     pub(super) fn unroutable(&self, api: Api) -> Option<Failure> {
         let model = &self.args.model;
         if self.live_nodes() == 0 {
+            let now = self.args.clock.now();
+            if self
+                .nodes_seen
+                .is_some_and(|at| now.saturating_duration_since(at) < NODES_RETURN_WITHIN)
+            {
+                // Its nodes left moments ago: they are likely on their way back.
+                return None;
+            }
             return Some(
                 Failure::new(
                     ErrorCode::NoHealthyNode,

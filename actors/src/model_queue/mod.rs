@@ -10,7 +10,7 @@ mod follow;
 mod msg;
 mod routing;
 
-pub use actor::{ModelQueueActor, QueueArgs, QueueConfig};
+pub use actor::{ModelQueueActor, NODES_RETURN_WITHIN, QueueArgs, QueueConfig};
 pub use cluster::{QueueCluster, Role};
 pub use msg::{ModelQueueHandle, NodeReport, QueueMsg, QueueStats};
 pub use routing::{NodeView, RoutingStrategy};

@@ -324,6 +324,32 @@ async fn a_streaming_generation_on_a_crashed_node_ends_typed() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_request_waits_for_nodes_that_left_moments_ago_and_is_refused_once_they_stay_away() {
+    let h = harness(1, RestartPolicy::QUEUES).await;
+    let (node, _out) = connect(&h, "n1").await;
+    // A queue tick sees it.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    node.stop();
+    settle().await;
+
+    // Its replica died, say: the request waits for the node, which comes back and runs it.
+    let mut waiting = start(&h, "r1").await.expect("admitted to wait");
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let (back, mut out) = connect(&h, "n1").await;
+    assert_eq!(expect_assign(&mut out).await, ("r1".into(), 1));
+    finish(&back, "r1", 1);
+    assert!(matches!(end_of(&mut waiting).await, GenEvent::Finished(_)));
+
+    // Gone for longer than that: refused at once.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    back.stop();
+    tokio::time::sleep(crate::model_queue::NODES_RETURN_WITHIN).await;
+    let refused = start(&h, "r2").await.err().unwrap();
+    assert_eq!(refused.code, ErrorCode::NoHealthyNode);
+    h.sup.stop();
+}
+
+#[tokio::test(start_paused = true)]
 async fn a_queue_crashing_in_a_loop_escalates_and_is_then_reported_down_typed() {
     let restarts = Restarts::default();
     let _recorder = metrics::set_default_local_recorder(&restarts);
