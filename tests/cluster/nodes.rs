@@ -3,6 +3,8 @@
 
 use std::time::Duration;
 
+use futures::future::join_all;
+
 use super::{chat, cluster};
 use crate::common::{http, wait_for};
 
@@ -192,6 +194,79 @@ async fn a_node_never_runs_more_than_its_capacity_for_work_entering_every_replic
     }
     assert!(peak >= 1, "the sampler saw the node work");
     assert!(peak <= 2, "the node ran {peak} at once; its capacity is 2");
+    for i in 0..3 {
+        assert_eq!(
+            queue_view(&c, i, "small-1").await,
+            Some((0, false)),
+            "replica {i}"
+        );
+    }
+    c.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn followers_start_work_on_their_granted_share_and_the_node_still_never_exceeds_its_capacity()
+{
+    // A node that runs six at once: the queue's owner lends each of the two followers two of
+    // its slots while nothing waits, so their requests start without asking it; when work
+    // waits for room, the loans come back.
+    let c = cluster(3, 1, 1.0, |cfg| {
+        for m in &mut cfg.server.models {
+            m.node_concurrency = 6;
+        }
+    })
+    .await;
+    let owner = c.wait_queue_owner().await;
+    let replicas = c.fleet.replicas();
+    let model = c.fleet.nodes[0].model.clone();
+    let follower = (0..3)
+        .find(|i| replicas[*i].state().replica_id != owner)
+        .unwrap();
+    let on_grant = |i: usize| {
+        let queue = replicas[i].state().queues[&model].clone();
+        async move { queue.stats().await.unwrap().on_grant }
+    };
+    // One at a time through a follower: once the grant is there, none asks the owner.
+    let mut tries = 0;
+    while on_grant(follower).await < 3 {
+        tries += 1;
+        assert!(tries < 40, "the follower never started work on a grant");
+        assert!(c.chat_through(follower, 4).await.contains("[DONE]"));
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // Four times the node's capacity entering every replica at once.
+    let key = c.fleet.api_key.clone();
+    let streams: Vec<_> = (0..24)
+        .map(|i| {
+            let (url, key) = (c.url(i % 3, "/v1/chat/completions"), key.clone());
+            tokio::spawn(async move {
+                let resp = http()
+                    .post(url)
+                    .bearer_auth(key)
+                    .json(&chat(20))
+                    .send()
+                    .await
+                    .unwrap();
+                resp.text().await.unwrap()
+            })
+        })
+        .collect();
+    let mut peak = 0;
+    while !streams.iter().all(|s| s.is_finished()) {
+        let s = c.fleet.nodes[0].sim.stats();
+        peak = peak.max(s.running + s.waiting_capacity + s.waiting_deferred);
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    for s in streams {
+        assert!(s.await.unwrap().contains("[DONE]"));
+    }
+    assert!(
+        peak >= 4,
+        "the node ran {peak} at most; more entered at once"
+    );
+    assert!(peak <= 6, "the node ran {peak} at once; its capacity is 6");
+    let started: u64 = join_all((0..3).map(on_grant)).await.into_iter().sum();
+    assert!(started >= 3, "{started} started on grants");
     for i in 0..3 {
         assert_eq!(
             queue_view(&c, i, "small-1").await,

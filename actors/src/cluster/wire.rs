@@ -163,13 +163,21 @@ pub enum QueueItem {
         /// The node whose slot is free.
         node_id: String,
     },
+    /// `slots` of the sender's grant on `node_id` go back to the owner (asked to, or the
+    /// node left its view): the owner may dispatch them again.
+    Return {
+        /// The node.
+        node_id: String,
+        /// How many.
+        slots: u32,
+    },
     /// What the sender's generations run now, for the owner (fence, incarnation) it names.
     Report {
         /// The owner's fence it answers.
         fence: u64,
         /// The owner's incarnation it answers.
         incarnation: u64,
-        /// Generations of the sender running on each node.
+        /// Generations of the sender running on each node, outside its grants.
         running: std::collections::BTreeMap<String, u32>,
         /// The last dispatch heard from this owner (its `epoch` and `n`): later ones are not
         /// in `running` yet.
@@ -208,6 +216,21 @@ pub enum QueueReply {
         epoch: u64,
         /// 1, 2, … within `epoch`: a report names the last one it includes.
         n: u64,
+    },
+    /// `slots` more of `node_id`'s capacity are this replica's to dispatch to itself (the
+    /// owner counts them as taken until they come back): its generations start there without
+    /// asking the owner.
+    Grant {
+        /// The node.
+        node_id: String,
+        /// How many more.
+        slots: u32,
+    },
+    /// Give back the unused slots of the grant on `node_id`, and each used one as it frees:
+    /// others wait for it.
+    Revoke {
+        /// The node.
+        node_id: String,
     },
     /// The owner (re)started its record of this replica: send every generation still
     /// waiting again (duplicates are ignored).

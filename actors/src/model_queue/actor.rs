@@ -87,6 +87,10 @@ pub(super) struct NodeEntry {
     pub(super) draining: bool,
     /// Its engine refused work twice in a row; back with its next heartbeat.
     pub(super) suspended: bool,
+    /// As the owner: slots granted to each follower (taken until they come back).
+    pub(super) granted: BTreeMap<String, u32>,
+    /// As the owner: when its grants were last recalled (none since).
+    pub(super) recalled: Option<Instant>,
 }
 
 impl NodeEntry {
@@ -97,17 +101,26 @@ impl NodeEntry {
             load,
             draining: false,
             suspended: false,
+            granted: BTreeMap::new(),
+            recalled: None,
         }
     }
 
     /// Takes new work at all (room aside).
-    fn routable(&self) -> bool {
+    pub(super) fn routable(&self) -> bool {
         !self.draining && !self.suspended
     }
 
     /// Assignments it carries, as far as this replica knows.
     pub(super) fn in_flight(&self) -> u32 {
         self.running.values().fold(0, |a, b| a.saturating_add(*b))
+    }
+
+    /// Its slots taken: the assignments it carries and, as the owner, the grants out.
+    pub(super) fn load(&self) -> u32 {
+        self.granted
+            .values()
+            .fold(self.in_flight(), |a, b| a.saturating_add(*b))
     }
 
     /// One more of `replica`'s.
@@ -132,7 +145,7 @@ pub struct QueueState {
     pub(super) nodes: BTreeMap<String, NodeEntry>,
     /// Recent dispatch times, for the drain rate.
     dispatches: VecDeque<Instant>,
-    cursor: usize,
+    pub(super) cursor: usize,
     ticker: Option<ractor::concurrency::JoinHandle<()>>,
     /// When a routable node was last seen (checked every tick).
     nodes_seen: Option<Instant>,
@@ -219,7 +232,11 @@ impl Actor for ModelQueueActor {
                 reply,
             } => {
                 if state.follows() {
-                    state.forward(request_id, generation, front, avoid, api, reply);
+                    if state.start_on_grant(&generation, avoid.as_deref(), api) {
+                        let _ = reply.send(Ok(()));
+                    } else {
+                        state.forward(request_id, generation, front, avoid, api, reply);
+                    }
                     return Ok(());
                 }
                 let waiter = Waiter::Local(generation);
@@ -263,6 +280,7 @@ impl Actor for ModelQueueActor {
                     .is_some_and(|n| n.handle.same_actor(&node))
                 {
                     state.nodes.remove(node.node_id());
+                    state.node_left(node.node_id());
                 }
             }
             QueueMsg::NodeLoad(id, load) => {
@@ -275,7 +293,9 @@ impl Actor for ModelQueueActor {
                     n.give_back(&state.me);
                 }
                 if state.follows() {
-                    state.tell_owner(crate::cluster::QueueItem::Released { node_id: id });
+                    if !state.release_granted(&id) {
+                        state.tell_owner(crate::cluster::QueueItem::Released { node_id: id });
+                    }
                 } else {
                     state.dispatch();
                 }
@@ -459,6 +479,7 @@ impl QueueState {
     pub(super) fn dispatch(&mut self) {
         if self.decides() {
             self.dispatch_waiting();
+            self.share_capacity();
         }
         self.publish_depth();
     }
@@ -482,13 +503,13 @@ impl QueueState {
                 .iter()
                 .filter(|(id, n)| {
                     n.routable()
-                        && n.in_flight() < capacity
+                        && n.load() < capacity
                         && Some(id.as_str()) != avoid
                         && n.handle.speaks(api)
                 })
                 .map(|(id, n)| NodeView {
                     node_id: id,
-                    in_flight: n.in_flight(),
+                    in_flight: n.load(),
                     capacity,
                     kv_cache_usage: n.load.kv_cache_usage,
                     engine_waiting: n.load.queue_depth,
@@ -500,6 +521,10 @@ impl QueueState {
                 .routing
                 .choose(&candidates, &mut self.cursor)
             else {
+                // No room: room lent to followers comes back.
+                let avoid = avoid.map(str::to_owned);
+                let now = self.args.clock.now();
+                self.recall(api, avoid.as_deref(), now);
                 // Passed over while its only nodes are busy: a retry avoiding its failed node,
                 // or an API only some agents run (mid-upgrade), must not hold up the
                 // generations behind it that other nodes can take.
@@ -583,6 +608,7 @@ impl QueueState {
                 .collect(),
             drain_rate: self.drain_rate(),
             owner: self.owner(),
+            on_grant: self.cluster.as_ref().map_or(0, |m| m.grants.started()),
         }
     }
 }

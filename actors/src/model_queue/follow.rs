@@ -11,6 +11,7 @@ use tokio::time::Instant;
 
 use super::actor::{QueueState, Waiter, Waiting};
 use super::cluster::{QueueCluster, Role};
+use super::grant::Grants;
 use super::msg::QueueMsg;
 use crate::cluster::{FromQueue, Outbox, QueueItem, QueueOwner, QueueReply, ToQueue};
 use crate::cluster::{from_queue, to_queue};
@@ -54,7 +55,7 @@ struct Follower {
 /// A queue's membership of the cluster.
 #[derive(Debug)]
 pub(super) struct Membership {
-    cluster: Arc<QueueCluster>,
+    pub(super) cluster: Arc<QueueCluster>,
     myself: ActorRef<QueueMsg>,
     incarnation: u64,
     role: Role,
@@ -72,6 +73,8 @@ pub(super) struct Membership {
     records: u64,
     /// After a takeover: no dispatch before this, so the followers' reports arrive first.
     hold_until: Option<Instant>,
+    /// Capacity lent by the owner (see [`super::grant`]).
+    pub(super) grants: Grants,
 }
 
 impl Membership {
@@ -114,7 +117,13 @@ impl Membership {
             followers: BTreeMap::new(),
             records: 0,
             hold_until,
+            grants: Grants::default(),
         }
+    }
+
+    /// As the owner: the replicas following the queue.
+    pub(super) fn followers(&self) -> impl Iterator<Item = String> + '_ {
+        self.followers.keys().cloned()
     }
 }
 
@@ -372,9 +381,12 @@ impl QueueState {
         m.to_owner = None;
         m.followers.clear();
         let forwarded = std::mem::take(&mut m.forwarded);
+        self.drop_grants();
         let me = self.me.clone();
         for n in self.nodes.values_mut() {
             n.running.retain(|r, _| *r == me);
+            n.granted.clear();
+            n.recalled = None;
         }
         for (request_id, f) in forwarded {
             let waiter = Waiter::Local(f.generation);
@@ -421,11 +433,14 @@ impl QueueState {
                 );
             }
         }
+        let last = m.cluster.last_owner();
         let me = self.me.clone();
         for n in self.nodes.values_mut() {
             n.running.retain(|r, _| *r == me);
+            n.granted.clear();
+            n.recalled = None;
         }
-        if let Some(owner) = m.cluster.last_owner() {
+        if let Some(owner) = last {
             self.owner_heard(owner);
         }
     }
@@ -472,6 +487,8 @@ impl QueueState {
                 },
             ));
             m.owner = Some(owner.clone());
+            // Grants were the previous owner's (or incarnation's) to count.
+            self.drop_grants();
             self.resend_forwarded();
         }
         let running: BTreeMap<String, u32> = self
@@ -479,6 +496,7 @@ impl QueueState {
             .iter()
             .filter_map(|(id, n)| {
                 let mine = n.running.get(&self.me).copied().unwrap_or(0);
+                let mine = mine.saturating_sub(self.on_grant(id));
                 (mine > 0).then(|| (id.clone(), mine))
             })
             .collect();
@@ -566,6 +584,7 @@ impl QueueState {
                         n.give_back(&from);
                     }
                 }
+                QueueItem::Return { node_id, slots } => self.returned(&from, &node_id, slots),
                 QueueItem::Report {
                     fence: f,
                     incarnation: i,
@@ -653,7 +672,13 @@ impl QueueState {
                     (None, None) => {}
                 }
             }
-            QueueReply::Resync => self.resend_forwarded(),
+            QueueReply::Resync => {
+                // The owner's new record of this replica counts no grant.
+                self.drop_grants();
+                self.resend_forwarded();
+            }
+            QueueReply::Grant { node_id, slots } => self.granted(node_id, slots),
+            QueueReply::Revoke { node_id } => self.revoke(&node_id),
             QueueReply::Dispatch {
                 request_id,
                 node_id,
@@ -722,6 +747,7 @@ impl QueueState {
         {
             m.owner = None;
             m.to_owner = None;
+            self.drop_grants();
         }
     }
 
@@ -734,6 +760,7 @@ impl QueueState {
             .retain(|w| !matches!(&w.waiter, Waiter::Remote(r) if r == replica));
         for n in self.nodes.values_mut() {
             n.running.remove(replica);
+            n.granted.remove(replica);
         }
     }
 

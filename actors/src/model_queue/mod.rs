@@ -7,6 +7,7 @@
 mod actor;
 pub mod cluster;
 mod follow;
+mod grant;
 mod msg;
 mod routing;
 

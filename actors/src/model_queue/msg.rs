@@ -27,6 +27,9 @@ pub struct QueueStats {
     /// The replica owning the queue, as far as this one knows (`None` standalone, or while
     /// no owner is known).
     pub owner: Option<String>,
+    /// Generations this replica started on the owner's capacity grants (see
+    /// `model_queue::grant`), without asking the owner.
+    pub on_grant: u64,
 }
 
 /// What a [`super::ModelQueueActor`] handles.
