@@ -232,7 +232,9 @@ impl Actor for ModelQueueActor {
                 reply,
             } => {
                 if state.follows() {
-                    if state.start_on_grant(&generation, avoid.as_deref(), api) {
+                    if !state.is_forwarded(&request_id)
+                        && state.start_on_grant(&generation, avoid.as_deref(), api)
+                    {
                         let _ = reply.send(Ok(()));
                     } else {
                         state.forward(request_id, generation, front, avoid, api, reply);

@@ -164,6 +164,13 @@ impl QueueState {
         self.cluster.as_ref().map_or(0, |m| m.forwarded.len())
     }
 
+    /// Whether `request_id` waits in the owner's queue already.
+    pub(super) fn is_forwarded(&self, request_id: &str) -> bool {
+        self.cluster
+            .as_ref()
+            .is_some_and(|m| m.forwarded.contains_key(request_id))
+    }
+
     /// A local generation enters the owner's queue; answered with the owner's verdict.
     pub(super) fn forward(
         &mut self,
