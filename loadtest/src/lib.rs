@@ -4,6 +4,7 @@
 
 pub mod compare;
 pub mod config;
+pub mod drill;
 pub mod prompt;
 pub mod report;
 mod request;

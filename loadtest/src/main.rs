@@ -29,6 +29,41 @@ enum Command {
     Run(RunArgs),
     /// The same load directly against an engine and through the gateway, alternating.
     Compare(CompareArgs),
+    /// A chaos drill on a local cluster it starts (replicas, nodes, its own Redis, a fresh
+    /// PostgreSQL database): load, the fault, then its invariants checked.
+    Drill(DrillArgs),
+}
+
+#[derive(Debug, Args)]
+struct DrillArgs {
+    /// The drill (`kill-replica`, `kill-engine`, `restart-all`, `redis-down`,
+    /// `spot-reclaim`, `abandon-10k`), or `all`.
+    name: String,
+    /// The `switchyard` binary [default: beside this one].
+    #[arg(long)]
+    bin: Option<PathBuf>,
+    /// PostgreSQL server to make the drill's database on (a URL naming any database).
+    #[arg(
+        long,
+        env = "DATABASE",
+        default_value = "postgres://postgres@127.0.0.1:5432/postgres"
+    )]
+    database: String,
+    /// How long the load runs.
+    #[arg(long, default_value = "12s", value_parser = parse_duration)]
+    load: Duration,
+    /// Write the reports here as JSON.
+    #[arg(long)]
+    json: Option<PathBuf>,
+    /// Keep every process's log (their directory is printed).
+    #[arg(long)]
+    keep_logs: bool,
+    /// No progress bar.
+    #[arg(long)]
+    no_progress: bool,
+    /// Clients `abandon-10k` sends.
+    #[arg(long, default_value_t = 10_000)]
+    abandon: usize,
 }
 
 #[derive(Debug, Args)]
@@ -251,6 +286,40 @@ async fn execute(cli: Cli) -> anyhow::Result<()> {
             report.print(&mut stdout)?;
             stdout.flush()?;
         }
+        Command::Drill(args) => {
+            let bin = match args.bin {
+                Some(bin) => bin,
+                None => std::env::current_exe()?
+                    .parent()
+                    .context("the binary's directory")?
+                    .join("switchyard"),
+            };
+            let opts = switchyard_loadtest::drill::DrillOptions {
+                bin,
+                database: args.database,
+                load: args.load,
+                progress: !args.no_progress,
+                keep_logs: args.keep_logs,
+                abandon: args.abandon,
+            };
+            let reports = switchyard_loadtest::drill::drill(&args.name, &opts).await?;
+            if let Some(path) = args.json {
+                let json = serde_json::to_vec_pretty(&reports).context("serializing reports")?;
+                std::fs::write(&path, json)
+                    .with_context(|| format!("writing {}", path.display()))?;
+            }
+            let mut stdout = std::io::stdout().lock();
+            for r in &reports {
+                r.print(&mut stdout)?;
+            }
+            if reports.len() > 1 {
+                switchyard_loadtest::drill::print_table(&reports, &mut stdout)?;
+            }
+            stdout.flush()?;
+            if reports.iter().any(|r| !r.passed) {
+                anyhow::bail!("a drill failed");
+            }
+        }
         Command::Compare(args) => {
             let out = args.json.clone();
             let report = switchyard_loadtest::compare(args.into_config()).await?;
@@ -278,7 +347,7 @@ mod tests {
         let cli = Cli::try_parse_from(base.iter().chain(args))?;
         match cli.command {
             Command::Run(a) => Ok(a.into_config()),
-            Command::Compare(_) => panic!("not a run"),
+            Command::Compare(_) | Command::Drill(_) => panic!("not a run"),
         }
     }
 

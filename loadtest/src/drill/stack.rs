@@ -1,0 +1,510 @@
+//! A local cluster started for one drill: its own Redis, a fresh PostgreSQL database,
+//! `switchyard serve` replicas, simulated engines and node agents — each a child process,
+//! killed when the stack is dropped, so a failed drill leaves nothing behind.
+
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use serde_json::{Value, json};
+use sqlx::Connection;
+use tokio::process::{Child, Command};
+
+/// The model every drill serves.
+pub const MODEL: &str = "tiny";
+
+/// What a drill's stack runs.
+#[derive(Debug, Clone)]
+pub struct StackConfig {
+    /// `switchyard serve` replicas.
+    pub replicas: usize,
+    /// Simulated nodes (one engine and one agent each), spread over the replicas.
+    pub nodes: usize,
+    /// The engines run this many times faster than real.
+    pub time_scale: f64,
+    /// Assignments a node carries at once.
+    pub node_concurrency: u32,
+    /// Extra TOML appended to the replicas' configuration.
+    pub extra_toml: String,
+    /// Seconds a queue's or budget's owner lease lasts.
+    pub owner_lease_secs: u64,
+}
+
+impl Default for StackConfig {
+    fn default() -> Self {
+        Self {
+            replicas: 3,
+            nodes: 3,
+            time_scale: 10.0,
+            node_concurrency: 64,
+            extra_toml: String::new(),
+            owner_lease_secs: 1,
+        }
+    }
+}
+
+/// A `switchyard serve` process.
+#[derive(Debug)]
+pub struct Replica {
+    /// Its replica id.
+    pub id: String,
+    /// Its base URL.
+    pub url: String,
+    child: Option<Child>,
+}
+
+/// The running stack.
+#[derive(Debug)]
+pub struct Stack {
+    bin: PathBuf,
+    work: PathBuf,
+    maintenance_url: String,
+    db_name: String,
+    /// The drill's database.
+    pub db_url: String,
+    /// The drill's own Redis.
+    pub redis_url: String,
+    redis_port: u16,
+    prefix: String,
+    admin: String,
+    /// Replicas, the first started first (it owns every queue at the start).
+    pub replicas: Vec<Replica>,
+    /// Node ids, in start order.
+    pub node_ids: Vec<String>,
+    /// The engines' child processes, by node.
+    engines: Vec<Option<Child>>,
+    /// The engines' ports, by node.
+    pub engine_ports: Vec<u16>,
+    agents: Vec<Option<Child>>,
+    redis: Option<Child>,
+    /// An API key of the drill's team, with generous limits.
+    pub key: String,
+    /// The team's id.
+    pub team_id: i64,
+    config: StackConfig,
+    http: reqwest::Client,
+}
+
+/// A free TCP port on 127.0.0.1.
+pub fn free_port() -> anyhow::Result<u16> {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").context("binding a free port")?;
+    Ok(listener.local_addr()?.port())
+}
+
+fn log_file(work: &Path, name: &str) -> anyhow::Result<Stdio> {
+    let file = std::fs::File::create(work.join(name))
+        .with_context(|| format!("creating {}", work.join(name).display()))?;
+    Ok(Stdio::from(file))
+}
+
+impl Stack {
+    /// Starts everything and waits until every replica routes to every node.
+    pub async fn start(bin: &Path, database: &str, config: StackConfig) -> anyhow::Result<Self> {
+        let tag = format!("{:08x}", rand_u32());
+        let work = std::env::temp_dir().join(format!("switchyard-drill-{tag}"));
+        std::fs::create_dir_all(&work)?;
+        let redis_port = free_port()?;
+        let redis = spawn_redis(&work, redis_port)?;
+        let db_name = format!("sydrill_{tag}");
+        let maintenance_url = database.to_owned();
+        let mut conn = sqlx::PgConnection::connect(&maintenance_url)
+            .await
+            .with_context(|| format!("connecting to {maintenance_url}"))?;
+        // The name is ours: a fixed prefix and hex digits.
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE DATABASE {db_name}")))
+            .execute(&mut conn)
+            .await?;
+        conn.close().await?;
+        let db_url = match maintenance_url.rsplit_once('/') {
+            Some((base, _)) => format!("{base}/{db_name}"),
+            None => bail!("DATABASE must name a database: {maintenance_url}"),
+        };
+        let mut stack = Self {
+            bin: bin.to_owned(),
+            work,
+            maintenance_url,
+            db_name,
+            db_url,
+            redis_url: format!("redis://127.0.0.1:{redis_port}"),
+            redis_port,
+            prefix: format!("drill-{tag}:"),
+            admin: format!("adm-drill-{tag}"),
+            replicas: Vec::new(),
+            node_ids: Vec::new(),
+            engines: Vec::new(),
+            engine_ports: Vec::new(),
+            agents: Vec::new(),
+            redis: Some(redis),
+            key: String::new(),
+            team_id: 0,
+            config,
+            http: reqwest::Client::builder()
+                .timeout(Duration::from_secs(10))
+                .build()?,
+        };
+        wait_port(redis_port).await?;
+        stack.write_config()?;
+        for i in 0..stack.config.replicas {
+            let replica = stack.spawn_replica(&format!("drill-{i}"), free_port()?)?;
+            wait_healthy(&stack.http, &replica.url).await?;
+            stack.replicas.push(replica);
+        }
+        let team = stack
+            .admin_post("/admin/teams", json!({"name": "drill"}))
+            .await?;
+        stack.team_id = team["id"].as_i64().context("team id")?;
+        stack
+            .admin_post(
+                "/admin/credits",
+                json!({"team": stack.team_id, "amount": 1_000_000_000_000_i64}),
+            )
+            .await?;
+        let key = stack
+            .admin_post(
+                "/admin/keys",
+                json!({"team": stack.team_id, "rpm": 1_000_000, "tokens_per_day": 1_000_000_000_000_i64, "max_streams": 100_000}),
+            )
+            .await?;
+        stack.key = key["key"].as_str().context("key")?.to_owned();
+        for n in 0..stack.config.nodes {
+            stack.add_node(n).await?;
+        }
+        stack.wait_nodes_ready(Duration::from_secs(60)).await?;
+        Ok(stack)
+    }
+
+    fn write_config(&self) -> anyhow::Result<()> {
+        let toml = format!(
+            "[[models]]\nname = \"{MODEL}\"\nprice_input_per_mtok = 1000\nprice_output_per_mtok = 2000\n\
+             node_concurrency = {}\nmax_context_tokens = 8192\n[listener]\nmax_connections_per_client = 0\n{}\n",
+            self.config.node_concurrency, self.config.extra_toml
+        );
+        std::fs::write(self.work.join("switchyard.toml"), toml)?;
+        Ok(())
+    }
+
+    fn spawn_replica(&self, id: &str, port: u16) -> anyhow::Result<Replica> {
+        let child = Command::new(&self.bin)
+            .arg("serve")
+            .arg("--config")
+            .arg(self.work.join("switchyard.toml"))
+            .env("DATABASE_URL", &self.db_url)
+            .env("REDIS_URL", &self.redis_url)
+            .env("SWITCHYARD_REDIS_PREFIX", &self.prefix)
+            .env("SWITCHYARD_LISTEN", format!("127.0.0.1:{port}"))
+            .env("SWITCHYARD_ADMIN_TOKEN", &self.admin)
+            .env("SWITCHYARD_REPLICA_ID", id)
+            .env(
+                "SWITCHYARD_OWNER_LEASE_SECS",
+                self.config.owner_lease_secs.to_string(),
+            )
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::null())
+            .stderr(log_file(&self.work, &format!("{id}.log"))?)
+            .kill_on_drop(true)
+            .spawn()
+            .with_context(|| format!("starting {}", self.bin.display()))?;
+        Ok(Replica {
+            id: id.to_owned(),
+            url: format!("http://127.0.0.1:{port}"),
+            child: Some(child),
+        })
+    }
+
+    /// Node `n`: a token, an engine and an agent dialing replica `n % replicas` first.
+    async fn add_node(&mut self, n: usize) -> anyhow::Result<()> {
+        let node_id = format!("drill-node-{n}");
+        let token = self
+            .admin_post(
+                "/admin/nodes",
+                json!({"node_id": node_id, "location": "cloud"}),
+            )
+            .await?;
+        let token = token["token"].as_str().context("node token")?.to_owned();
+        let port = free_port()?;
+        self.engine_ports.push(port);
+        let engine = self.spawn_engine(n, port)?;
+        self.engines.push(Some(engine));
+        wait_port(port).await?;
+        let servers: Vec<String> = (0..self.replicas.len())
+            .map(|i| self.replicas[(n + i) % self.replicas.len()].url.clone())
+            .collect();
+        let agent = Command::new(&self.bin)
+            .args([
+                "node",
+                "--server",
+                &servers.join(","),
+                "--node-id",
+                &node_id,
+            ])
+            .args(["--engine", &format!("http://127.0.0.1:{port}")])
+            .args(["--location", "cloud"])
+            .env("SWITCHYARD_NODE_TOKEN", token)
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::null())
+            .stderr(log_file(&self.work, &format!("{node_id}.log"))?)
+            .kill_on_drop(true)
+            .spawn()?;
+        self.agents.push(Some(agent));
+        self.node_ids.push(node_id);
+        Ok(())
+    }
+
+    fn spawn_engine(&self, n: usize, port: u16) -> anyhow::Result<Child> {
+        Command::new(&self.bin)
+            .args([
+                "sim",
+                "--listen",
+                &format!("127.0.0.1:{port}"),
+                "--model",
+                MODEL,
+            ])
+            .args(["--profile", "fixed", "--ttft-ms", "50", "--itl-ms", "20"])
+            .args(["--time-scale", &self.config.time_scale.to_string()])
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::null())
+            .stderr(log_file(&self.work, &format!("engine-{n}.log"))?)
+            .kill_on_drop(true)
+            .spawn()
+            .context("starting a simulated engine")
+    }
+
+    /// Kills replica `i` with SIGKILL (no shutdown of any kind).
+    pub async fn kill_replica(&mut self, i: usize) -> anyhow::Result<()> {
+        if let Some(mut child) = self.replicas[i].child.take() {
+            child.kill().await?;
+        }
+        Ok(())
+    }
+
+    /// Kills node `n`'s engine with SIGKILL.
+    pub async fn kill_engine(&mut self, n: usize) -> anyhow::Result<()> {
+        if let Some(mut child) = self.engines[n].take() {
+            child.kill().await?;
+        }
+        Ok(())
+    }
+
+    /// Starts node `n`'s engine again, on its port.
+    pub async fn restart_engine(&mut self, n: usize) -> anyhow::Result<()> {
+        let port = self.engine_ports[n];
+        let engine = self.spawn_engine(n, port)?;
+        self.engines[n] = Some(engine);
+        wait_port(port).await
+    }
+
+    /// Kills the drill's Redis with SIGKILL (everything in it is lost).
+    pub async fn kill_redis(&mut self) -> anyhow::Result<()> {
+        if let Some(mut child) = self.redis.take() {
+            child.kill().await?;
+        }
+        Ok(())
+    }
+
+    /// Starts an empty Redis again on the same port.
+    pub async fn restart_redis(&mut self) -> anyhow::Result<()> {
+        self.redis = Some(spawn_redis(&self.work, self.redis_port)?);
+        wait_port(self.redis_port).await
+    }
+
+    /// Starts replica `i` again on its port, under a new replica id; waits until healthy.
+    pub async fn restart_replica(&mut self, i: usize, id: &str) -> anyhow::Result<()> {
+        let port = self.replicas[i]
+            .url
+            .rsplit(':')
+            .next()
+            .and_then(|p| p.parse().ok())
+            .context("the replica's port")?;
+        let replica = self.spawn_replica(id, port)?;
+        wait_healthy(&self.http, &replica.url).await?;
+        self.replicas[i] = replica;
+        Ok(())
+    }
+
+    /// `POST /admin/nodes/{id}/drain` through the first live replica.
+    pub async fn drain(&self, node_id: &str) -> anyhow::Result<()> {
+        self.admin_post(&format!("/admin/nodes/{node_id}/drain"), json!({}))
+            .await
+            .map(|_| ())
+    }
+
+    /// A replica's `/metrics` value of the unlabelled series `name` (0 when absent).
+    pub async fn metric(&self, url: &str, name: &str) -> anyhow::Result<f64> {
+        let text = self
+            .http
+            .get(format!("{url}/metrics"))
+            .send()
+            .await?
+            .text()
+            .await?;
+        Ok(text
+            .lines()
+            .filter(|l| l.split([' ', '{']).next() == Some(name))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum())
+    }
+
+    /// Resident memory of replica `i` now, bytes (`VmRSS` in /proc; `None` elsewhere or when
+    /// it is not running).
+    pub fn replica_rss(&self, i: usize) -> Option<u64> {
+        let pid = self.replicas.get(i)?.child.as_ref()?.id()?;
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+        let kib: u64 = status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))?
+            .trim()
+            .trim_end_matches("kB")
+            .trim()
+            .parse()
+            .ok()?;
+        Some(kib * 1024)
+    }
+
+    /// The HTTP client the stack uses.
+    pub fn http(&self) -> &reqwest::Client {
+        &self.http
+    }
+
+    /// The replicas still running.
+    pub fn live_replicas(&self) -> Vec<&Replica> {
+        self.replicas.iter().filter(|r| r.child.is_some()).collect()
+    }
+
+    /// Node ids ready on replica `url` (`GET /admin/nodes`).
+    pub async fn ready_nodes(&self, url: &str) -> anyhow::Result<Vec<String>> {
+        let nodes: Value = self
+            .http
+            .get(format!("{url}/admin/nodes"))
+            .bearer_auth(&self.admin)
+            .send()
+            .await?
+            .error_for_status()?
+            .json()
+            .await?;
+        Ok(nodes["data"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter(|n| n["health"] == "ready")
+            .filter_map(|n| n["node_id"].as_str().map(str::to_owned))
+            .collect())
+    }
+
+    /// Waits until every live replica routes to every node; the time it took.
+    pub async fn wait_nodes_ready(&self, within: Duration) -> anyhow::Result<Duration> {
+        let started = tokio::time::Instant::now();
+        loop {
+            let mut all = true;
+            for r in self.live_replicas() {
+                let ready = self.ready_nodes(&r.url).await.unwrap_or_default();
+                all &= self.node_ids.iter().all(|id| ready.contains(id));
+            }
+            if all {
+                return Ok(started.elapsed());
+            }
+            if started.elapsed() > within {
+                bail!("the nodes were not ready on every replica within {within:?}");
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+
+    async fn admin_post(&self, path: &str, body: Value) -> anyhow::Result<Value> {
+        let url = &self.live_replicas().first().context("no replica")?.url;
+        let resp = self
+            .http
+            .post(format!("{url}{path}"))
+            .bearer_auth(&self.admin)
+            .json(&body)
+            .send()
+            .await?;
+        let status = resp.status();
+        let body: Value = resp.json().await.unwrap_or(Value::Null);
+        if !status.is_success() {
+            bail!("POST {path}: {status} {body}");
+        }
+        Ok(body)
+    }
+
+    /// Stops every process and drops the database; logs stay in the work directory when
+    /// `keep_logs`.
+    pub async fn stop(mut self, keep_logs: bool) -> anyhow::Result<()> {
+        for a in self.agents.iter_mut().filter_map(Option::take) {
+            kill(a).await;
+        }
+        for e in self.engines.iter_mut().filter_map(Option::take) {
+            kill(e).await;
+        }
+        for r in &mut self.replicas {
+            if let Some(c) = r.child.take() {
+                kill(c).await;
+            }
+        }
+        if let Some(r) = self.redis.take() {
+            kill(r).await;
+        }
+        let mut conn = sqlx::PgConnection::connect(&self.maintenance_url).await?;
+        let drop = format!("DROP DATABASE IF EXISTS {} WITH (FORCE)", self.db_name);
+        sqlx::raw_sql(sqlx::AssertSqlSafe(drop))
+            .execute(&mut conn)
+            .await?;
+        if !keep_logs {
+            let _ = std::fs::remove_dir_all(&self.work);
+        }
+        Ok(())
+    }
+
+    /// Where the processes' logs are.
+    pub fn work_dir(&self) -> &Path {
+        &self.work
+    }
+}
+
+/// A throwaway Redis on `port`, nothing persisted.
+fn spawn_redis(work: &Path, port: u16) -> anyhow::Result<Child> {
+    Command::new("redis-server")
+        .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
+        .args(["--save", "", "--appendonly", "no"])
+        .stdout(log_file(work, &format!("redis-{port}.log"))?)
+        .stderr(Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .context("starting redis-server (is it installed?)")
+}
+
+async fn kill(mut child: Child) {
+    let _ = child.kill().await;
+}
+
+fn rand_u32() -> u32 {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.subsec_nanos());
+    nanos ^ std::process::id().rotate_left(16)
+}
+
+async fn wait_port(port: u16) -> anyhow::Result<()> {
+    for _ in 0..200 {
+        if tokio::net::TcpStream::connect(("127.0.0.1", port))
+            .await
+            .is_ok()
+        {
+            return Ok(());
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    bail!("nothing listens on port {port}")
+}
+
+async fn wait_healthy(http: &reqwest::Client, url: &str) -> anyhow::Result<()> {
+    for _ in 0..240 {
+        if let Ok(resp) = http.get(format!("{url}/healthz")).send().await
+            && resp.status().is_success()
+        {
+            return Ok(());
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    bail!("{url} did not become healthy")
+}

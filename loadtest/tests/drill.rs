@@ -1,0 +1,89 @@
+//! The short version of every drill (`switchyard-loadtest drill NAME`), as the test command
+//! runs it: a few seconds of load on a local cluster of `switchyard` processes with its own
+//! Redis and a fresh database, the fault, and every invariant the drill checks.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use switchyard_loadtest::drill::{DrillOptions, drill};
+
+/// `target/<profile>/switchyard`, built with the workspace's tests.
+fn switchyard_bin() -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let profile_dir = exe.parent().and_then(|deps| deps.parent()).unwrap();
+    profile_dir.join("switchyard")
+}
+
+async fn short(name: &str) {
+    let opts = DrillOptions {
+        bin: switchyard_bin(),
+        database: std::env::var("SWITCHYARD_TEST_DATABASE_URL")
+            .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".to_owned()),
+        load: Duration::from_secs(6),
+        progress: false,
+        keep_logs: false,
+        abandon: 400,
+    };
+    let reports = drill(name, &opts).await.unwrap();
+    assert_eq!(reports.len(), 1);
+    let mut out = Vec::new();
+    reports[0].print(&mut out).unwrap();
+    let printed = String::from_utf8(out).unwrap();
+    println!("{printed}");
+    assert!(reports[0].passed, "{printed}");
+    // Every drill ends with the books checked.
+    assert!(
+        reports[0]
+            .checks
+            .iter()
+            .any(|c| c.name.starts_with("balance = credits"))
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_replica() {
+    short("kill-replica").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_engine() {
+    short("kill-engine").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn restart_all() {
+    short("restart-all").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_down() {
+    short("redis-down").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn spot_reclaim() {
+    short("spot-reclaim").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn abandon_10k() {
+    short("abandon-10k").await;
+}
+
+#[tokio::test]
+async fn an_unknown_drill_names_the_drills() {
+    let opts = DrillOptions {
+        bin: switchyard_bin(),
+        database: String::new(),
+        load: Duration::from_secs(1),
+        progress: false,
+        keep_logs: false,
+        abandon: 1,
+    };
+    let err = drill("no-such-drill", &opts).await.unwrap_err().to_string();
+    assert!(
+        err.contains("kill-replica") && err.contains("abandon-10k"),
+        "{err}"
+    );
+}
