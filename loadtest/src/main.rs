@@ -37,7 +37,8 @@ enum Command {
 #[derive(Debug, Args)]
 struct DrillArgs {
     /// The drill (`kill-replica`, `kill-engine`, `restart-all`, `redis-down`,
-    /// `spot-reclaim`, `abandon-10k`), or `all`.
+    /// `spot-reclaim`, `abandon-10k`, `cut-node`, `postgres-down`, `max-streams-500`), or
+    /// `all`.
     name: String,
     /// The `switchyard` binary [default: beside this one].
     #[arg(long)]

@@ -71,6 +71,21 @@ async fn abandon_10k() {
     short("abandon-10k").await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cut_node() {
+    short("cut-node").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_down() {
+    short("postgres-down").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn max_streams_500() {
+    short("max-streams-500").await;
+}
+
 #[tokio::test]
 async fn an_unknown_drill_names_the_drills() {
     let opts = DrillOptions {

@@ -419,7 +419,7 @@ async fn leave_after_first_chunk(http: &reqwest::Client, url: &str, key: &str) -
 }
 
 /// One small request through `url`: its outcome key, as the load harness names them.
-async fn probe(stack: &Stack, url: &str) -> String {
+pub(super) async fn probe(stack: &Stack, url: &str) -> String {
     let body = json!({"model": MODEL, "max_tokens": 4,
         "messages": [{"role": "user", "content": "hi"}]});
     let resp = stack
@@ -442,7 +442,7 @@ async fn probe(stack: &Stack, url: &str) -> String {
 }
 
 /// Three seconds of load through every live replica, after the fault.
-async fn after_load(stack: &Stack) -> anyhow::Result<BTreeMap<String, u64>> {
+pub(super) async fn after_load(stack: &Stack) -> anyhow::Result<BTreeMap<String, u64>> {
     let mut reports = Vec::new();
     let runs: Vec<_> = stack
         .live_replicas()
@@ -456,7 +456,7 @@ async fn after_load(stack: &Stack) -> anyhow::Result<BTreeMap<String, u64>> {
 }
 
 /// Every request completed.
-fn only_completed(outcomes: &BTreeMap<String, u64>) -> (bool, String) {
+pub(super) fn only_completed(outcomes: &BTreeMap<String, u64>) -> (bool, String) {
     let ok = outcomes.get("200 ok").copied().unwrap_or(0);
     (ok > 0 && outcomes.len() == 1, format!("{outcomes:?}"))
 }

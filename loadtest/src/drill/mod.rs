@@ -4,7 +4,9 @@
 //! and the ledger in PostgreSQL. A drill reports each check and its figures as JSON.
 
 mod drills;
+mod faults;
 mod ledger;
+mod proxy;
 mod stack;
 
 use std::collections::BTreeMap;
@@ -18,6 +20,7 @@ use serde_json::{Value, json};
 use tokio::time::Instant;
 
 pub use ledger::{Books, books};
+pub use proxy::CutProxy;
 pub use stack::{MODEL, Stack, StackConfig, free_port};
 
 use crate::{Limit, Report, RunConfig};
@@ -30,6 +33,9 @@ pub const DRILLS: &[&str] = &[
     "redis-down",
     "spot-reclaim",
     "abandon-10k",
+    "cut-node",
+    "postgres-down",
+    "max-streams-500",
 ];
 
 /// How to run drills.
@@ -151,7 +157,17 @@ async fn run_one(name: &str, opts: &DrillOptions) -> anyhow::Result<DrillReport>
     let bar = progress(opts.progress, name);
     let mut found = Found::default();
     let config = match name {
-        "kill-replica" | "restart-all" | "redis-down" | "abandon-10k" => short_deadlines(),
+        "kill-replica" | "restart-all" | "redis-down" | "abandon-10k" | "max-streams-500" => {
+            short_deadlines()
+        }
+        "cut-node" => StackConfig {
+            cut_node: true,
+            ..short_deadlines()
+        },
+        "postgres-down" => StackConfig {
+            cut_database: true,
+            ..short_deadlines()
+        },
         _ => StackConfig {
             replicas: 2,
             nodes: 2,
@@ -168,7 +184,10 @@ async fn run_one(name: &str, opts: &DrillOptions) -> anyhow::Result<DrillReport>
         "restart-all" => drills::restart_all(&mut stack, opts, &bar, &mut found).await,
         "redis-down" => drills::redis_down(&mut stack, opts, &bar, &mut found).await,
         "spot-reclaim" => drills::spot_reclaim(&mut stack, opts, &bar, &mut found).await,
-        _ => drills::abandon(&mut stack, opts, &bar, &mut found).await,
+        "abandon-10k" => drills::abandon(&mut stack, opts, &bar, &mut found).await,
+        "cut-node" => faults::cut_node(&mut stack, opts, &bar, &mut found).await,
+        "postgres-down" => faults::postgres_down(&mut stack, opts, &bar, &mut found).await,
+        _ => faults::max_streams(&mut stack, opts, &bar, &mut found).await,
     };
     if let Err(e) = &outcome {
         found.check("drill ran", false, format!("{e:#}"));

@@ -11,6 +11,8 @@ use serde_json::{Value, json};
 use sqlx::Connection;
 use tokio::process::{Child, Command};
 
+use super::proxy::CutProxy;
+
 /// The model every drill serves.
 pub const MODEL: &str = "tiny";
 
@@ -29,6 +31,10 @@ pub struct StackConfig {
     pub extra_toml: String,
     /// Seconds a queue's or budget's owner lease lasts.
     pub owner_lease_secs: u64,
+    /// Node 0's agent dials replica 0 only, through a proxy the drill can cut.
+    pub cut_node: bool,
+    /// The replicas reach PostgreSQL through a proxy the drill can cut.
+    pub cut_database: bool,
 }
 
 impl Default for StackConfig {
@@ -40,6 +46,8 @@ impl Default for StackConfig {
             node_concurrency: 64,
             extra_toml: String::new(),
             owner_lease_secs: 1,
+            cut_node: false,
+            cut_database: false,
         }
     }
 }
@@ -63,6 +71,12 @@ pub struct Stack {
     db_name: String,
     /// The drill's database.
     pub db_url: String,
+    /// The database as the replicas reach it (through `database_proxy` when there is one).
+    replica_db_url: String,
+    /// Between the replicas and PostgreSQL, with [`StackConfig::cut_database`].
+    pub database_proxy: Option<CutProxy>,
+    /// Between node 0's agent and replica 0, with [`StackConfig::cut_node`].
+    pub node_proxy: Option<CutProxy>,
     /// The drill's own Redis.
     pub redis_url: String,
     redis_port: u16,
@@ -120,12 +134,30 @@ impl Stack {
             Some((base, _)) => format!("{base}/{db_name}"),
             None => bail!("DATABASE must name a database: {maintenance_url}"),
         };
+        let (database_proxy, replica_db_url) = if config.cut_database {
+            let mut url = reqwest::Url::parse(&db_url).context("the database URL")?;
+            let target = format!(
+                "{}:{}",
+                url.host_str().unwrap_or("127.0.0.1"),
+                url.port().unwrap_or(5432)
+            );
+            let proxy = CutProxy::start(target).await?;
+            url.set_host(Some("127.0.0.1"))?;
+            url.set_port(Some(proxy.port))
+                .map_err(|()| anyhow::anyhow!("the database URL takes no port"))?;
+            (Some(proxy), url.to_string())
+        } else {
+            (None, db_url.clone())
+        };
         let mut stack = Self {
             bin: bin.to_owned(),
             work,
             maintenance_url,
             db_name,
             db_url,
+            replica_db_url,
+            database_proxy,
+            node_proxy: None,
             redis_url: format!("redis://127.0.0.1:{redis_port}"),
             redis_port,
             prefix: format!("drill-{tag}:"),
@@ -189,7 +221,7 @@ impl Stack {
             .arg("serve")
             .arg("--config")
             .arg(self.work.join("switchyard.toml"))
-            .env("DATABASE_URL", &self.db_url)
+            .env("DATABASE_URL", &self.replica_db_url)
             .env("REDIS_URL", &self.redis_url)
             .env("SWITCHYARD_REDIS_PREFIX", &self.prefix)
             .env("SWITCHYARD_LISTEN", format!("127.0.0.1:{port}"))
@@ -227,9 +259,18 @@ impl Stack {
         let engine = self.spawn_engine(n, port)?;
         self.engines.push(Some(engine));
         wait_port(port).await?;
-        let servers: Vec<String> = (0..self.replicas.len())
+        let mut servers: Vec<String> = (0..self.replicas.len())
             .map(|i| self.replicas[(n + i) % self.replicas.len()].url.clone())
             .collect();
+        if n == 0 && self.config.cut_node {
+            let target = self.replicas[0]
+                .url
+                .trim_start_matches("http://")
+                .to_owned();
+            let proxy = CutProxy::start(target).await?;
+            servers = vec![format!("http://127.0.0.1:{}", proxy.port)];
+            self.node_proxy = Some(proxy);
+        }
         let agent = Command::new(&self.bin)
             .args([
                 "node",
@@ -268,6 +309,24 @@ impl Stack {
             .kill_on_drop(true)
             .spawn()
             .context("starting a simulated engine")
+    }
+
+    /// A new key of the drill's team with at most `max_streams` streams at once.
+    pub async fn key_with_max_streams(&self, max_streams: u32) -> anyhow::Result<String> {
+        let key = self
+            .admin_post(
+                "/admin/keys",
+                json!({"team": self.team_id, "rpm": 1_000_000, "tokens_per_day": 1_000_000_000_000_i64, "max_streams": max_streams}),
+            )
+            .await?;
+        Ok(key["key"].as_str().context("key")?.to_owned())
+    }
+
+    /// Node `n`'s engine's `/metrics` value of `name` (summed over its labels; 0 when the
+    /// engine is down).
+    pub async fn engine_metric(&self, n: usize, name: &str) -> f64 {
+        let url = format!("http://127.0.0.1:{}", self.engine_ports[n]);
+        self.metric(&url, name).await.unwrap_or(0.0)
     }
 
     /// Kills replica `i` with SIGKILL (no shutdown of any kind).

@@ -1,0 +1,251 @@
+//! Drills that cut a link with a [`super::CutProxy`] (a node's socket, the replicas'
+//! PostgreSQL) and the drill of one key's 500 streams.
+
+use std::time::Duration;
+
+use indicatif::ProgressBar;
+use serde_json::json;
+use tokio::time::Instant;
+
+use super::drills::{after_load, only_completed, probe};
+use super::{DrillOptions, Found, Stack, completed_or_cut, load, outcomes, wait_books_closed};
+
+/// Waits until `node_id` is (or is not) routable on every live replica; the time it took.
+async fn wait_node(
+    stack: &Stack,
+    node_id: &str,
+    ready: bool,
+    within: Duration,
+) -> Option<Duration> {
+    let started = Instant::now();
+    while started.elapsed() < within {
+        let mut all = true;
+        for r in stack.live_replicas() {
+            let nodes = stack.ready_nodes(&r.url).await.unwrap_or_default();
+            all &= nodes.iter().any(|n| n == node_id) == ready;
+        }
+        if all {
+            return Some(started.elapsed());
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    None
+}
+
+fn seconds(t: Option<Duration>, otherwise: &str) -> String {
+    t.map_or_else(
+        || otherwise.to_owned(),
+        |t| format!("{:.1} s", t.as_secs_f64()),
+    )
+}
+
+/// Node 0's socket cut under load, then restored: it leaves routing everywhere, gets
+/// nothing while gone, its streams end with an error event or run elsewhere, and it comes
+/// back once its agent can reach the replica again.
+pub(super) async fn cut_node(
+    stack: &mut Stack,
+    opts: &DrillOptions,
+    bar: &ProgressBar,
+    found: &mut Found,
+) -> anyhow::Result<()> {
+    let node = stack.node_ids[0].clone();
+    bar.set_message("load through every replica");
+    let runs: Vec<_> = stack
+        .replicas
+        .iter()
+        .map(|r| tokio::spawn(crate::run(load(stack, &r.url, 8, opts.load))))
+        .collect();
+    tokio::time::sleep(opts.load / 3).await;
+    bar.set_message("cut node 0's socket");
+    if let Some(p) = &stack.node_proxy {
+        p.cut();
+    }
+    let left = wait_node(stack, &node, false, Duration::from_secs(20)).await;
+    found.check(
+        "the cut node leaves routing on every replica",
+        left.is_some(),
+        format!("after {}", seconds(left, "more than 20 s")),
+    );
+    found.figure("node_left_seconds", json!(left.map(|t| t.as_secs_f64())));
+    // What it was running when cut ends within a second (the engine finishes or the agent
+    // cancels); from then on nothing reaches it.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let before = stack.engine_metric(0, "vllm:request_success_total").await;
+    let running_before = stack.engine_metric(0, "vllm:num_requests_running").await;
+    tokio::time::sleep(opts.load / 3).await;
+    let after = stack.engine_metric(0, "vllm:request_success_total").await;
+    found.check(
+        "nothing is sent to the node while it is cut off",
+        after == before && running_before == 0.0,
+        format!("its engine completed {before} before and {after} after; {running_before} running"),
+    );
+    bar.set_message("restore the link");
+    if let Some(p) = &stack.node_proxy {
+        p.restore();
+    }
+    let back = wait_node(stack, &node, true, Duration::from_secs(40)).await;
+    found.check(
+        "the node comes back once its link does",
+        back.is_some(),
+        format!("after {}", seconds(back, "more than 40 s")),
+    );
+    found.figure("node_back_seconds", json!(back.map(|t| t.as_secs_f64())));
+    let mut reports = Vec::new();
+    for run in runs {
+        reports.push(run.await??);
+    }
+    let all = outcomes(&reports);
+    let (ok, detail) = completed_or_cut(&all);
+    found.check(
+        "every client completes or is cut with an error event",
+        ok,
+        detail,
+    );
+    found.figure("outcomes", json!(all));
+    wait_books_closed(stack, Duration::from_secs(40)).await;
+    Ok(())
+}
+
+/// PostgreSQL unreachable from every replica under load, then reachable again: admission
+/// fails closed meanwhile, and the platform serves again once it is back.
+pub(super) async fn postgres_down(
+    stack: &mut Stack,
+    opts: &DrillOptions,
+    bar: &ProgressBar,
+    found: &mut Found,
+) -> anyhow::Result<()> {
+    bar.set_message("load through every replica");
+    let runs: Vec<_> = stack
+        .replicas
+        .iter()
+        .map(|r| tokio::spawn(crate::run(load(stack, &r.url, 4, opts.load))))
+        .collect();
+    tokio::time::sleep(opts.load / 3).await;
+    bar.set_message("cut PostgreSQL off");
+    if let Some(p) = &stack.database_proxy {
+        p.cut();
+    }
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let mut refused = std::collections::BTreeMap::<String, u64>::new();
+    for r in stack.live_replicas() {
+        for _ in 0..3 {
+            *refused.entry(probe(stack, &r.url).await).or_default() += 1;
+        }
+    }
+    let closed = refused.keys().all(|k| k == "503 quota_service_unavailable");
+    found.check(
+        "admission fails closed while PostgreSQL is unreachable",
+        closed,
+        format!("{refused:?}"),
+    );
+    tokio::time::sleep(opts.load / 3).await;
+    bar.set_message("PostgreSQL reachable again");
+    if let Some(p) = &stack.database_proxy {
+        p.restore();
+    }
+    let restored = Instant::now();
+    let mut recovered = None;
+    while restored.elapsed() < Duration::from_secs(30) {
+        let mut all = true;
+        for r in stack.live_replicas() {
+            all &= probe(stack, &r.url).await == "200 ok";
+        }
+        if all {
+            recovered = Some(restored.elapsed());
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    found.check(
+        "every replica serves again once PostgreSQL is back",
+        recovered.is_some(),
+        format!("after {}", seconds(recovered, "more than 30 s")),
+    );
+    found.figure(
+        "recovered_seconds",
+        json!(recovered.map(|t| t.as_secs_f64())),
+    );
+    let mut during = Vec::new();
+    for run in runs {
+        during.push(run.await??);
+    }
+    found.figure("outcomes_across_the_outage", json!(outcomes(&during)));
+    let after = after_load(stack).await?;
+    let (ok, detail) = only_completed(&after);
+    found.check("requests after the recovery complete", ok, detail);
+    wait_books_closed(stack, Duration::from_secs(40)).await;
+    Ok(())
+}
+
+/// Streams a key may run at once in `max-streams-500`.
+const MAX_STREAMS: u32 = 40;
+
+/// 500 streams on one key with `max_streams` 40, entering every replica: never more than
+/// 40 run at once across the cluster, the rest are refused with `concurrency_limited`.
+pub(super) async fn max_streams(
+    stack: &mut Stack,
+    opts: &DrillOptions,
+    bar: &ProgressBar,
+    found: &mut Found,
+) -> anyhow::Result<()> {
+    let key = stack.key_with_max_streams(MAX_STREAMS).await?;
+    bar.set_message("500 streams on one key");
+    let per_replica = 500 / stack.replicas.len();
+    let runs: Vec<_> = stack
+        .replicas
+        .iter()
+        .map(|r| {
+            let mut cfg = load(stack, &r.url, per_replica, opts.load);
+            cfg.api_key = Some(key.clone());
+            // Long streams, so that the key's 40 places stay taken.
+            cfg.max_tokens = 400;
+            tokio::spawn(crate::run(cfg))
+        })
+        .collect();
+    let urls: Vec<String> = stack.replicas.iter().map(|r| r.url.clone()).collect();
+    let (mut peak, mut peak_served) = (0.0_f64, 0.0_f64);
+    while !runs.iter().all(|r| r.is_finished()) {
+        let mut running = 0.0;
+        for n in 0..stack.node_ids.len() {
+            running += stack.engine_metric(n, "vllm:num_requests_running").await;
+        }
+        let mut served = 0.0;
+        for url in &urls {
+            served += stack
+                .metric(url, "switchyard_active_streams")
+                .await
+                .unwrap_or(0.0);
+        }
+        peak = peak.max(running);
+        peak_served = peak_served.max(served);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let mut reports = Vec::new();
+    for run in runs {
+        reports.push(run.await??);
+    }
+    let all = outcomes(&reports);
+    found.figure("outcomes", json!(all));
+    found.figure("peak_running_on_engines", json!(peak));
+    found.figure("peak_active_streams", json!(peak_served));
+    let bound = f64::from(MAX_STREAMS);
+    found.check(
+        "never more than max_streams at once across the cluster",
+        peak <= bound && peak_served <= bound && peak > 0.0,
+        format!(
+            "peak {peak_served} streams served by the replicas together (switchyard_active_streams), \
+             {peak} running on the engines; max_streams {MAX_STREAMS}"
+        ),
+    );
+    let unexpected: Vec<&String> = all
+        .keys()
+        .filter(|k| *k != "200 ok" && *k != "429 concurrency_limited")
+        .collect();
+    found.check(
+        "the rest are refused with concurrency_limited",
+        unexpected.is_empty() && all.contains_key("429 concurrency_limited"),
+        format!("{all:?}"),
+    );
+    wait_books_closed(stack, Duration::from_secs(40)).await;
+    Ok(())
+}
