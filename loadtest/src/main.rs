@@ -32,6 +32,46 @@ enum Command {
     /// A chaos drill on a local cluster it starts (replicas, nodes, its own Redis, a fresh
     /// PostgreSQL database): load, the fault, then its invariants checked.
     Drill(DrillArgs),
+    /// The bank check: randomized requests across replicas and teams with faults at random;
+    /// the books must balance exactly afterwards. Seeded: a failure prints its seed.
+    Bank(BankArgs),
+}
+
+#[derive(Debug, Args)]
+struct BankArgs {
+    /// Requests to send.
+    #[arg(long, default_value_t = 100_000)]
+    requests: usize,
+    /// The seed of the requests and the faults [default: random, printed].
+    #[arg(long)]
+    seed: Option<u64>,
+    /// The `switchyard` binary [default: beside this one].
+    #[arg(long)]
+    bin: Option<PathBuf>,
+    /// PostgreSQL server to make the check's database on.
+    #[arg(
+        long,
+        env = "DATABASE",
+        default_value = "postgres://postgres@127.0.0.1:5432/postgres"
+    )]
+    database: String,
+    /// Write the report here as JSON.
+    #[arg(long)]
+    json: Option<PathBuf>,
+    /// No progress bar.
+    #[arg(long)]
+    no_progress: bool,
+}
+
+/// `--bin`, or `switchyard` beside this binary.
+fn switchyard_bin(bin: Option<PathBuf>) -> anyhow::Result<PathBuf> {
+    match bin {
+        Some(bin) => Ok(bin),
+        None => Ok(std::env::current_exe()?
+            .parent()
+            .context("the binary's directory")?
+            .join("switchyard")),
+    }
 }
 
 #[derive(Debug, Args)]
@@ -273,6 +313,13 @@ async fn main() -> ExitCode {
     }
 }
 
+/// A seed from the clock, for a bank check not given one.
+fn rand_seed() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64)
+}
+
 async fn execute(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Run(args) => {
@@ -288,13 +335,7 @@ async fn execute(cli: Cli) -> anyhow::Result<()> {
             stdout.flush()?;
         }
         Command::Drill(args) => {
-            let bin = match args.bin {
-                Some(bin) => bin,
-                None => std::env::current_exe()?
-                    .parent()
-                    .context("the binary's directory")?
-                    .join("switchyard"),
-            };
+            let bin = switchyard_bin(args.bin)?;
             let opts = switchyard_loadtest::drill::DrillOptions {
                 bin,
                 database: args.database,
@@ -319,6 +360,29 @@ async fn execute(cli: Cli) -> anyhow::Result<()> {
             stdout.flush()?;
             if reports.iter().any(|r| !r.passed) {
                 anyhow::bail!("a drill failed");
+            }
+        }
+        Command::Bank(args) => {
+            let opts = switchyard_loadtest::drill::DrillOptions {
+                bin: switchyard_bin(args.bin)?,
+                database: args.database,
+                load: Duration::ZERO,
+                progress: !args.no_progress,
+                keep_logs: false,
+                abandon: 0,
+            };
+            let seed = args.seed.unwrap_or_else(rand_seed);
+            let report = switchyard_loadtest::drill::bank(&opts, args.requests, seed).await?;
+            if let Some(path) = args.json {
+                let json = serde_json::to_vec_pretty(&report).context("serializing the report")?;
+                std::fs::write(&path, json)
+                    .with_context(|| format!("writing {}", path.display()))?;
+            }
+            let mut stdout = std::io::stdout().lock();
+            report.print(&mut stdout)?;
+            stdout.flush()?;
+            if !report.passed {
+                anyhow::bail!("the bank check failed; replay it with --seed {seed}");
             }
         }
         Command::Compare(args) => {
@@ -348,7 +412,7 @@ mod tests {
         let cli = Cli::try_parse_from(base.iter().chain(args))?;
         match cli.command {
             Command::Run(a) => Ok(a.into_config()),
-            Command::Compare(_) | Command::Drill(_) => panic!("not a run"),
+            Command::Compare(_) | Command::Drill(_) | Command::Bank(_) => panic!("not a run"),
         }
     }
 

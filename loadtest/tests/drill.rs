@@ -6,7 +6,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use switchyard_loadtest::drill::{DrillOptions, drill};
+use switchyard_loadtest::drill::{DrillOptions, bank, drill};
 
 /// `target/<profile>/switchyard`, built with the workspace's tests.
 fn switchyard_bin() -> PathBuf {
@@ -84,6 +84,36 @@ async fn postgres_down() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn max_streams_500() {
     short("max-streams-500").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_bank_check_balances_under_random_faults() {
+    let opts = DrillOptions {
+        bin: switchyard_bin(),
+        database: std::env::var("SWITCHYARD_TEST_DATABASE_URL")
+            .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".to_owned()),
+        load: Duration::ZERO,
+        progress: false,
+        keep_logs: false,
+        abandon: 0,
+    };
+    let report = bank(&opts, 1500, 11).await.unwrap();
+    let mut out = Vec::new();
+    report.print(&mut out).unwrap();
+    let printed = String::from_utf8(out).unwrap();
+    println!("{printed}");
+    assert!(report.passed, "{printed}");
+    // Faults were injected, and the poor teams ran out of credit.
+    assert!(
+        !report.figures["faults"].as_array().unwrap().is_empty(),
+        "{printed}"
+    );
+    assert!(
+        report.figures["outcomes"]
+            .get("402 insufficient_balance")
+            .is_some(),
+        "{printed}"
+    );
 }
 
 #[tokio::test]

@@ -3,6 +3,7 @@
 //! afterwards — from outside, as an auditor would: the load's outcomes, `GET /admin/nodes`,
 //! and the ledger in PostgreSQL. A drill reports each check and its figures as JSON.
 
+mod bank;
 mod drills;
 mod faults;
 mod ledger;
@@ -19,6 +20,7 @@ use serde::Serialize;
 use serde_json::{Value, json};
 use tokio::time::Instant;
 
+pub use bank::bank;
 pub use ledger::{Books, books};
 pub use proxy::CutProxy;
 pub use stack::{MODEL, Stack, StackConfig, free_port};
@@ -227,12 +229,12 @@ impl Found {
         self.figures.insert(name.to_owned(), value);
     }
 
-    fn passed(&self) -> bool {
+    pub(super) fn passed(&self) -> bool {
         !self.checks.is_empty() && self.checks.iter().all(|c| c.ok)
     }
 }
 
-fn progress(show: bool, name: &str) -> ProgressBar {
+pub(super) fn progress(show: bool, name: &str) -> ProgressBar {
     if !show {
         return ProgressBar::hidden();
     }
@@ -248,7 +250,7 @@ fn progress(show: bool, name: &str) -> ProgressBar {
 
 /// The deadlines that bound a dead replica's reservations: swept 10 + 2 + 1 s after
 /// admission, checked every second.
-fn short_deadlines() -> StackConfig {
+pub(super) fn short_deadlines() -> StackConfig {
     StackConfig {
         extra_toml: "[timeouts]\ntotal_secs = 10\nsettle_wait_secs = 2\n\
                      sweep_interval_secs = 1\nsweep_grace_secs = 1\n"
@@ -315,7 +317,7 @@ pub(super) async fn wait_books_closed(stack: &Stack, within: Duration) -> Option
 }
 
 /// What every drill checks at the end: the books balance and nothing is left reserved.
-async fn ledger_checks(stack: &Stack, found: &mut Found) {
+pub(super) async fn ledger_checks(stack: &Stack, found: &mut Found) {
     match books(&stack.db_url).await {
         Ok(b) => {
             found.check(

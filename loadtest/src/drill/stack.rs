@@ -311,6 +311,28 @@ impl Stack {
             .context("starting a simulated engine")
     }
 
+    /// A new team with `credits` microcredits and a key of it with generous limits.
+    pub async fn add_team(&self, name: &str, credits: i64) -> anyhow::Result<(i64, String)> {
+        let team = self
+            .admin_post("/admin/teams", json!({"name": name}))
+            .await?;
+        let team_id = team["id"].as_i64().context("team id")?;
+        if credits > 0 {
+            self.admin_post(
+                "/admin/credits",
+                json!({"team": team_id, "amount": credits}),
+            )
+            .await?;
+        }
+        let key = self
+            .admin_post(
+                "/admin/keys",
+                json!({"team": team_id, "rpm": 1_000_000, "tokens_per_day": 1_000_000_000_000_i64, "max_streams": 100_000}),
+            )
+            .await?;
+        Ok((team_id, key["key"].as_str().context("key")?.to_owned()))
+    }
+
     /// A new key of the drill's team with at most `max_streams` streams at once.
     pub async fn key_with_max_streams(&self, max_streams: u32) -> anyhow::Result<String> {
         let key = self
