@@ -17,6 +17,8 @@ mod fuzz;
 mod invariants;
 #[path = "server/jwt_callers.rs"]
 mod jwt_callers;
+#[path = "server/k6.rs"]
+mod k6;
 #[path = "server/leaks.rs"]
 mod leaks;
 #[path = "server/limits.rs"]
