@@ -44,8 +44,10 @@ async fn streams_complete_and_figures_match_the_simulator() {
     assert!(o.ttft_ms.p50 > 0.0);
     assert_eq!(o.ttft_ms.count, 24);
     assert_eq!(o.itl_ms.count, 24);
+    // The simulator emits no faster than its timing (in engine time); how much slower
+    // depends on the machine's load, so only the ceiling is checked here.
     let tps = o.per_stream_tokens_per_s.p50;
-    assert!((40.0..=120.0).contains(&tps), "per-stream tok/s {tps}");
+    assert!(tps > 0.0 && tps <= 120.0, "per-stream tok/s {tps}");
     // Engine time is wall clock times the scale; raw values are kept too.
     let raw = &report.overall_wall_clock;
     assert!((o.ttft_ms.p50 - raw.ttft_ms.p50 * 20.0).abs() < 1e-6);

@@ -276,3 +276,65 @@ async fn followers_start_work_on_their_granted_share_and_the_node_still_never_ex
     }
     c.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_follower_whose_queue_restarts_gives_its_lent_slots_back_through_its_report() {
+    // A follower's queue actor crashes while it holds a grant: its new incarnation holds
+    // none, and its next report tells the owner so; the node's whole capacity is the
+    // owner's again (without the report, two of its six slots stay lent forever).
+    let c = cluster(3, 1, 1.0, |cfg| {
+        cfg.server.owner_lease_secs = 1;
+        for m in &mut cfg.server.models {
+            m.node_concurrency = 6;
+        }
+    })
+    .await;
+    let owner = c.wait_queue_owner().await;
+    let replicas = c.fleet.replicas();
+    let model = c.fleet.nodes[0].model.clone();
+    let is_owner = |i: &usize| replicas[*i].state().replica_id == owner;
+    let owner_at = (0..3).find(is_owner).unwrap();
+    let follower = (0..3).find(|i| !is_owner(i)).unwrap();
+    let queue = replicas[follower].state().queues[&model].clone();
+    let mut tries = 0;
+    while queue.stats().await.unwrap().on_grant < 1 {
+        tries += 1;
+        assert!(tries < 40, "the follower never started work on a grant");
+        assert!(c.chat_through(follower, 4).await.contains("[DONE]"));
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    queue.crash();
+    // Restarted, and reported to the owner (a renewal period is a third of a second).
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let key = c.fleet.api_key.clone();
+    let streams: Vec<_> = (0..24)
+        .map(|_| {
+            let (url, key) = (c.url(owner_at, "/v1/chat/completions"), key.clone());
+            tokio::spawn(async move {
+                let resp = http()
+                    .post(url)
+                    .bearer_auth(key)
+                    .json(&chat(30))
+                    .send()
+                    .await
+                    .unwrap();
+                resp.text().await.unwrap()
+            })
+        })
+        .collect();
+    let mut peak = 0;
+    while !streams.iter().all(|s| s.is_finished()) {
+        let s = c.fleet.nodes[0].sim.stats();
+        peak = peak.max(s.running + s.waiting_capacity + s.waiting_deferred);
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    for s in streams {
+        assert!(s.await.unwrap().contains("[DONE]"));
+    }
+    assert!(peak <= 6, "the node ran {peak} at once; its capacity is 6");
+    assert!(
+        peak >= 5,
+        "the owner used {peak} of the node's 6 slots: lent slots never came back"
+    );
+    c.stop().await;
+}

@@ -37,7 +37,8 @@ async fn the_k6_scenarios_pass_their_checks_against_the_demo() {
             std::process::id()
         ));
         let mut cmd = tokio::process::Command::new(&k6);
-        cmd.args(["run", "--quiet", "--no-usage-report", "--summary-export"])
+        cmd.kill_on_drop(true)
+            .args(["run", "--quiet", "--no-usage-report", "--summary-export"])
             .arg(&summary)
             .args(["-e", &format!("BASE_URL={}", fleet.openai_base_url())])
             .args(["-e", &format!("API_KEY={}", fleet.api_key)])

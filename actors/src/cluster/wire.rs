@@ -179,9 +179,13 @@ pub enum QueueItem {
         incarnation: u64,
         /// Generations of the sender running on each node, outside its grants.
         running: std::collections::BTreeMap<String, u32>,
-        /// The last dispatch heard from this owner (its `epoch` and `n`): later ones are not
-        /// in `running` yet.
+        /// The last dispatch or grant heard from this owner (its `epoch` and `n`): later ones
+        /// are not in `running` or `held` yet.
         seen: Option<(u64, u64)>,
+        /// The slots of this owner's grants the sender holds, by node (used or not): the owner
+        /// counts exactly these (plus the grants sent since) as lent.
+        #[serde(default)]
+        held: std::collections::BTreeMap<String, u32>,
     },
 }
 
@@ -225,6 +229,11 @@ pub enum QueueReply {
         node_id: String,
         /// How many more.
         slots: u32,
+        /// As in [`QueueReply::Dispatch`]: grants and dispatches share one numbering, so a
+        /// report says which grants its `held` includes.
+        epoch: u64,
+        /// As in [`QueueReply::Dispatch`].
+        n: u64,
     },
     /// Give back the unused slots of the grant on `node_id`, and each used one as it frees:
     /// others wait for it.

@@ -257,7 +257,8 @@ impl Actor for ModelQueueActor {
             }
             QueueMsg::NodeUp(handle, load) => {
                 let id = handle.node_id().to_owned();
-                state.nodes.insert(id, NodeEntry::new(handle, load));
+                let entry = NodeEntry::new(handle, load);
+                state.replace_node(id, entry);
                 state.dispatch();
             }
             QueueMsg::NodeRejoin(NodeReport {
@@ -272,7 +273,7 @@ impl Actor for ModelQueueActor {
                 entry.running.insert(state.me.clone(), in_flight);
                 entry.draining = draining;
                 entry.suspended = suspended;
-                state.nodes.insert(id, entry);
+                state.replace_node(id, entry);
                 state.dispatch();
             }
             QueueMsg::NodeDown(node) => {
@@ -370,6 +371,16 @@ impl Actor for ModelQueueActor {
 }
 
 impl QueueState {
+    /// A node (re)joins: a new actor for a node already here keeps the slots lent of it
+    /// (the followers still hold them).
+    fn replace_node(&mut self, id: String, mut entry: NodeEntry) {
+        if let Some(old) = self.nodes.remove(&id) {
+            entry.granted = old.granted;
+            entry.recalled = old.recalled;
+        }
+        self.nodes.insert(id, entry);
+    }
+
     fn live_nodes(&self) -> usize {
         self.nodes.values().filter(|n| n.routable()).count()
     }

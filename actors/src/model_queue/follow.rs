@@ -46,8 +46,9 @@ struct Follower {
     epoch: u64,
     /// Dispatches sent to it.
     sent: u64,
-    /// Dispatches (number, node) its last report had not seen yet.
-    unreported: VecDeque<(u64, String)>,
+    /// Dispatches and grants (number, node, slots granted: 0 for a dispatch) its last report
+    /// had not seen yet.
+    unreported: VecDeque<(u64, String, u32)>,
     /// When it last said anything (it reports every lease period).
     heard: Instant,
 }
@@ -291,11 +292,34 @@ impl QueueState {
             return false;
         }
         f.sent += 1;
-        f.unreported.push_back((f.sent, node.to_owned()));
+        f.unreported.push_back((f.sent, node.to_owned(), 0));
         if let Some(n) = self.nodes.get_mut(node) {
             n.take(replica);
         }
         true
+    }
+
+    /// As the owner: lends `slots` of `node` to a follower; false when it is gone (the
+    /// caller counts them as lent only when sent).
+    pub(super) fn grant_remote(&mut self, replica: &str, node: &str, slots: u32) -> bool {
+        let Some(f) = self
+            .cluster
+            .as_mut()
+            .and_then(|m| m.followers.get_mut(replica))
+        else {
+            return false;
+        };
+        let sent = f.outbox.push(QueueReply::Grant {
+            node_id: node.to_owned(),
+            slots,
+            epoch: f.epoch,
+            n: f.sent + 1,
+        });
+        if sent {
+            f.sent += 1;
+            f.unreported.push_back((f.sent, node.to_owned(), slots));
+        }
+        sent
     }
 
     /// Periodic: forwarded generations with no verdict in time or past their deadline end;
@@ -513,11 +537,13 @@ impl QueueState {
             .and_then(|m| m.seen)
             .filter(|(fence, _, _)| *fence == owner.fence)
             .map(|(_, epoch, n)| (epoch, n));
+        let held = self.held();
         self.tell_owner(QueueItem::Report {
             fence: owner.fence,
             incarnation: owner.incarnation,
             running,
             seen,
+            held,
         });
     }
 
@@ -597,14 +623,24 @@ impl QueueState {
                     incarnation: i,
                     running,
                     seen,
-                } if f == fence && i == incarnation => self.reconcile(&from, &running, seen),
+                    held,
+                } if f == fence && i == incarnation => {
+                    self.reconcile(&from, &running, &held, seen);
+                }
                 QueueItem::Report { .. } => {}
             }
         }
     }
 
-    /// A follower's report: what runs there now, plus what was dispatched to it since.
-    fn reconcile(&mut self, from: &str, running: &BTreeMap<String, u32>, seen: Option<(u64, u64)>) {
+    /// A follower's report: what runs there now and the grants it holds, plus what was
+    /// dispatched and lent to it since.
+    fn reconcile(
+        &mut self,
+        from: &str,
+        running: &BTreeMap<String, u32>,
+        held: &BTreeMap<String, u32>,
+        seen: Option<(u64, u64)>,
+    ) {
         let Some(f) = self
             .cluster
             .as_mut()
@@ -616,16 +652,34 @@ impl QueueState {
         let seen = seen
             .filter(|(epoch, _)| *epoch == f.epoch)
             .map_or(0, |(_, n)| n);
-        f.unreported.retain(|(n, _)| *n > seen);
-        let unreported: Vec<String> = f.unreported.iter().map(|(_, node)| node.clone()).collect();
+        f.unreported.retain(|(n, _, _)| *n > seen);
+        let unreported: Vec<(String, u32)> = f
+            .unreported
+            .iter()
+            .map(|(_, node, slots)| (node.clone(), *slots))
+            .collect();
         for (id, n) in &mut self.nodes {
-            let later = unreported.iter().filter(|u| *u == id).count();
+            let later = unreported
+                .iter()
+                .filter(|(u, slots)| u == id && *slots == 0)
+                .count();
             let count = running
                 .get(id)
                 .copied()
                 .unwrap_or(0)
                 .saturating_add(u32::try_from(later).unwrap_or(u32::MAX));
             n.running.insert(from.to_owned(), count);
+            let lent = unreported
+                .iter()
+                .filter(|(u, _)| u == id)
+                .fold(held.get(id).copied().unwrap_or(0), |a, (_, slots)| {
+                    a.saturating_add(*slots)
+                });
+            if lent > 0 {
+                n.granted.insert(from.to_owned(), lent);
+            } else {
+                n.granted.remove(from);
+            }
         }
     }
 
@@ -684,7 +738,15 @@ impl QueueState {
                 self.drop_grants();
                 self.resend_forwarded();
             }
-            QueueReply::Grant { node_id, slots } => self.granted(node_id, slots),
+            QueueReply::Grant {
+                node_id,
+                slots,
+                epoch,
+                n,
+            } => {
+                m.seen = Some((fence, epoch, n));
+                self.granted(node_id, slots);
+            }
             QueueReply::Revoke { node_id } => self.revoke(&node_id),
             QueueReply::Dispatch {
                 request_id,

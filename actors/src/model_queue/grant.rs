@@ -143,13 +143,30 @@ impl QueueState {
         }
     }
 
-    /// As a follower: `node_id` left this replica's view; its unused slots go back, and the
-    /// generations still on it end as plain running work.
+    /// As a follower: `node_id` left this replica's view; the whole grant goes back (the
+    /// generations that used it there have lost their node), and their ends are plain
+    /// releases (the next report squares the owner's count).
     pub(super) fn node_left(&mut self, node_id: &str) {
-        self.revoke(node_id);
-        if let Some(g) = self.grants_mut() {
-            g.held.remove(node_id);
+        let Some(h) = self.grants_mut().and_then(|g| g.held.remove(node_id)) else {
+            return;
+        };
+        if h.slots > 0 {
+            self.tell_owner(QueueItem::Return {
+                node_id: node_id.to_owned(),
+                slots: h.slots,
+            });
         }
+    }
+
+    /// As a follower: the slots it holds of each node (reported to the owner).
+    pub(super) fn held(&self) -> BTreeMap<String, u32> {
+        self.cluster.as_ref().map_or_else(BTreeMap::new, |m| {
+            m.grants
+                .held
+                .iter()
+                .map(|(id, h)| (id.clone(), h.slots))
+                .collect()
+        })
     }
 
     /// As a follower: one of this replica's generations on `node_id` ended. True when it ran
@@ -213,26 +230,30 @@ impl QueueState {
             return;
         }
         let mut grants: Vec<(String, String, u32)> = Vec::new();
-        for (id, n) in &mut self.nodes {
+        for (id, n) in &self.nodes {
             if !n.routable()
                 || n.recalled
                     .is_some_and(|at| now.saturating_duration_since(at) < calm)
             {
                 continue;
             }
+            let mut room = capacity.saturating_sub(n.load());
             for f in &followers {
                 let have = n.granted.get(f).copied().unwrap_or(0);
-                let room = capacity.saturating_sub(n.load());
                 let give = share.saturating_sub(have).min(room);
                 if give > 0 {
-                    *n.granted.entry(f.clone()).or_default() += give;
-                    n.recalled = None;
+                    room -= give;
                     grants.push((f.clone(), id.clone(), give));
                 }
             }
         }
         for (replica, node_id, slots) in grants {
-            self.tell_replica(&replica, QueueReply::Grant { node_id, slots });
+            if self.grant_remote(&replica, &node_id, slots)
+                && let Some(n) = self.nodes.get_mut(&node_id)
+            {
+                *n.granted.entry(replica).or_default() += slots;
+                n.recalled = None;
+            }
         }
     }
 

@@ -63,6 +63,34 @@ pub async fn bank(opts: &DrillOptions, requests: usize, seed: u64) -> anyhow::Re
         ..super::short_deadlines()
     };
     let mut stack = Stack::start(&opts.bin, &opts.database, config).await?;
+    let checked = check_books(&mut stack, &mut found, &mut rng, requests, seed, &bar).await;
+    if let Err(e) = &checked {
+        found.check("the bank check ran", false, format!("{e:#}"));
+    }
+    let logs = (opts.keep_logs || !found.passed()).then(|| stack.work_dir().display().to_string());
+    bar.finish_and_clear();
+    if let Err(e) = stack.stop(logs.is_some()).await {
+        eprintln!("bank: could not drop its database: {e:#}");
+    }
+    Ok(DrillReport {
+        drill: format!("bank (seed {seed})"),
+        passed: found.passed(),
+        seconds: started.elapsed().as_secs_f64(),
+        checks: found.checks,
+        figures: found.figures,
+        logs,
+    })
+}
+
+/// The requests, the faults and the checks, on a started stack.
+async fn check_books(
+    stack: &mut Stack,
+    found: &mut Found,
+    rng: &mut ChaCha8Rng,
+    requests: usize,
+    seed: u64,
+    bar: &indicatif::ProgressBar,
+) -> anyhow::Result<()> {
     // Four teams: two rich, two that run out within a few hundred requests (a request costs
     // about one microcredit at the stack's prices; their refusals are 402).
     let mut keys = Vec::new();
@@ -99,7 +127,7 @@ pub async fn bank(opts: &DrillOptions, requests: usize, seed: u64) -> anyhow::Re
         ends
     };
     let mut fault_rng = ChaCha8Rng::seed_from_u64(seed ^ 0x5eed);
-    let (ends, faults) = tokio::join!(sends, inject(&mut stack, &mut fault_rng, stopped));
+    let (ends, faults) = tokio::join!(sends, inject(stack, &mut fault_rng, stopped));
     let (faults, carried) = faults?;
     let mut counts: BTreeMap<String, u64> = BTreeMap::new();
     for e in &ends {
@@ -110,8 +138,8 @@ pub async fn bank(opts: &DrillOptions, requests: usize, seed: u64) -> anyhow::Re
     found.figure("outcomes", json!(counts));
     found.figure("faults", json!(faults));
     bar.set_message("waiting for the books to close");
-    wait_books_closed(&stack, Duration::from_secs(60)).await;
-    ledger_checks(&stack, &mut found).await;
+    wait_books_closed(stack, Duration::from_secs(60)).await;
+    ledger_checks(stack, found).await;
     // Engines' tokens: what each produced before it was killed, plus its counter now.
     let mut produced = carried.iter().sum::<f64>();
     for n in 0..stack.node_ids.len() {
@@ -121,29 +149,55 @@ pub async fn bank(opts: &DrillOptions, requests: usize, seed: u64) -> anyhow::Re
     let row = sqlx::query(
         "SELECT count(*), \
                 coalesce(sum(completion_tokens) FILTER (WHERE status = 'settled'), 0)::BIGINT, \
-                (SELECT count(*) FROM teams WHERE balance_microcredits < 0) \
+                (SELECT count(*) FROM teams WHERE balance_microcredits < 0), \
+                count(*) FILTER (WHERE status = 'settled') \
          FROM usage_ledger",
     )
     .fetch_one(&mut conn)
     .await?;
-    let (rows, settled_tokens, negative): (i64, i64, i64) =
-        (row.try_get(0)?, row.try_get(1)?, row.try_get(2)?);
+    let (rows, settled_tokens, negative, settled_rows): (i64, i64, i64, i64) = (
+        row.try_get(0)?,
+        row.try_get(1)?,
+        row.try_get(2)?,
+        row.try_get(3)?,
+    );
     conn.close().await?;
+    // A request refused before the ledger (402, 429) has no row; every other request has at
+    // most one, and every completed one has a settled one.
+    let refused: u64 = counts
+        .iter()
+        .filter(|(k, _)| k.starts_with("402 ") || k.starts_with("429 "))
+        .map(|(_, n)| n)
+        .sum();
+    let may_have_rows = u64::try_from(requests)
+        .unwrap_or(u64::MAX)
+        .saturating_sub(refused);
+    let completed = counts.get("completed").copied().unwrap_or(0);
+    let rows = u64::try_from(rows).unwrap_or(u64::MAX);
     found.check(
         "no request billed twice",
-        usize::try_from(rows).unwrap_or(usize::MAX) <= requests,
-        format!("{rows} ledger rows for {requests} requests (request ids are unique)"),
+        rows <= may_have_rows,
+        format!("{rows} ledger rows for {may_have_rows} requests not refused before the ledger"),
+    );
+    found.check(
+        "every completed request is settled",
+        u64::try_from(settled_rows).unwrap_or(0) >= completed,
+        format!("{settled_rows} settled rows, {completed} completed requests"),
     );
     found.check(
         "no team below zero",
         negative == 0,
         format!("{negative} teams with a negative balance"),
     );
+    // Requests a fault or their client cut short, each of which may have produced tokens
+    // that were not settled (up to its `max_tokens`), plus, per engine killed, what its
+    // running requests produced between the counter's last read and the kill.
+    let engines_killed = faults.iter().filter(|f| f.contains("engine")).count();
     let short = ["cut", "left", "interrupted", "transport_error"]
         .iter()
         .map(|k| counts.get(*k).copied().unwrap_or(0))
         .sum::<u64>()
-        + u64::try_from(faults.len()).unwrap_or(0) * u64::from(MAX_TOKENS);
+        + u64::try_from(engines_killed * CONCURRENCY).unwrap_or(u64::MAX);
     let bound = short as f64 * f64::from(MAX_TOKENS);
     let diff = produced - settled_tokens as f64;
     found.figure("tokens", json!({"engines_produced": produced, "settled": settled_tokens, "difference": diff, "bound": bound}));
@@ -152,17 +206,7 @@ pub async fn bank(opts: &DrillOptions, requests: usize, seed: u64) -> anyhow::Re
         diff.abs() <= bound,
         format!("engines {produced}, settled {settled_tokens}: {diff} apart; requests cut short allow {bound}"),
     );
-    let logs = (opts.keep_logs || !found.passed()).then(|| stack.work_dir().display().to_string());
-    bar.finish_and_clear();
-    stack.stop(logs.is_some()).await?;
-    Ok(DrillReport {
-        drill: format!("bank (seed {seed})"),
-        passed: found.passed(),
-        seconds: started.elapsed().as_secs_f64(),
-        checks: found.checks,
-        figures: found.figures,
-        logs,
-    })
+    Ok(())
 }
 
 /// Faults at random until `stopped`: what was injected, and each engine's tokens before it

@@ -108,17 +108,23 @@ pub(super) async fn kill_engine(
         detail,
     );
     found.figure("outcomes", json!(all));
-    // Once back, the engine takes work again.
+    // Once back, the engine takes work again. An engine that refused work twice is out of
+    // routing until its node's next heartbeat (every 5 s): a few rounds of load find it back.
     bar.set_message("the restarted engine serves");
-    let after = crate::run(load(
-        stack,
-        &stack.replicas[0].url,
-        8,
-        Duration::from_secs(3),
-    ))
-    .await?;
-    let served = engine_requests(stack.engine_ports[0]).await;
-    let (ok_after, detail_after) = completed_or_cut(&after.outcomes);
+    let mut after = BTreeMap::new();
+    let mut served = 0;
+    for _ in 0..4 {
+        let url = stack.replicas[0].url.clone();
+        let round = crate::run(load(stack, &url, 8, Duration::from_secs(3))).await?;
+        for (k, n) in round.outcomes {
+            *after.entry(k).or_default() += n;
+        }
+        served = engine_requests(stack.engine_ports[0]).await;
+        if served > 0 {
+            break;
+        }
+    }
+    let (ok_after, detail_after) = completed_or_cut(&after);
     found.check(
         "after its restart the node serves again",
         ok_after && served > 0,
@@ -353,7 +359,7 @@ pub(super) async fn abandon(
     found.figure("abandon_seconds", json!(started.elapsed().as_secs_f64()));
     found.check(
         "the clients got their first chunk before leaving",
-        abandoned * 10 >= opts.abandon * 9,
+        opts.abandon > 0 && abandoned * 10 >= opts.abandon * 9,
         format!("{abandoned} of {}", opts.abandon),
     );
     bar.set_message("waiting for the tasks to end");
@@ -391,7 +397,7 @@ pub(super) async fn abandon(
     found.figure("rss_after_bytes", json!(rss_after));
     found.check(
         "every replica's memory grew less than 64 MiB",
-        grown.iter().all(|g| *g < 64 << 20),
+        grown.len() == urls.len() && grown.iter().all(|g| *g < 64 << 20),
         format!("grown by {grown:?} bytes"),
     );
     wait_books_closed(stack, Duration::from_secs(40)).await;

@@ -32,6 +32,17 @@ async fn wait_node(
     None
 }
 
+/// Requests the engines of every node but node 0 have completed.
+async fn other_engines_done(stack: &Stack) -> anyhow::Result<f64> {
+    let mut sum = 0.0;
+    for i in 1..stack.node_ids.len() {
+        sum += stack
+            .engine_metric_read(i, "vllm:request_success_total")
+            .await?;
+    }
+    Ok(sum)
+}
+
 fn seconds(t: Option<Duration>, otherwise: &str) -> String {
     t.map_or_else(
         || otherwise.to_owned(),
@@ -70,14 +81,22 @@ pub(super) async fn cut_node(
     // What it was running when cut ends within a second (the engine finishes or the agent
     // cancels); from then on nothing reaches it.
     tokio::time::sleep(Duration::from_secs(1)).await;
-    let before = stack.engine_metric(0, "vllm:request_success_total").await;
-    let running_before = stack.engine_metric(0, "vllm:num_requests_running").await;
-    tokio::time::sleep(opts.load / 3).await;
-    let after = stack.engine_metric(0, "vllm:request_success_total").await;
+    let done = "vllm:request_success_total";
+    let before = stack.engine_metric_read(0, done).await?;
+    let running_before = stack
+        .engine_metric_read(0, "vllm:num_requests_running")
+        .await?;
+    let others_before = other_engines_done(stack).await?;
+    tokio::time::sleep(opts.load / 4).await;
+    let after = stack.engine_metric_read(0, done).await?;
+    let others_after = other_engines_done(stack).await?;
     found.check(
         "nothing is sent to the node while it is cut off",
-        after == before && running_before == 0.0,
-        format!("its engine completed {before} before and {after} after; {running_before} running"),
+        after == before && running_before == 0.0 && others_after > others_before,
+        format!(
+            "its engine completed {before} before and {after} after ({running_before} running); \
+             the other engines {others_before} and {others_after}"
+        ),
     );
     bar.set_message("restore the link");
     if let Some(p) = &stack.node_proxy {
@@ -179,6 +198,8 @@ pub(super) async fn postgres_down(
 
 /// Streams a key may run at once in `max-streams-500`.
 const MAX_STREAMS: u32 = 40;
+/// What reading three gauges one after another may add to their sum.
+const SAMPLING_SLACK: f64 = 2.0;
 
 /// 500 streams on one key with `max_streams` 40, entering every replica: never more than
 /// 40 run at once across the cluster, the rest are refused with `concurrency_limited`.
@@ -228,7 +249,10 @@ pub(super) async fn max_streams(
     found.figure("outcomes", json!(all));
     found.figure("peak_running_on_engines", json!(peak));
     found.figure("peak_active_streams", json!(peak_served));
-    let bound = f64::from(MAX_STREAMS);
+    // The gauges are read one replica (or engine) after another: a place freed on one and
+    // taken on another between two reads counts twice, so the sums may exceed the bound by
+    // a read or two; an over-admission shows as far more.
+    let bound = f64::from(MAX_STREAMS) + SAMPLING_SLACK;
     found.check(
         "never more than max_streams at once across the cluster",
         peak <= bound && peak_served <= bound && peak > 0.0,

@@ -14,7 +14,6 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use anyhow::Context;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 use serde_json::{Value, json};
@@ -177,9 +176,22 @@ async fn run_one(name: &str, opts: &DrillOptions) -> anyhow::Result<DrillReport>
         },
     };
     bar.set_message("starting the cluster");
-    let mut stack = Stack::start(&opts.bin, &opts.database, config)
-        .await
-        .context("starting the drill's cluster")?;
+    let mut stack = match Stack::start(&opts.bin, &opts.database, config).await {
+        Ok(stack) => stack,
+        Err(e) => {
+            // Reported as a failed drill: `all` goes on with the next.
+            bar.finish_and_clear();
+            found.check("the drill's cluster started", false, format!("{e:#}"));
+            return Ok(DrillReport {
+                drill: name.to_owned(),
+                passed: false,
+                seconds: started.elapsed().as_secs_f64(),
+                checks: found.checks,
+                figures: found.figures,
+                logs: None,
+            });
+        }
+    };
     let outcome = match name {
         "kill-replica" => drills::kill_replica(&mut stack, opts, &bar, &mut found).await,
         "kill-engine" => drills::kill_engine(&mut stack, opts, &bar, &mut found).await,
@@ -198,7 +210,9 @@ async fn run_one(name: &str, opts: &DrillOptions) -> anyhow::Result<DrillReport>
     ledger_checks(&stack, &mut found).await;
     let logs = (opts.keep_logs || !found.passed()).then(|| stack.work_dir().display().to_string());
     bar.finish_and_clear();
-    stack.stop(logs.is_some()).await?;
+    if let Err(e) = stack.stop(logs.is_some()).await {
+        eprintln!("drill {name}: could not drop its database: {e:#}");
+    }
     Ok(DrillReport {
         drill: name.to_owned(),
         passed: found.passed(),

@@ -122,6 +122,10 @@ impl Stack {
         let redis = spawn_redis(&work, redis_port)?;
         let db_name = format!("sydrill_{tag}");
         let maintenance_url = database.to_owned();
+        let db_url = match maintenance_url.rsplit_once('/') {
+            Some((base, _)) => format!("{base}/{db_name}"),
+            None => bail!("DATABASE must name a database: {maintenance_url}"),
+        };
         let mut conn = sqlx::PgConnection::connect(&maintenance_url)
             .await
             .with_context(|| format!("connecting to {maintenance_url}"))?;
@@ -130,10 +134,6 @@ impl Stack {
             .execute(&mut conn)
             .await?;
         conn.close().await?;
-        let db_url = match maintenance_url.rsplit_once('/') {
-            Some((base, _)) => format!("{base}/{db_name}"),
-            None => bail!("DATABASE must name a database: {maintenance_url}"),
-        };
         let (database_proxy, replica_db_url) = if config.cut_database {
             let mut url = reqwest::Url::parse(&db_url).context("the database URL")?;
             let target = format!(
@@ -175,7 +175,23 @@ impl Stack {
                 .timeout(Duration::from_secs(10))
                 .build()?,
         };
-        wait_port(redis_port).await?;
+        // From here on a failure stops what started and drops the database (the logs stay).
+        match stack.bring_up().await {
+            Ok(()) => Ok(stack),
+            Err(e) => {
+                let logs = stack.work_dir().display().to_string();
+                if let Err(cleanup) = stack.stop(true).await {
+                    eprintln!("drill: could not clean up after a failed start: {cleanup:#}");
+                }
+                Err(e.context(format!("starting the drill's cluster (logs in {logs})")))
+            }
+        }
+    }
+
+    /// Redis, the replicas, the team and key, the nodes: everything after the database.
+    async fn bring_up(&mut self) -> anyhow::Result<()> {
+        let stack = self;
+        wait_port(stack.redis_port).await?;
         stack.write_config()?;
         for i in 0..stack.config.replicas {
             let replica = stack.spawn_replica(&format!("drill-{i}"), free_port()?)?;
@@ -203,7 +219,7 @@ impl Stack {
             stack.add_node(n).await?;
         }
         stack.wait_nodes_ready(Duration::from_secs(60)).await?;
-        Ok(stack)
+        Ok(())
     }
 
     fn write_config(&self) -> anyhow::Result<()> {
@@ -347,8 +363,13 @@ impl Stack {
     /// Node `n`'s engine's `/metrics` value of `name` (summed over its labels; 0 when the
     /// engine is down).
     pub async fn engine_metric(&self, n: usize, name: &str) -> f64 {
+        self.engine_metric_read(n, name).await.unwrap_or(0.0)
+    }
+
+    /// As [`Self::engine_metric`], failing when the engine cannot be read.
+    pub async fn engine_metric_read(&self, n: usize, name: &str) -> anyhow::Result<f64> {
         let url = format!("http://127.0.0.1:{}", self.engine_ports[n]);
-        self.metric(&url, name).await.unwrap_or(0.0)
+        self.metric(&url, name).await
     }
 
     /// Kills replica `i` with SIGKILL (no shutdown of any kind).
@@ -525,14 +546,14 @@ impl Stack {
         if let Some(r) = self.redis.take() {
             kill(r).await;
         }
+        if !keep_logs {
+            let _ = std::fs::remove_dir_all(&self.work);
+        }
         let mut conn = sqlx::PgConnection::connect(&self.maintenance_url).await?;
         let drop = format!("DROP DATABASE IF EXISTS {} WITH (FORCE)", self.db_name);
         sqlx::raw_sql(sqlx::AssertSqlSafe(drop))
             .execute(&mut conn)
             .await?;
-        if !keep_logs {
-            let _ = std::fs::remove_dir_all(&self.work);
-        }
         Ok(())
     }
 
