@@ -45,22 +45,29 @@ struct BankArgs {
     /// The seed of the requests and the faults [default: random, printed].
     #[arg(long)]
     seed: Option<u64>,
-    /// The `switchyard` binary [default: beside this one].
-    #[arg(long)]
-    bin: Option<PathBuf>,
-    /// PostgreSQL server to make the check's database on.
-    #[arg(
-        long,
-        env = "DATABASE",
-        default_value = "postgres://postgres@127.0.0.1:5432/postgres"
-    )]
-    database: String,
+    #[command(flatten)]
+    stack: StackArgs,
     /// Write the report here as JSON.
     #[arg(long)]
     json: Option<PathBuf>,
     /// No progress bar.
     #[arg(long)]
     no_progress: bool,
+}
+
+/// Where a drill's (or the bank check's) cluster comes from.
+#[derive(Debug, Args)]
+struct StackArgs {
+    /// The `switchyard` binary [default: beside this one].
+    #[arg(long)]
+    bin: Option<PathBuf>,
+    /// PostgreSQL server to make the cluster's database on (a URL naming any database).
+    #[arg(
+        long,
+        env = "DATABASE",
+        default_value = "postgres://postgres@127.0.0.1:5432/postgres"
+    )]
+    database: String,
 }
 
 /// `--bin`, or `switchyard` beside this binary.
@@ -80,16 +87,8 @@ struct DrillArgs {
     /// `spot-reclaim`, `abandon-10k`, `cut-node`, `postgres-down`, `max-streams-500`), or
     /// `all`.
     name: String,
-    /// The `switchyard` binary [default: beside this one].
-    #[arg(long)]
-    bin: Option<PathBuf>,
-    /// PostgreSQL server to make the drill's database on (a URL naming any database).
-    #[arg(
-        long,
-        env = "DATABASE",
-        default_value = "postgres://postgres@127.0.0.1:5432/postgres"
-    )]
-    database: String,
+    #[command(flatten)]
+    stack: StackArgs,
     /// How long the load runs.
     #[arg(long, default_value = "12s", value_parser = parse_duration)]
     load: Duration,
@@ -335,10 +334,10 @@ async fn execute(cli: Cli) -> anyhow::Result<()> {
             stdout.flush()?;
         }
         Command::Drill(args) => {
-            let bin = switchyard_bin(args.bin)?;
+            let bin = switchyard_bin(args.stack.bin)?;
             let opts = switchyard_loadtest::drill::DrillOptions {
                 bin,
-                database: args.database,
+                database: args.stack.database,
                 load: args.load,
                 progress: !args.no_progress,
                 keep_logs: args.keep_logs,
@@ -364,8 +363,8 @@ async fn execute(cli: Cli) -> anyhow::Result<()> {
         }
         Command::Bank(args) => {
             let opts = switchyard_loadtest::drill::DrillOptions {
-                bin: switchyard_bin(args.bin)?,
-                database: args.database,
+                bin: switchyard_bin(args.stack.bin)?,
+                database: args.stack.database,
                 load: Duration::ZERO,
                 progress: !args.no_progress,
                 keep_logs: false,

@@ -167,31 +167,7 @@ async fn a_node_never_runs_more_than_its_capacity_for_work_entering_every_replic
             .iter()
             .any(|r| r.state().replica_id == owner)
     );
-    let key = c.fleet.api_key.clone();
-    let streams: Vec<_> = (0..12)
-        .map(|i| {
-            let (url, key) = (c.url(i % 3, "/v1/chat/completions"), key.clone());
-            tokio::spawn(async move {
-                let resp = http()
-                    .post(url)
-                    .bearer_auth(key)
-                    .json(&chat(30))
-                    .send()
-                    .await
-                    .unwrap();
-                resp.text().await.unwrap()
-            })
-        })
-        .collect();
-    let mut peak = 0;
-    while !streams.iter().all(|s| s.is_finished()) {
-        let s = c.fleet.nodes[0].sim.stats();
-        peak = peak.max(s.running + s.waiting_capacity + s.waiting_deferred);
-        tokio::time::sleep(Duration::from_millis(1)).await;
-    }
-    for s in streams {
-        assert!(s.await.unwrap().contains("[DONE]"));
-    }
+    let peak = peak_of_streams(&c, 12, |i| i % 3, 30).await;
     assert!(peak >= 1, "the sampler saw the node work");
     assert!(peak <= 2, "the node ran {peak} at once; its capacity is 2");
     for i in 0..3 {
@@ -235,31 +211,7 @@ async fn followers_start_work_on_their_granted_share_and_the_node_still_never_ex
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     // Four times the node's capacity entering every replica at once.
-    let key = c.fleet.api_key.clone();
-    let streams: Vec<_> = (0..24)
-        .map(|i| {
-            let (url, key) = (c.url(i % 3, "/v1/chat/completions"), key.clone());
-            tokio::spawn(async move {
-                let resp = http()
-                    .post(url)
-                    .bearer_auth(key)
-                    .json(&chat(20))
-                    .send()
-                    .await
-                    .unwrap();
-                resp.text().await.unwrap()
-            })
-        })
-        .collect();
-    let mut peak = 0;
-    while !streams.iter().all(|s| s.is_finished()) {
-        let s = c.fleet.nodes[0].sim.stats();
-        peak = peak.max(s.running + s.waiting_capacity + s.waiting_deferred);
-        tokio::time::sleep(Duration::from_millis(1)).await;
-    }
-    for s in streams {
-        assert!(s.await.unwrap().contains("[DONE]"));
-    }
+    let peak = peak_of_streams(&c, 24, |i| i % 3, 20).await;
     assert!(
         peak >= 4,
         "the node ran {peak} at most; more entered at once"
@@ -306,15 +258,32 @@ async fn a_follower_whose_queue_restarts_gives_its_lent_slots_back_through_its_r
     queue.crash();
     // Restarted, and reported to the owner (a renewal period is a third of a second).
     tokio::time::sleep(Duration::from_secs(2)).await;
+    let peak = peak_of_streams(&c, 24, |_| owner_at, 30).await;
+    assert!(peak <= 6, "the node ran {peak} at once; its capacity is 6");
+    assert!(
+        peak >= 5,
+        "the owner used {peak} of the node's 6 slots: lent slots never came back"
+    );
+    c.stop().await;
+}
+
+/// Sends `n` streams at once, the `i`th through replica `entry(i)`, and waits for them all
+/// to complete; how many node 0 ran at once at the most (sampled every millisecond).
+async fn peak_of_streams(
+    c: &super::Cluster,
+    n: usize,
+    entry: impl Fn(usize) -> usize,
+    max_tokens: u32,
+) -> u64 {
     let key = c.fleet.api_key.clone();
-    let streams: Vec<_> = (0..24)
-        .map(|_| {
-            let (url, key) = (c.url(owner_at, "/v1/chat/completions"), key.clone());
+    let streams: Vec<_> = (0..n)
+        .map(|i| {
+            let (url, key) = (c.url(entry(i), "/v1/chat/completions"), key.clone());
             tokio::spawn(async move {
                 let resp = http()
                     .post(url)
                     .bearer_auth(key)
-                    .json(&chat(30))
+                    .json(&chat(max_tokens))
                     .send()
                     .await
                     .unwrap();
@@ -331,10 +300,5 @@ async fn a_follower_whose_queue_restarts_gives_its_lent_slots_back_through_its_r
     for s in streams {
         assert!(s.await.unwrap().contains("[DONE]"));
     }
-    assert!(peak <= 6, "the node ran {peak} at once; its capacity is 6");
-    assert!(
-        peak >= 5,
-        "the owner used {peak} of the node's 6 slots: lent slots never came back"
-    );
-    c.stop().await;
+    peak
 }

@@ -123,6 +123,17 @@ impl NodeEntry {
             .fold(self.in_flight(), |a, b| a.saturating_add(*b))
     }
 
+    /// What the chooser sees of it (as node `id`, of `capacity`).
+    pub(super) fn view<'a>(&'a self, id: &'a str, capacity: u32) -> NodeView<'a> {
+        NodeView {
+            node_id: id,
+            in_flight: self.load(),
+            capacity,
+            kv_cache_usage: self.load.kv_cache_usage,
+            engine_waiting: self.load.queue_depth,
+        }
+    }
+
     /// One more of `replica`'s.
     pub(super) fn take(&mut self, replica: &str) {
         *self.running.entry(replica.to_owned()).or_default() += 1;
@@ -520,13 +531,7 @@ impl QueueState {
                         && Some(id.as_str()) != avoid
                         && n.handle.speaks(api)
                 })
-                .map(|(id, n)| NodeView {
-                    node_id: id,
-                    in_flight: n.load(),
-                    capacity,
-                    kv_cache_usage: n.load.kv_cache_usage,
-                    engine_waiting: n.load.queue_depth,
-                })
+                .map(|(id, n)| n.view(id, capacity))
                 .collect();
             let Some(chosen) = self
                 .args

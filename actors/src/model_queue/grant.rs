@@ -75,13 +75,7 @@ impl QueueState {
             .filter(|(id, h)| h.used < h.slots && Some(id.as_str()) != avoid)
             .filter_map(|(id, _)| {
                 let n = self.nodes.get(id)?;
-                (n.routable() && n.handle.speaks(api)).then(|| NodeView {
-                    node_id: id,
-                    in_flight: n.in_flight(),
-                    capacity,
-                    kv_cache_usage: n.load.kv_cache_usage,
-                    engine_waiting: n.load.queue_depth,
-                })
+                (n.routable() && n.handle.speaks(api)).then(|| n.view(id, capacity))
             })
             .collect();
         let Some(chosen) = self

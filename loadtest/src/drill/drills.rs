@@ -11,7 +11,8 @@ use serde_json::json;
 use tokio::time::Instant;
 
 use super::{
-    DrillOptions, Found, MODEL, Stack, completed_or_cut, load, outcomes, wait_books_closed,
+    DrillOptions, Found, MODEL, Stack, books_closed_since, completed_or_cut, load, load_a_third,
+    outcomes, start_load, wait_books_closed,
 };
 use crate::Report;
 
@@ -22,13 +23,7 @@ pub(super) async fn kill_replica(
     bar: &ProgressBar,
     found: &mut Found,
 ) -> anyhow::Result<()> {
-    bar.set_message("load through every replica");
-    let runs: Vec<_> = stack
-        .replicas
-        .iter()
-        .map(|r| tokio::spawn(crate::run(load(stack, &r.url, 8, opts.load))))
-        .collect();
-    tokio::time::sleep(opts.load / 3).await;
+    let runs = load_a_third(stack, opts, bar, 8).await;
     bar.set_message("kill -9 the last replica");
     let doomed = stack.replicas.len() - 1;
     stack.kill_replica(doomed).await?;
@@ -48,10 +43,7 @@ pub(super) async fn kill_replica(
     if back.is_ok() {
         found.figure("nodes_back_seconds", json!(killed.elapsed().as_secs_f64()));
     }
-    let mut reports = Vec::new();
-    for run in runs {
-        reports.push(run.await?);
-    }
+    let reports = runs.each().await?;
     let survivors: Vec<&Report> = reports[..doomed]
         .iter()
         .filter_map(|r| r.as_ref().ok())
@@ -68,11 +60,7 @@ pub(super) async fn kill_replica(
         found.figure("doomed_outcomes", json!(r.outcomes));
     }
     bar.set_message("waiting for the sweeper");
-    let swept = wait_books_closed(stack, Duration::from_secs(40)).await;
-    found.figure(
-        "reservations_closed_after_kill_seconds",
-        json!(swept.map(|_| killed.elapsed().as_secs_f64())),
-    );
+    books_closed_since(stack, found, killed).await;
     Ok(())
 }
 
@@ -84,22 +72,13 @@ pub(super) async fn kill_engine(
     bar: &ProgressBar,
     found: &mut Found,
 ) -> anyhow::Result<()> {
-    bar.set_message("load through every replica");
-    let runs: Vec<_> = stack
-        .replicas
-        .iter()
-        .map(|r| tokio::spawn(crate::run(load(stack, &r.url, 8, opts.load))))
-        .collect();
-    tokio::time::sleep(opts.load / 3).await;
+    let runs = load_a_third(stack, opts, bar, 8).await;
     bar.set_message("kill -9 an engine");
     stack.kill_engine(0).await?;
     tokio::time::sleep(opts.load / 3).await;
     bar.set_message("the engine starts again");
     stack.restart_engine(0).await?;
-    let mut reports = Vec::new();
-    for run in runs {
-        reports.push(run.await??);
-    }
+    let reports = runs.all().await?;
     let all = outcomes(&reports);
     let (ok, detail) = completed_or_cut(&all);
     found.check(
@@ -153,13 +132,7 @@ pub(super) async fn restart_all(
     bar: &ProgressBar,
     found: &mut Found,
 ) -> anyhow::Result<()> {
-    bar.set_message("load through every replica");
-    let runs: Vec<_> = stack
-        .replicas
-        .iter()
-        .map(|r| tokio::spawn(crate::run(load(stack, &r.url, 8, opts.load))))
-        .collect();
-    tokio::time::sleep(opts.load / 3).await;
+    let runs = load_a_third(stack, opts, bar, 8).await;
     bar.set_message("kill -9 every replica, then start them again");
     for i in 0..stack.replicas.len() {
         stack.kill_replica(i).await?;
@@ -180,22 +153,19 @@ pub(super) async fn restart_all(
         },
     );
     found.figure("nodes_back_seconds", json!(killed.elapsed().as_secs_f64()));
-    let mut during = Vec::new();
-    for run in runs {
-        during.push(run.await?);
-    }
-    let during: Vec<Report> = during.into_iter().filter_map(Result::ok).collect();
+    let during: Vec<Report> = runs
+        .each()
+        .await?
+        .into_iter()
+        .filter_map(Result::ok)
+        .collect();
     found.figure("outcomes_across_the_restart", json!(outcomes(&during)));
     bar.set_message("load after the restart");
     let after = after_load(stack).await?;
     let (ok, detail) = only_completed(&after);
     found.check("requests after the restart complete", ok, detail);
     bar.set_message("waiting for the killed replicas' rows");
-    let closed = wait_books_closed(stack, Duration::from_secs(40)).await;
-    found.figure(
-        "reservations_closed_after_kill_seconds",
-        json!(closed.map(|_| killed.elapsed().as_secs_f64())),
-    );
+    books_closed_since(stack, found, killed).await;
     Ok(())
 }
 
@@ -207,66 +177,16 @@ pub(super) async fn redis_down(
     bar: &ProgressBar,
     found: &mut Found,
 ) -> anyhow::Result<()> {
-    bar.set_message("load through every replica");
-    let runs: Vec<_> = stack
-        .replicas
-        .iter()
-        .map(|r| tokio::spawn(crate::run(load(stack, &r.url, 4, opts.load))))
-        .collect();
-    tokio::time::sleep(opts.load / 3).await;
+    let runs = load_a_third(stack, opts, bar, 4).await;
     bar.set_message("kill -9 Redis");
     stack.kill_redis().await?;
     tokio::time::sleep(Duration::from_secs(1)).await;
-    let mut refused = BTreeMap::<String, u64>::new();
-    for r in stack.live_replicas() {
-        for _ in 0..3 {
-            *refused.entry(probe(stack, &r.url).await).or_default() += 1;
-        }
-    }
-    let closed = refused.keys().all(|k| k == "503 quota_service_unavailable");
-    found.check(
-        "admission fails closed while Redis is down",
-        closed,
-        format!("{refused:?}"),
-    );
+    fails_closed(stack, found, "Redis is down").await;
     tokio::time::sleep(opts.load / 3).await;
     bar.set_message("Redis starts again, empty");
     stack.restart_redis().await?;
-    let restarted = Instant::now();
-    let mut recovered = None;
-    while restarted.elapsed() < Duration::from_secs(30) {
-        let mut all = true;
-        for r in stack.live_replicas() {
-            all &= probe(stack, &r.url).await == "200 ok";
-        }
-        if all {
-            recovered = Some(restarted.elapsed());
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(250)).await;
-    }
-    found.check(
-        "every replica serves again after Redis returns",
-        recovered.is_some(),
-        match recovered {
-            Some(t) => format!("{:.1} s after the restart", t.as_secs_f64()),
-            None => "not within 30 s".to_owned(),
-        },
-    );
-    found.figure(
-        "recovered_seconds",
-        json!(recovered.map(|t| t.as_secs_f64())),
-    );
-    let mut during = Vec::new();
-    for run in runs {
-        during.push(run.await??);
-    }
-    found.figure("outcomes_across_the_outage", json!(outcomes(&during)));
-    let after = after_load(stack).await?;
-    let (ok, detail) = only_completed(&after);
-    found.check("requests after the recovery complete", ok, detail);
-    wait_books_closed(stack, Duration::from_secs(40)).await;
-    Ok(())
+    serves_again(stack, found, "Redis returns").await;
+    after_outage(stack, found, runs).await
 }
 
 /// A spot node's two-minute notice: the node is drained under load; what runs on it
@@ -277,21 +197,12 @@ pub(super) async fn spot_reclaim(
     bar: &ProgressBar,
     found: &mut Found,
 ) -> anyhow::Result<()> {
-    bar.set_message("load through every replica");
-    let runs: Vec<_> = stack
-        .replicas
-        .iter()
-        .map(|r| tokio::spawn(crate::run(load(stack, &r.url, 8, opts.load))))
-        .collect();
-    tokio::time::sleep(opts.load / 3).await;
+    let runs = load_a_third(stack, opts, bar, 8).await;
     bar.set_message("the notice: drain a node");
     let reclaimed = stack.node_ids[0].clone();
     stack.drain(&reclaimed).await?;
     let noticed = Instant::now();
-    let mut reports = Vec::new();
-    for run in runs {
-        reports.push(run.await??);
-    }
+    let reports = runs.all().await?;
     let all = outcomes(&reports);
     let (ok, detail) = only_completed(&all);
     found.check("nothing in flight is lost", ok, detail);
@@ -404,6 +315,68 @@ pub(super) async fn abandon(
     Ok(())
 }
 
+/// Three probes through every live replica during an outage of `what`: each must be
+/// refused with 503 `quota_service_unavailable` (admission fails closed).
+pub(super) async fn fails_closed(stack: &Stack, found: &mut Found, what: &str) {
+    let mut refused = BTreeMap::<String, u64>::new();
+    for r in stack.live_replicas() {
+        for _ in 0..3 {
+            *refused.entry(probe(stack, &r.url).await).or_default() += 1;
+        }
+    }
+    let closed = refused.keys().all(|k| k == "503 quota_service_unavailable");
+    found.check(
+        &format!("admission fails closed while {what}"),
+        closed,
+        format!("{refused:?}"),
+    );
+}
+
+/// Probes every live replica until each completes a request (at most 30 s); the time
+/// it took is `recovered_seconds`.
+pub(super) async fn serves_again(stack: &Stack, found: &mut Found, what: &str) {
+    let restored = Instant::now();
+    let mut recovered = None;
+    while restored.elapsed() < Duration::from_secs(30) {
+        let mut all = true;
+        for r in stack.live_replicas() {
+            all &= probe(stack, &r.url).await == "200 ok";
+        }
+        if all {
+            recovered = Some(restored.elapsed());
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    found.check(
+        &format!("every replica serves again once {what}"),
+        recovered.is_some(),
+        match recovered {
+            Some(t) => format!("after {:.1} s", t.as_secs_f64()),
+            None => "not within 30 s".to_owned(),
+        },
+    );
+    found.figure(
+        "recovered_seconds",
+        json!(recovered.map(|t| t.as_secs_f64())),
+    );
+}
+
+/// After an outage: the outcomes across it, load that must complete, the books closed.
+pub(super) async fn after_outage(
+    stack: &Stack,
+    found: &mut Found,
+    runs: super::Loads,
+) -> anyhow::Result<()> {
+    let during = runs.all().await?;
+    found.figure("outcomes_across_the_outage", json!(outcomes(&during)));
+    let after = after_load(stack).await?;
+    let (ok, detail) = only_completed(&after);
+    found.check("requests after the recovery complete", ok, detail);
+    wait_books_closed(stack, Duration::from_secs(40)).await;
+    Ok(())
+}
+
 /// One streaming request dropped after its first chunk; true when a chunk came.
 async fn leave_after_first_chunk(http: &reqwest::Client, url: &str, key: &str) -> bool {
     let body = json!({"model": MODEL, "stream": true, "max_tokens": 64,
@@ -449,15 +422,7 @@ pub(super) async fn probe(stack: &Stack, url: &str) -> String {
 
 /// Three seconds of load through every live replica, after the fault.
 pub(super) async fn after_load(stack: &Stack) -> anyhow::Result<BTreeMap<String, u64>> {
-    let mut reports = Vec::new();
-    let runs: Vec<_> = stack
-        .live_replicas()
-        .iter()
-        .map(|r| tokio::spawn(crate::run(load(stack, &r.url, 4, Duration::from_secs(3)))))
-        .collect();
-    for run in runs {
-        reports.push(run.await??);
-    }
+    let reports = start_load(stack, 4, Duration::from_secs(3)).all().await?;
     Ok(outcomes(&reports))
 }
 

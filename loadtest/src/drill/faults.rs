@@ -7,8 +7,10 @@ use indicatif::ProgressBar;
 use serde_json::json;
 use tokio::time::Instant;
 
-use super::drills::{after_load, only_completed, probe};
-use super::{DrillOptions, Found, Stack, completed_or_cut, load, outcomes, wait_books_closed};
+use super::drills::{after_outage, fails_closed, serves_again};
+use super::{
+    DrillOptions, Found, Stack, completed_or_cut, load, load_a_third, outcomes, wait_books_closed,
+};
 
 /// Waits until `node_id` is (or is not) routable on every live replica; the time it took.
 async fn wait_node(
@@ -60,13 +62,7 @@ pub(super) async fn cut_node(
     found: &mut Found,
 ) -> anyhow::Result<()> {
     let node = stack.node_ids[0].clone();
-    bar.set_message("load through every replica");
-    let runs: Vec<_> = stack
-        .replicas
-        .iter()
-        .map(|r| tokio::spawn(crate::run(load(stack, &r.url, 8, opts.load))))
-        .collect();
-    tokio::time::sleep(opts.load / 3).await;
+    let runs = load_a_third(stack, opts, bar, 8).await;
     bar.set_message("cut node 0's socket");
     if let Some(p) = &stack.node_proxy {
         p.cut();
@@ -109,10 +105,7 @@ pub(super) async fn cut_node(
         format!("after {}", seconds(back, "more than 40 s")),
     );
     found.figure("node_back_seconds", json!(back.map(|t| t.as_secs_f64())));
-    let mut reports = Vec::new();
-    for run in runs {
-        reports.push(run.await??);
-    }
+    let reports = runs.all().await?;
     let all = outcomes(&reports);
     let (ok, detail) = completed_or_cut(&all);
     found.check(
@@ -133,67 +126,20 @@ pub(super) async fn postgres_down(
     bar: &ProgressBar,
     found: &mut Found,
 ) -> anyhow::Result<()> {
-    bar.set_message("load through every replica");
-    let runs: Vec<_> = stack
-        .replicas
-        .iter()
-        .map(|r| tokio::spawn(crate::run(load(stack, &r.url, 4, opts.load))))
-        .collect();
-    tokio::time::sleep(opts.load / 3).await;
+    let runs = load_a_third(stack, opts, bar, 4).await;
     bar.set_message("cut PostgreSQL off");
     if let Some(p) = &stack.database_proxy {
         p.cut();
     }
     tokio::time::sleep(Duration::from_secs(1)).await;
-    let mut refused = std::collections::BTreeMap::<String, u64>::new();
-    for r in stack.live_replicas() {
-        for _ in 0..3 {
-            *refused.entry(probe(stack, &r.url).await).or_default() += 1;
-        }
-    }
-    let closed = refused.keys().all(|k| k == "503 quota_service_unavailable");
-    found.check(
-        "admission fails closed while PostgreSQL is unreachable",
-        closed,
-        format!("{refused:?}"),
-    );
+    fails_closed(stack, found, "PostgreSQL is unreachable").await;
     tokio::time::sleep(opts.load / 3).await;
     bar.set_message("PostgreSQL reachable again");
     if let Some(p) = &stack.database_proxy {
         p.restore();
     }
-    let restored = Instant::now();
-    let mut recovered = None;
-    while restored.elapsed() < Duration::from_secs(30) {
-        let mut all = true;
-        for r in stack.live_replicas() {
-            all &= probe(stack, &r.url).await == "200 ok";
-        }
-        if all {
-            recovered = Some(restored.elapsed());
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(250)).await;
-    }
-    found.check(
-        "every replica serves again once PostgreSQL is back",
-        recovered.is_some(),
-        format!("after {}", seconds(recovered, "more than 30 s")),
-    );
-    found.figure(
-        "recovered_seconds",
-        json!(recovered.map(|t| t.as_secs_f64())),
-    );
-    let mut during = Vec::new();
-    for run in runs {
-        during.push(run.await??);
-    }
-    found.figure("outcomes_across_the_outage", json!(outcomes(&during)));
-    let after = after_load(stack).await?;
-    let (ok, detail) = only_completed(&after);
-    found.check("requests after the recovery complete", ok, detail);
-    wait_books_closed(stack, Duration::from_secs(40)).await;
-    Ok(())
+    serves_again(stack, found, "PostgreSQL is back").await;
+    after_outage(stack, found, runs).await
 }
 
 /// Streams a key may run at once in `max-streams-500`.
@@ -212,20 +158,22 @@ pub(super) async fn max_streams(
     let key = stack.key_with_max_streams(MAX_STREAMS).await?;
     bar.set_message("500 streams on one key");
     let per_replica = 500 / stack.replicas.len();
-    let runs: Vec<_> = stack
-        .replicas
-        .iter()
-        .map(|r| {
-            let mut cfg = load(stack, &r.url, per_replica, opts.load);
-            cfg.api_key = Some(key.clone());
-            // Long streams, so that the key's 40 places stay taken.
-            cfg.max_tokens = 400;
-            tokio::spawn(crate::run(cfg))
-        })
-        .collect();
+    let runs = super::Loads(
+        stack
+            .replicas
+            .iter()
+            .map(|r| {
+                let mut cfg = load(stack, &r.url, per_replica, opts.load);
+                cfg.api_key = Some(key.clone());
+                // Long streams, so that the key's 40 places stay taken.
+                cfg.max_tokens = 400;
+                tokio::spawn(crate::run(cfg))
+            })
+            .collect(),
+    );
     let urls: Vec<String> = stack.replicas.iter().map(|r| r.url.clone()).collect();
     let (mut peak, mut peak_served) = (0.0_f64, 0.0_f64);
-    while !runs.iter().all(|r| r.is_finished()) {
+    while !runs.finished() {
         let mut running = 0.0;
         for n in 0..stack.node_ids.len() {
             running += stack.engine_metric(n, "vllm:num_requests_running").await;
@@ -241,10 +189,7 @@ pub(super) async fn max_streams(
         peak_served = peak_served.max(served);
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    let mut reports = Vec::new();
-    for run in runs {
-        reports.push(run.await??);
-    }
+    let reports = runs.all().await?;
     let all = outcomes(&reports);
     found.figure("outcomes", json!(all));
     found.figure("peak_running_on_engines", json!(peak));

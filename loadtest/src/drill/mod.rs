@@ -285,6 +285,64 @@ pub(super) fn load(stack: &Stack, url: &str, streams: usize, load: Duration) -> 
     cfg
 }
 
+/// Closed-loop load running through the replicas, one run per replica.
+pub(super) struct Loads(Vec<tokio::task::JoinHandle<anyhow::Result<Report>>>);
+
+/// Starts `streams` streams through every running replica for `duration`.
+pub(super) fn start_load(stack: &Stack, streams: usize, duration: Duration) -> Loads {
+    Loads(
+        stack
+            .live_replicas()
+            .iter()
+            .map(|r| tokio::spawn(crate::run(load(stack, &r.url, streams, duration))))
+            .collect(),
+    )
+}
+
+impl Loads {
+    /// Every run's report, in replica order (a run may fail: its replica died).
+    pub(super) async fn each(self) -> anyhow::Result<Vec<anyhow::Result<Report>>> {
+        let mut reports = Vec::new();
+        for run in self.0 {
+            reports.push(run.await?);
+        }
+        Ok(reports)
+    }
+
+    /// Every run's report; a run that failed fails the drill.
+    pub(super) async fn all(self) -> anyhow::Result<Vec<Report>> {
+        self.each().await?.into_iter().collect()
+    }
+
+    /// Whether every run has ended.
+    pub(super) fn finished(&self) -> bool {
+        self.0.iter().all(tokio::task::JoinHandle::is_finished)
+    }
+}
+
+/// Starts `streams` streams through every replica for the drill's load, and lets a third
+/// of it pass before the fault.
+pub(super) async fn load_a_third(
+    stack: &Stack,
+    opts: &DrillOptions,
+    bar: &ProgressBar,
+    streams: usize,
+) -> Loads {
+    bar.set_message("load through every replica");
+    let runs = start_load(stack, streams, opts.load);
+    tokio::time::sleep(opts.load / 3).await;
+    runs
+}
+
+/// Waits for the books to close after a kill at `killed`; the time is a figure.
+pub(super) async fn books_closed_since(stack: &Stack, found: &mut Found, killed: Instant) {
+    let closed = wait_books_closed(stack, Duration::from_secs(40)).await;
+    found.figure(
+        "reservations_closed_after_kill_seconds",
+        json!(closed.map(|_| killed.elapsed().as_secs_f64())),
+    );
+}
+
 /// The outcomes of some runs, summed.
 pub(super) fn outcomes<'a>(reports: impl IntoIterator<Item = &'a Report>) -> BTreeMap<String, u64> {
     let mut all = BTreeMap::new();
