@@ -313,11 +313,6 @@ impl Loads {
     pub(super) async fn all(self) -> anyhow::Result<Vec<Report>> {
         self.each().await?.into_iter().collect()
     }
-
-    /// Whether every run has ended.
-    pub(super) fn finished(&self) -> bool {
-        self.0.iter().all(tokio::task::JoinHandle::is_finished)
-    }
 }
 
 /// Starts `streams` streams through every replica for the drill's load, and lets a third
