@@ -13,8 +13,8 @@ use super::actor::{QueueState, Waiter, Waiting};
 use super::cluster::{QueueCluster, Role};
 use super::grant::Grants;
 use super::msg::QueueMsg;
+use crate::cluster::to_queue;
 use crate::cluster::{FromQueue, Outbox, QueueItem, QueueOwner, QueueReply, ToQueue};
-use crate::cluster::{from_queue, to_queue};
 use crate::error::{ErrorCode, Failure};
 use crate::generation::GenerationMsg;
 use crate::metric_names::QUEUE_FENCED_TOTAL;
@@ -40,26 +40,26 @@ pub(super) struct Forwarded {
 
 /// Another replica, as the owner sees it.
 #[derive(Debug)]
-struct Follower {
-    outbox: Outbox<QueueReply>,
+pub(super) struct Follower {
+    pub(super) outbox: Outbox<QueueReply>,
     /// Names this record in its dispatches (unique within the owner's fence).
-    epoch: u64,
+    pub(super) epoch: u64,
     /// Dispatches sent to it.
-    sent: u64,
+    pub(super) sent: u64,
     /// Dispatches and grants (number, node, slots granted: 0 for a dispatch) its last report
     /// had not seen yet.
-    unreported: VecDeque<(u64, String, u32)>,
+    pub(super) unreported: VecDeque<(u64, String, u32)>,
     /// When it last said anything (it reports every lease period).
-    heard: Instant,
+    pub(super) heard: Instant,
 }
 
 /// A queue's membership of the cluster.
 #[derive(Debug)]
 pub(super) struct Membership {
     pub(super) cluster: Arc<QueueCluster>,
-    myself: ActorRef<QueueMsg>,
-    incarnation: u64,
-    role: Role,
+    pub(super) myself: ActorRef<QueueMsg>,
+    pub(super) incarnation: u64,
+    pub(super) role: Role,
     /// The newest lease token heard of: anything an older owner sends is dropped.
     newest: u64,
     /// As a follower: the owner it synced with, and the way to it.
@@ -69,9 +69,9 @@ pub(super) struct Membership {
     /// The last dispatch heard: (fence, epoch, n).
     seen: Option<(u64, u64, u64)>,
     /// As the owner: the other replicas that asked.
-    followers: BTreeMap<String, Follower>,
+    pub(super) followers: BTreeMap<String, Follower>,
     /// Follower records started by this incarnation (their epochs).
-    records: u64,
+    pub(super) records: u64,
     /// After a takeover: no dispatch before this, so the followers' reports arrive first.
     hold_until: Option<Instant>,
     /// Capacity lent by the owner (see [`super::grant`]).
@@ -545,142 +545,6 @@ impl QueueState {
             seen,
             held,
         });
-    }
-
-    /// As the owner: what a follower asked.
-    pub(super) fn remote(&mut self, asked: ToQueue) {
-        let now = self.args.clock.now();
-        let model = self.args.model.clone();
-        let Some(m) = self.cluster.as_mut() else {
-            return;
-        };
-        let Role::Owner { fence, .. } = m.role else {
-            // It sends again to whoever owns the queue once it hears of them.
-            return;
-        };
-        let from = asked.from;
-        if from == self.me {
-            return;
-        }
-        let incarnation = m.incarnation;
-        if !m.followers.contains_key(&from) {
-            m.records += 1;
-        }
-        let epoch = (incarnation << 32) | (m.records & 0xffff_ffff);
-        m.cluster.peer_heard(now);
-        let follower = m.followers.entry(from.clone()).or_insert_with(|| {
-            let gone = m.myself.clone();
-            let replica = from.clone();
-            let outbox = Outbox::spawn(
-                m.cluster.coordinator.clone(),
-                from_queue(&model, &from),
-                move |_, items| serde_json::to_vec(&FromQueue { fence, items }).ok(),
-                move || {
-                    let _ = gone.cast(QueueMsg::ReplicaGone(replica));
-                },
-            );
-            // Whatever it sent an earlier record of it is gone: it sends it again.
-            let _ = outbox.push(QueueReply::Resync);
-            Follower {
-                outbox,
-                epoch,
-                sent: 0,
-                unreported: VecDeque::new(),
-                heard: now,
-            }
-        });
-        follower.heard = now;
-        for item in asked.items {
-            match item {
-                QueueItem::Enqueue {
-                    request_id,
-                    front,
-                    avoid,
-                    api,
-                } => {
-                    let waiter = Waiter::Remote(from.clone());
-                    let verdict = self.admit(request_id.clone(), waiter, front, avoid, api);
-                    self.tell_replica(
-                        &from,
-                        QueueReply::Verdict {
-                            request_id,
-                            refused: verdict.err(),
-                        },
-                    );
-                }
-                QueueItem::Withdraw { request_id } => self.waiting.retain(|w| {
-                    w.request_id != request_id
-                        || !matches!(&w.waiter, Waiter::Remote(r) if *r == from)
-                }),
-                QueueItem::Released { node_id } => {
-                    if let Some(n) = self.nodes.get_mut(&node_id) {
-                        n.give_back(&from);
-                    }
-                }
-                QueueItem::Return { node_id, slots } => self.returned(&from, &node_id, slots),
-                QueueItem::Report {
-                    fence: f,
-                    incarnation: i,
-                    running,
-                    seen,
-                    held,
-                } if f == fence && i == incarnation => {
-                    self.reconcile(&from, &running, &held, seen);
-                }
-                QueueItem::Report { .. } => {}
-            }
-        }
-    }
-
-    /// A follower's report: what runs there now and the grants it holds, plus what was
-    /// dispatched and lent to it since.
-    fn reconcile(
-        &mut self,
-        from: &str,
-        running: &BTreeMap<String, u32>,
-        held: &BTreeMap<String, u32>,
-        seen: Option<(u64, u64)>,
-    ) {
-        let Some(f) = self
-            .cluster
-            .as_mut()
-            .and_then(|m| m.followers.get_mut(from))
-        else {
-            return;
-        };
-        // A report that saw none of this record's dispatches includes none of them.
-        let seen = seen
-            .filter(|(epoch, _)| *epoch == f.epoch)
-            .map_or(0, |(_, n)| n);
-        f.unreported.retain(|(n, _, _)| *n > seen);
-        let unreported: Vec<(String, u32)> = f
-            .unreported
-            .iter()
-            .map(|(_, node, slots)| (node.clone(), *slots))
-            .collect();
-        for (id, n) in &mut self.nodes {
-            let later = unreported
-                .iter()
-                .filter(|(u, slots)| u == id && *slots == 0)
-                .count();
-            let count = running
-                .get(id)
-                .copied()
-                .unwrap_or(0)
-                .saturating_add(u32::try_from(later).unwrap_or(u32::MAX));
-            n.running.insert(from.to_owned(), count);
-            let lent = unreported
-                .iter()
-                .filter(|(u, _)| u == id)
-                .fold(held.get(id).copied().unwrap_or(0), |a, (_, slots)| {
-                    a.saturating_add(*slots)
-                });
-            if lent > 0 {
-                n.granted.insert(from.to_owned(), lent);
-            } else {
-                n.granted.remove(from);
-            }
-        }
     }
 
     /// As a follower: the owner's answers.

@@ -9,6 +9,7 @@ pub mod cluster;
 mod follow;
 mod grant;
 mod msg;
+mod owner;
 mod routing;
 
 pub use actor::{ModelQueueActor, NODES_RETURN_WITHIN, QueueArgs, QueueConfig};
