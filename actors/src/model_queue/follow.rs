@@ -275,33 +275,40 @@ impl QueueState {
         request_id: String,
         node: &str,
     ) -> bool {
-        let Some(f) = self
-            .cluster
-            .as_mut()
-            .and_then(|m| m.followers.get_mut(replica))
-        else {
-            return false;
-        };
-        let sent = f.outbox.push(QueueReply::Dispatch {
+        let node_id = node.to_owned();
+        let sent = self.send_numbered(replica, node, 0, |epoch, n| QueueReply::Dispatch {
             request_id,
-            node_id: node.to_owned(),
-            epoch: f.epoch,
-            n: f.sent + 1,
+            node_id,
+            epoch,
+            n,
         });
-        if !sent {
-            return false;
-        }
-        f.sent += 1;
-        f.unreported.push_back((f.sent, node.to_owned(), 0));
-        if let Some(n) = self.nodes.get_mut(node) {
+        if sent && let Some(n) = self.nodes.get_mut(node) {
             n.take(replica);
         }
-        true
+        sent
     }
 
     /// As the owner: lends `slots` of `node` to a follower; false when it is gone (the
     /// caller counts them as lent only when sent).
     pub(super) fn grant_remote(&mut self, replica: &str, node: &str, slots: u32) -> bool {
+        let node_id = node.to_owned();
+        self.send_numbered(replica, node, slots, |epoch, n| QueueReply::Grant {
+            node_id,
+            slots,
+            epoch,
+            n,
+        })
+    }
+
+    /// Sends a follower the next numbered reply (a dispatch, or a grant of `slots`), and
+    /// keeps it as unreported until the follower's report has seen it.
+    fn send_numbered(
+        &mut self,
+        replica: &str,
+        node: &str,
+        slots: u32,
+        reply: impl FnOnce(u64, u64) -> QueueReply,
+    ) -> bool {
         let Some(f) = self
             .cluster
             .as_mut()
@@ -309,17 +316,12 @@ impl QueueState {
         else {
             return false;
         };
-        let sent = f.outbox.push(QueueReply::Grant {
-            node_id: node.to_owned(),
-            slots,
-            epoch: f.epoch,
-            n: f.sent + 1,
-        });
-        if sent {
-            f.sent += 1;
-            f.unreported.push_back((f.sent, node.to_owned(), slots));
+        if !f.outbox.push(reply(f.epoch, f.sent + 1)) {
+            return false;
         }
-        sent
+        f.sent += 1;
+        f.unreported.push_back((f.sent, node.to_owned(), slots));
+        true
     }
 
     /// Periodic: forwarded generations with no verdict in time or past their deadline end;
