@@ -351,7 +351,7 @@ impl Fleet {
             let connected: usize = self
                 .replicas()
                 .iter()
-                .map(|r| r.state().nodes.lock().map(|n| n.len()).unwrap_or(0))
+                .map(|r| r.state().view.local_count())
                 .sum();
             if connected >= self.nodes.len() {
                 return true;

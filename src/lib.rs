@@ -10,7 +10,6 @@
 
 pub mod admission;
 pub mod auth;
-pub mod cluster;
 pub mod config;
 pub mod coord;
 pub mod demo;

@@ -5,14 +5,15 @@
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::num::NonZeroU32;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use switchyard_actors::budget::{BudgetCluster, BudgetConfig, BudgetSupervisor, TeamBudgets};
+use switchyard_actors::cluster::{NodeShared, NodeView, spawn_view};
 use switchyard_actors::generation::{Generations, Launcher};
 use switchyard_actors::model_queue::{ModelQueueHandle, QueueArgs, QueueCluster};
-use switchyard_actors::node::NodeHandle;
+use switchyard_actors::node::NodeTrust;
 use switchyard_actors::ports::{Clock, Coordinator, SystemClock};
 use switchyard_actors::supervision::{RestartPolicy, Spec, Supervision, SupervisionArgs};
 use tokio::net::TcpListener;
@@ -49,10 +50,9 @@ pub struct AppState {
     pub budgets: Arc<TeamBudgets>,
     /// The queue of every model, by resolved name (the tree's handles, valid across restarts).
     pub queues: BTreeMap<String, ModelQueueHandle>,
-    /// Node connections held by this replica, by node id.
-    pub nodes: Mutex<BTreeMap<String, NodeHandle>>,
-    /// Proxies of the nodes other replicas hold (see [`crate::cluster`]).
-    pub proxies: crate::cluster::Proxies,
+    /// This replica's node actors: the connections it holds and the proxies of the nodes
+    /// other replicas hold (see [`switchyard_actors::cluster::NodeView`]).
+    pub view: Arc<NodeView>,
     /// API-key verification.
     pub auth: Authenticator,
     /// Admits requests (limits, lifecycle, measuring, reservation) before they run.
@@ -314,6 +314,23 @@ impl Server {
         );
         let per_second =
             NonZeroU32::new(config.nodes.registrations_per_second).unwrap_or(NonZeroU32::MIN);
+        let view = Arc::new(NodeView::new(
+            NodeShared {
+                replica_id: replica_id.clone(),
+                queues: queues.clone(),
+                directory: generations.directory().clone(),
+                ledger: store.clone(),
+                lifecycle: Some(store.clone()),
+                coordinator: coordinator.clone(),
+                heartbeat_timeout: Duration::from_secs(config.nodes.heartbeat_timeout_secs),
+                clock: clock.clone(),
+                trust: NodeTrust {
+                    max_violations: config.trust.max_violations,
+                    window: Duration::from_secs(config.trust.violation_window_secs),
+                },
+            },
+            supervision.nodes.clone(),
+        ));
         let launcher = Launcher {
             generations,
             ledger: budgets.clone(),
@@ -350,8 +367,7 @@ impl Server {
             launcher,
             budgets,
             queues,
-            nodes: Mutex::new(BTreeMap::new()),
-            proxies: crate::cluster::Proxies::default(),
+            view,
             metrics: metrics_handle(),
             clock,
             shutdown: CancellationToken::new(),
@@ -371,7 +387,7 @@ impl Server {
         ));
         spawn_cancel_listener(&state).await;
         spawn_client_back_listener(&state).await;
-        crate::cluster::spawn_view(&state).await;
+        spawn_view(&state.view, state.shutdown.clone()).await;
         budget_cluster.spawn(state.budgets.clone()).await;
         let addr = listener.local_addr()?;
         let app = crate::http::router(state.clone());
@@ -428,15 +444,7 @@ impl Server {
         if tokio::time::timeout(grace, &mut task).await.is_err() {
             task.abort();
         }
-        let nodes: Vec<NodeHandle> = self
-            .state
-            .nodes
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .values()
-            .cloned()
-            .collect();
-        for node in nodes {
+        for node in self.state.view.local_nodes() {
             node.stop();
         }
         // Queues first, on purpose: their waiting generations end typed before the tree

@@ -156,10 +156,10 @@ pub fn registered(fleet: &Fleet, node_id: &str) -> bool {
     fleet
         .server
         .state()
-        .nodes
-        .lock()
-        .unwrap()
-        .contains_key(node_id)
+        .view
+        .local_nodes()
+        .iter()
+        .any(|n| n.node_id() == node_id)
 }
 
 /// An in-process agent dialing the fleet; stop it with the returned token.

@@ -6,7 +6,7 @@
 //! creation; only their hashes are stored.
 
 use std::collections::BTreeSet;
-use std::sync::{Arc, PoisonError};
+use std::sync::Arc;
 
 use axum::extract::{FromRequestParts, State};
 use axum::http::StatusCode;
@@ -618,11 +618,7 @@ pub async fn revoke_node_token(
         .await
         .map_err(store_failed("revoke node token"))?;
     // The live socket goes too: a revoked node must not keep serving.
-    let live = state
-        .nodes
-        .lock()
-        .unwrap_or_else(PoisonError::into_inner)
-        .remove(&id);
+    let live = state.view.remove_local(&id);
     if let Some(node) = live {
         node.stop();
     }
@@ -659,7 +655,7 @@ pub async fn list_nodes(
             // Ready when this replica routes to it: its socket here, or a live proxy of its
             // owner's connection. Not `node:{id}` alone: a replica killed with its nodes leaves
             // their records behind until the TTL runs out, and they are not routable.
-            let connected = crate::cluster::reach(state, &node.id).is_some();
+            let connected = state.view.reach(&node.id).is_some();
             let hb = |k: &str| heartbeat.as_ref().and_then(|h| h.get(k)).cloned();
             // Adding 0 reads the counter without moving its window (it expires 24 h after the
             // first violation it counted; a node without any gets a 0 that expires the same way).
@@ -717,7 +713,7 @@ pub async fn drain_node(
             other => store_failed("drain node")(other),
         })?;
     // Through the node's socket here, or its proxy to the replica holding the socket.
-    let live = crate::cluster::reach(&state, &id);
+    let live = state.view.reach(&id);
     if let Some(node) = &live {
         node.drain();
     }
@@ -751,7 +747,9 @@ pub async fn load_model(
         )
         .with_param("name"));
     }
-    let node = crate::cluster::reach(&state, &id)
+    let node = state
+        .view
+        .reach(&id)
         .ok_or_else(|| ApiError::new(ErrorCode::NotFound, "The node is not connected."))?;
     node.load_model(&body.name);
     tracing::info!(node_id = %id, model = %body.name, "load_model sent");

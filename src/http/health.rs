@@ -36,11 +36,7 @@ pub async fn metrics(State(state): State<Arc<AppState>>) -> Response {
     if let Ok(open) = state.store.open_reservations().await {
         metrics::gauge!(LEDGER_OPEN_RESERVATIONS).set(open as f64);
     }
-    let connected = state
-        .nodes
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
-        .len();
+    let connected = state.view.local_count();
     metrics::gauge!(NODES, "state" => "connected").set(connected as f64);
     (
         [(

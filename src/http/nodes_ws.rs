@@ -3,7 +3,7 @@
 //! per-node token (stored hashed, compared in constant time); registrations are rate limited
 //! so that a reconnect storm after a deploy cannot overwhelm the replica.
 
-use std::sync::{Arc, PoisonError};
+use std::sync::Arc;
 use std::time::Duration;
 
 use axum::extract::State;
@@ -15,7 +15,7 @@ use switchyard_actors::error::ErrorCode;
 use super::error::ApiError;
 use futures::{SinkExt, StreamExt};
 use subtle::ConstantTimeEq;
-use switchyard_actors::node::{Link, NodeHandle, Violation};
+use switchyard_actors::node::{NodeHandle, Violation};
 use switchyard_actors::protocol::{
     Malformed, NodeFrame, OLDEST_PROTOCOL_VERSION, PROTOCOL_VERSION, ServerFrame, decode_node_frame,
 };
@@ -75,45 +75,31 @@ async fn serve_node(state: Arc<AppState>, mut socket: WebSocket) {
         }
     };
     let (outbound, mut frames) = mpsc::channel(OUTBOUND_FRAMES);
-    let args = crate::cluster::node_args(
-        &state,
-        &registered.node_id,
-        &registered.models,
-        registered.protocol,
-        Link::Socket(outbound),
-    );
     let accepted = ServerFrame::Registered {
         protocol: Some(registered.protocol),
     };
     if send(&mut socket, &accepted).await.is_err() {
         return;
     }
-    let node = match state.supervision.nodes.start(args).await {
+    let node = match state
+        .view
+        .connected(
+            &registered.node_id,
+            &registered.models,
+            registered.protocol,
+            outbound,
+        )
+        .await
+    {
         Ok(node) => node,
         Err(e) => {
             tracing::error!(error = %e, "could not start the node actor");
             return;
         }
     };
-    // A node that reconnects replaces its old connection, whose work counts as lost.
-    let previous = state
-        .nodes
-        .lock()
-        .unwrap_or_else(PoisonError::into_inner)
-        .insert(registered.node_id.clone(), node.clone());
-    if let Some(old) = previous {
-        old.stop();
-    }
     tracing::info!(node_id = %registered.node_id, models = ?registered.models, "node registered");
     relay(socket, &node, &mut frames).await;
-    node.connection_lost();
-    let mut nodes = state.nodes.lock().unwrap_or_else(PoisonError::into_inner);
-    if nodes
-        .get(&registered.node_id)
-        .is_some_and(|n| n.same_actor(&node))
-    {
-        nodes.remove(&registered.node_id);
-    }
+    state.view.disconnected(&node);
 }
 
 /// Pumps frames both ways until either side ends. A replica shutting down keeps node sockets

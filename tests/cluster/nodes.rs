@@ -106,8 +106,8 @@ async fn a_node_that_reconnects_to_another_replica_moves_there_and_its_old_conne
     let c = cluster(2, 1, 10.0, |_| {}).await;
     let replicas = c.fleet.replicas();
     let (a, b) = (replicas[0].state().clone(), replicas[1].state().clone());
-    assert!(a.nodes.lock().unwrap().contains_key("small-1"));
-    assert!(b.proxies.get("small-1").is_some());
+    assert!(a.view.is_local("small-1"));
+    assert!(b.view.proxies().get("small-1").is_some());
     // The same node connects again, to replica 1, while its first connection is still open
     // (a half-open socket the first replica has not noticed).
     let config = switchyard::demo::FleetConfig {
@@ -127,10 +127,10 @@ async fn a_node_that_reconnects_to_another_replica_moves_there_and_its_old_conne
         || {
             let (a, b) = (a.clone(), b.clone());
             async move {
-                b.nodes.lock().unwrap().contains_key("small-1")
-                    && !a.nodes.lock().unwrap().contains_key("small-1")
-                    && a.proxies.get("small-1").is_some()
-                    && b.proxies.get("small-1").is_none()
+                b.view.is_local("small-1")
+                    && !a.view.is_local("small-1")
+                    && a.view.proxies().get("small-1").is_some()
+                    && b.view.proxies().get("small-1").is_none()
             }
         },
     )

@@ -84,8 +84,12 @@ async fn streams_through_three_replicas_run_on_six_nodes_and_settle_once() {
     // Each replica holds two sockets and proxies the other four nodes.
     for i in 0..3 {
         let state = c.fleet.replicas()[i].state().clone();
-        assert_eq!(state.nodes.lock().unwrap().len(), 2, "replica {i} sockets");
-        assert_eq!(state.proxies.fences().len(), 4, "replica {i} proxies");
+        assert_eq!(state.view.local_count(), 2, "replica {i} sockets");
+        assert_eq!(
+            state.view.proxies().fences().len(),
+            4,
+            "replica {i} proxies"
+        );
     }
     let key = c.fleet.api_key.clone();
     let got: Vec<Got> = futures::stream::iter(0..300usize)

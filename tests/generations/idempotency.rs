@@ -251,7 +251,7 @@ async fn a_rejected_admission_is_admitted_again_under_the_same_key() {
         .await
         .unwrap();
     until(Duration::from_secs(10), "the node to register", || async {
-        f.server.state().nodes.lock().unwrap().len() == 1
+        f.server.state().view.local_count() == 1
     })
     .await;
     let resp = f.submit("again", &body("hi", 3, false)).await;

@@ -192,13 +192,13 @@ async fn node_tokens_list_drain_and_revocation_closes_the_socket() {
         "the revoked node's socket to close",
         || {
             let state = state.clone();
-            async move { state.nodes.lock().unwrap().is_empty() }
+            async move { state.view.local_count() == 0 }
         },
     )
     .await;
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert!(
-        state.nodes.lock().unwrap().is_empty(),
+        (state.view.local_count() == 0),
         "a revoked node cannot register again"
     );
     let (s, _) = admin(

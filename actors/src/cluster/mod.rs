@@ -30,9 +30,11 @@
 //! the replica owning its model's queue never touches it for its dispatch.
 
 mod outbox;
+mod view;
 pub mod wire;
 
 pub use outbox::Outbox;
+pub use view::{NodeShared, NodeView, Proxies, spawn_view};
 pub use wire::{
     Announcement, Command, FromNode, FromQueue, NodeNews, QueueItem, QueueNews, QueueOwner,
     QueueReply, ToNode, ToQueue,
