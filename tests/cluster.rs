@@ -88,7 +88,7 @@ impl Cluster {
     pub fn routable(&self, i: usize) -> usize {
         let replicas = self.fleet.replicas();
         let state = replicas[i].state();
-        state.nodes.lock().unwrap().len() + state.proxies.fences().len()
+        state.view.local_count() + state.view.proxies().fences().len()
     }
 
     /// Waits until every replica routes to `n` nodes.
