@@ -33,7 +33,7 @@ pub const COMPARE_FORMULAS: [(&str, &str); 5] = [
     ),
     (
         "cpu_us_per_token",
-        "CPU per token = (utime+stime after - before, /proc/<pid>/stat, summed over the side's phases) / completion tokens relayed in those phases, in CPU microseconds",
+        "CPU per token = (utime+stime after - before, /proc/<pid>/stat of the process and its descendants, summed over the side's phases) / completion tokens relayed in those phases, in CPU microseconds",
     ),
     (
         "added_cpu_us_per_token",
@@ -118,6 +118,8 @@ pub struct Phase {
     pub completion_tokens: u64,
     /// Completion tokens / wall time, engine time.
     pub total_tokens_per_s: f64,
+    /// Most requests in flight at once (sent, not yet ended), from the records.
+    pub peak_streams: u64,
 }
 
 /// Gateway minus direct at three percentiles, milliseconds of engine time.
@@ -180,8 +182,8 @@ pub struct CompareReport {
     pub phases: Vec<Phase>,
 }
 
-/// User + system CPU seconds of `pid` so far, from `/proc/<pid>/stat`.
-pub fn process_cpu_s(pid: u32) -> anyhow::Result<f64> {
+/// The fields of `/proc/<pid>/stat` after the command name: index 0 is field 3 (state).
+fn stat_fields(pid: u32) -> anyhow::Result<Vec<String>> {
     let path = format!("/proc/{pid}/stat");
     let stat = std::fs::read_to_string(&path).with_context(|| format!("reading {path}"))?;
     // The command name (field 2) is in parentheses and may contain spaces.
@@ -189,7 +191,13 @@ pub fn process_cpu_s(pid: u32) -> anyhow::Result<f64> {
         .rsplit_once(')')
         .map(|(_, r)| r)
         .with_context(|| format!("{path}: no command name"))?;
-    let fields: Vec<&str> = rest.split_whitespace().collect();
+    Ok(rest.split_whitespace().map(str::to_owned).collect())
+}
+
+/// User + system CPU seconds of `pid` so far, from `/proc/<pid>/stat`.
+pub fn process_cpu_s(pid: u32) -> anyhow::Result<f64> {
+    let path = format!("/proc/{pid}/stat");
+    let fields = stat_fields(pid)?;
     // rest starts at field 3 (state): utime is field 14, stime field 15.
     let tick = |i: usize| -> anyhow::Result<u64> {
         fields
@@ -198,6 +206,58 @@ pub fn process_cpu_s(pid: u32) -> anyhow::Result<f64> {
             .with_context(|| format!("{path}: field {} is not a number", i + 3))
     };
     Ok((tick(11)? + tick(12)?) as f64 / CLOCK_TICKS_PER_S)
+}
+
+/// Every process below `pid` (children, their children, …), from the parent pid in each
+/// `/proc/<pid>/stat`; empty off Linux.
+pub fn descendants(pid: u32) -> Vec<u32> {
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    let parents: Vec<(u32, u32)> = dir
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
+        .filter_map(|p| Some((p, stat_fields(p).ok()?.get(1)?.parse().ok()?)))
+        .collect();
+    let mut found = vec![pid];
+    let mut i = 0;
+    while let Some(&parent) = found.get(i) {
+        found.extend(
+            parents
+                .iter()
+                .filter(|&&(_, pp)| pp == parent)
+                .map(|&(p, _)| p),
+        );
+        i += 1;
+    }
+    found.remove(0);
+    found
+}
+
+/// CPU seconds of `pid` and of every process below it (a proxy that runs its workers as
+/// child processes); a descendant that exited is no longer counted.
+pub fn process_tree_cpu_s(pid: u32) -> anyhow::Result<f64> {
+    let own = process_cpu_s(pid)?;
+    Ok(own
+        + descendants(pid)
+            .into_iter()
+            .filter_map(|p| process_cpu_s(p).ok())
+            .sum::<f64>())
+}
+
+/// Most records in flight at once: sent and not yet ended.
+pub fn peak_in_flight(records: &[RequestRecord]) -> u64 {
+    let mut edges: Vec<(u64, i64)> = records
+        .iter()
+        .flat_map(|r| [(r.send_us, 1), (r.end_us, -1)])
+        .collect();
+    // At one instant an end is counted before a send: a worker's next request is no overlap.
+    edges.sort_unstable();
+    let (mut now, mut peak) = (0i64, 0i64);
+    for (_, d) in edges {
+        now += d;
+        peak = peak.max(now);
+    }
+    peak.max(0) as u64
 }
 
 fn per_token(cpu_s: f64, tokens: u64) -> Option<f64> {
@@ -215,7 +275,7 @@ pub async fn compare(cfg: CompareConfig) -> anyhow::Result<CompareReport> {
         bail!("both sides must share one time scale");
     }
     for &(_, pid) in &cfg.pids {
-        process_cpu_s(pid)?;
+        process_tree_cpu_s(pid)?;
     }
     let direct_cal = calibrate_models(&cfg.direct).await.context("direct side")?;
     let gateway_cal = calibrate_models(&cfg.gateway)
@@ -259,6 +319,7 @@ pub async fn compare(cfg: CompareConfig) -> anyhow::Result<CompareReport> {
                 completed: raw.completed,
                 completion_tokens: raw.completion_tokens_sum,
                 total_tokens_per_s: report.overall.total_tokens_per_s,
+                peak_streams: peak_in_flight(&report.requests),
             });
             order.push(side);
             records[i].extend(report.requests);
@@ -327,7 +388,7 @@ pub async fn compare(cfg: CompareConfig) -> anyhow::Result<CompareReport> {
 
 fn read_all(pids: &[(Role, u32)]) -> anyhow::Result<Vec<f64>> {
     pids.iter()
-        .map(|&(role, pid)| process_cpu_s(pid).with_context(|| format!("{role:?} pid {pid}")))
+        .map(|&(role, pid)| process_tree_cpu_s(pid).with_context(|| format!("{role:?} pid {pid}")))
         .collect()
 }
 
@@ -460,6 +521,33 @@ mod tests {
         let s = process_cpu_s(std::process::id()).unwrap();
         assert!(s.is_finite() && s >= 0.0);
         assert!(process_cpu_s(u32::MAX).is_err());
+        let tree = process_tree_cpu_s(std::process::id()).unwrap();
+        assert!(tree >= s);
+    }
+
+    #[test]
+    fn a_child_is_a_descendant() {
+        let mut child = std::process::Command::new("sleep")
+            .arg("5")
+            .spawn()
+            .unwrap();
+        let found = descendants(std::process::id());
+        child.kill().unwrap();
+        child.wait().unwrap();
+        assert!(found.contains(&child.id()), "{found:?}");
+    }
+
+    #[test]
+    fn peak_in_flight_counts_overlaps_not_back_to_back() {
+        let r = |send_us, end_us| RequestRecord {
+            send_us,
+            end_us,
+            ..RequestRecord::default()
+        };
+        // 0-10 and 10-20 follow each other; 5-15 overlaps both.
+        assert_eq!(peak_in_flight(&[r(0, 10), r(10, 20)]), 1);
+        assert_eq!(peak_in_flight(&[r(0, 10), r(10, 20), r(5, 15)]), 2);
+        assert_eq!(peak_in_flight(&[]), 0);
     }
 
     #[test]
