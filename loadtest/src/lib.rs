@@ -2,6 +2,7 @@
 //! any OpenAI-compatible chat completions endpoint with concurrent streaming
 //! requests and reports TTFT, ITL, token rates and outcomes with their formulas.
 
+pub mod bench;
 pub mod compare;
 pub mod config;
 pub mod drill;

@@ -35,6 +35,85 @@ enum Command {
     /// The bank check: randomized requests across replicas and teams with faults at random;
     /// the books must balance exactly afterwards. Seeded: a failure prints its seed.
     Bank(BankArgs),
+    /// The benchmark suite, on demand: starts what it needs (a simulated engine, replicas on a
+    /// fresh database, LiteLLM's proxy in a virtualenv under the build directory), compares
+    /// every figure with the engine directly in the same run, writes bench.json and bench.png.
+    Bench(BenchArgs),
+}
+
+#[derive(Debug, Args)]
+struct BenchArgs {
+    /// Scenarios, comma-separated: overhead, admission, 10k, relay [default: all].
+    #[arg(long, value_delimiter = ',')]
+    scenarios: Vec<String>,
+    /// Where bench.json, bench.png and logs go [default: bench/ in the build directory].
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// A short run to check that everything works: 3 s phases, one round, 1,000 streams for
+    /// `10k`, 50 for `relay`. Its figures are not ones to quote.
+    #[arg(long)]
+    quick: bool,
+    /// Length of every phase [default: 10s; 3s with --quick].
+    #[arg(long, value_parser = parse_duration)]
+    phase: Option<Duration>,
+    /// Rounds of every comparison, each a direct and a gateway phase [default: 2; 1 with
+    /// --quick].
+    #[arg(long)]
+    rounds: Option<u32>,
+    /// Concurrent streams of the `10k` scenario [default: 10000; 1000 with --quick].
+    #[arg(long)]
+    many: Option<usize>,
+    /// Leave LiteLLM out of the overhead scenario.
+    #[arg(long)]
+    no_litellm: bool,
+    /// LiteLLM's worker processes (one per core is fair to it).
+    #[arg(long, default_value_t = 2)]
+    litellm_workers: u32,
+    /// Where LiteLLM's virtualenv is made [default: bench-peers/ in the build directory].
+    #[arg(long)]
+    peers: Option<PathBuf>,
+    #[command(flatten)]
+    stack: StackArgs,
+    /// No progress bars.
+    #[arg(long)]
+    no_progress: bool,
+}
+
+impl BenchArgs {
+    fn into_options(self) -> anyhow::Result<switchyard_loadtest::bench::BenchOptions> {
+        // target/ when this binary is target/release/switchyard-loadtest.
+        let build_dir = std::env::current_exe()?
+            .parent()
+            .and_then(std::path::Path::parent)
+            .context("the build directory")?
+            .to_owned();
+        let scenarios = if self.scenarios.is_empty() {
+            switchyard_loadtest::bench::SCENARIOS
+                .iter()
+                .map(|s| (*s).to_owned())
+                .collect()
+        } else {
+            self.scenarios
+        };
+        let quick = self.quick;
+        Ok(switchyard_loadtest::bench::BenchOptions {
+            bin: switchyard_bin(self.stack.bin)?,
+            database: self.stack.database,
+            out: self.out.unwrap_or_else(|| build_dir.join("bench")),
+            scenarios,
+            quick,
+            phase: self
+                .phase
+                .unwrap_or(Duration::from_secs(if quick { 3 } else { 10 })),
+            rounds: self.rounds.unwrap_or(if quick { 1 } else { 2 }),
+            many: self.many.unwrap_or(if quick { 1_000 } else { 10_000 }),
+            litellm: !self.no_litellm,
+            litellm_workers: self.litellm_workers,
+            peers: self.peers.unwrap_or_else(|| build_dir.join("bench-peers")),
+            progress: !self.no_progress,
+            command: std::env::args().collect::<Vec<_>>().join(" "),
+        })
+    }
 }
 
 #[derive(Debug, Args)]
@@ -384,6 +463,21 @@ async fn execute(cli: Cli) -> anyhow::Result<()> {
                 anyhow::bail!("the bank check failed; replay it with --seed {seed}");
             }
         }
+        Command::Bench(args) => {
+            let opts = args.into_options()?;
+            let report = switchyard_loadtest::bench::bench(&opts).await?;
+            let mut stdout = std::io::stdout().lock();
+            report.print(&mut stdout)?;
+            writeln!(
+                stdout,
+                "wrote {0}/bench.json and {0}/bench.png",
+                opts.out.display()
+            )?;
+            stdout.flush()?;
+            if !report.passed() {
+                anyhow::bail!("a scenario failed");
+            }
+        }
         Command::Compare(args) => {
             let out = args.json.clone();
             let report = switchyard_loadtest::compare(args.into_config()).await?;
@@ -411,7 +505,9 @@ mod tests {
         let cli = Cli::try_parse_from(base.iter().chain(args))?;
         match cli.command {
             Command::Run(a) => Ok(a.into_config()),
-            Command::Compare(_) | Command::Drill(_) | Command::Bank(_) => panic!("not a run"),
+            Command::Compare(_) | Command::Drill(_) | Command::Bank(_) | Command::Bench(_) => {
+                panic!("not a run")
+            }
         }
     }
 

@@ -59,7 +59,7 @@ pub struct Replica {
     pub id: String,
     /// Its base URL.
     pub url: String,
-    child: Option<Child>,
+    pub child: Option<Child>,
 }
 
 /// The running stack.
@@ -87,10 +87,10 @@ pub struct Stack {
     /// Node ids, in start order.
     pub node_ids: Vec<String>,
     /// The engines' child processes, by node.
-    engines: Vec<Option<Child>>,
+    pub engines: Vec<Option<Child>>,
     /// The engines' ports, by node.
     pub engine_ports: Vec<u16>,
-    agents: Vec<Option<Child>>,
+    pub agents: Vec<Option<Child>>,
     redis: Option<Child>,
     /// An API key of the drill's team, with generous limits.
     pub key: String,
