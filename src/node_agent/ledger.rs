@@ -1,9 +1,14 @@
 //! The node's memory of finished work: every `done` is kept until the server acks it and is
-//! sent again after a reconnect (SPEC section 7), so a crashed server replica loses no usage.
+//! sent again after a reconnect (SPEC section 7), so a crashed server replica loses no usage,
+//! and again while connected once it has waited [`RESEND_AFTER`] for its ack (a replica that
+//! could not record it — its database away — answered the client and forgot it; the resent
+//! `done` is settled by whichever generation or node actor then takes it).
 //! It also remembers recently acked attempts, so a replayed `assign` is not run twice.
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+
+use tokio::time::Instant;
 
 use switchyard_actors::protocol::NodeFrame;
 
@@ -15,6 +20,8 @@ pub(crate) type Key = (String, u64);
 /// Unacked dones beyond this are dropped oldest first (a server that never acks must not
 /// exhaust the node's memory; each entry is ~200 bytes).
 const MAX_UNACKED: usize = 65_536;
+/// A `done` unacked this long after it was (re)sent goes again on the same connection.
+pub(crate) const RESEND_AFTER: std::time::Duration = std::time::Duration::from_secs(30);
 /// Acked attempts remembered to ignore replays.
 const MAX_RECENT_ACKED: usize = 4_096;
 
@@ -49,8 +56,9 @@ impl Done {
 
 #[derive(Debug, Default)]
 struct Inner {
-    /// Unacked dones with their completion order (resent in that order).
-    unacked: BTreeMap<Key, (u64, Done)>,
+    /// Unacked dones with their completion order (resent in that order) and when each was
+    /// last sent.
+    unacked: BTreeMap<Key, (u64, Done, Instant)>,
     next_order: u64,
     recent_acked: BTreeSet<Key>,
     recent_order: VecDeque<Key>,
@@ -80,12 +88,14 @@ impl Ledger {
         let mut inner = self.lock();
         let order = inner.next_order;
         inner.next_order += 1;
-        inner.unacked.insert(done.key(), (order, done));
+        inner
+            .unacked
+            .insert(done.key(), (order, done, Instant::now()));
         if inner.unacked.len() > MAX_UNACKED {
             let oldest = inner
                 .unacked
                 .iter()
-                .min_by_key(|(_, (o, _))| *o)
+                .min_by_key(|(_, (o, _, _))| *o)
                 .map(|(k, _)| k.clone());
             if let Some(k) = oldest {
                 inner.unacked.remove(&k);
@@ -123,10 +133,31 @@ impl Ledger {
 
     /// Every unacked `done`, oldest first, for resending after a reconnect.
     pub(crate) fn unacked(&self) -> Vec<Done> {
-        let inner = self.lock();
-        let mut all: Vec<&(u64, Done)> = inner.unacked.values().collect();
-        all.sort_by_key(|(o, _)| *o);
-        all.into_iter().map(|(_, d)| d.clone()).collect()
+        self.resend(|_| true)
+    }
+
+    /// The unacked `done`s last sent [`RESEND_AFTER`] ago or earlier, oldest first, to send
+    /// again now.
+    pub(crate) fn due(&self) -> Vec<Done> {
+        let now = Instant::now();
+        self.resend(|sent| now.saturating_duration_since(sent) >= RESEND_AFTER)
+    }
+
+    fn resend(&self, pick: impl Fn(Instant) -> bool) -> Vec<Done> {
+        let now = Instant::now();
+        let mut inner = self.lock();
+        let mut all: Vec<&mut (u64, Done, Instant)> = inner
+            .unacked
+            .values_mut()
+            .filter(|(_, _, sent)| pick(*sent))
+            .collect();
+        all.sort_by_key(|(o, _, _)| *o);
+        all.into_iter()
+            .map(|(_, d, sent)| {
+                *sent = now;
+                d.clone()
+            })
+            .collect()
     }
 
     pub(crate) fn unacked_len(&self) -> usize {
@@ -172,5 +203,23 @@ mod tests {
         assert!(!l.knows(&("c".into(), 1)));
         assert_eq!(l.unacked_len(), 2);
         assert_eq!(stats.unacked_dones(), 2);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_unacked_done_is_due_again_after_the_resend_interval() {
+        let l = Ledger::new(Arc::new(AgentStats::default()));
+        l.record(done("a", 1));
+        assert!(l.due().is_empty(), "just sent");
+        tokio::time::advance(RESEND_AFTER / 2).await;
+        l.record(done("b", 1));
+        tokio::time::advance(RESEND_AFTER / 2).await;
+        let due: Vec<Key> = l.due().iter().map(Done::key).collect();
+        assert_eq!(due, [("a".into(), 1)] as [Key; 1]);
+        assert!(l.due().is_empty(), "resent now: not due again at once");
+        tokio::time::advance(RESEND_AFTER).await;
+        assert_eq!(l.due().len(), 2);
+        l.ack(&("a".into(), 1));
+        tokio::time::advance(RESEND_AFTER).await;
+        assert_eq!(l.due().len(), 1, "an acked done is never resent");
     }
 }

@@ -290,6 +290,11 @@ impl<'a> Session<'a> {
         let idle = tokio::time::sleep(self.idle_timeout);
         tokio::pin!(idle);
         let mut drain_deadline: Option<Instant> = None;
+        // Dones a replica could not record come back only if they are sent again.
+        let mut resend = tokio::time::interval_at(
+            Instant::now() + super::ledger::RESEND_AFTER,
+            super::ledger::RESEND_AFTER / 2,
+        );
         let end = loop {
             if *draining && self.in_flight.is_empty() {
                 if self.sh.ledger.unacked_len() == 0 {
@@ -333,6 +338,19 @@ impl<'a> Session<'a> {
                     // read: another ping would not get a pong either.
                     let _ = self.out.try_send(Outgoing::Ping);
                     self.leases.pinged(Instant::now());
+                    Flow::Continue
+                }
+                _ = resend.tick() => {
+                    let due = self.sh.ledger.due();
+                    if !due.is_empty() {
+                        tracing::info!(count = due.len(), "resending dones the server has not acked");
+                    }
+                    for done in due {
+                        // A full channel: the next tick tries again.
+                        if self.out.try_send(Outgoing::Frame(done.frame())).is_err() {
+                            break;
+                        }
+                    }
                     Flow::Continue
                 }
                 () = sleep_opt(drain_deadline) => {
