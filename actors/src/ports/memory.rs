@@ -65,6 +65,10 @@ pub struct MemoryRow {
 #[derive(Debug, Default)]
 pub struct MemoryLedger {
     rows: Mutex<BTreeMap<String, MemoryRow>>,
+    /// Balances of the teams that have an account ([`MemoryLedger::credit`]); a team without
+    /// one is never short (the actors' tests), one with one is held to it as the SQL ledgers
+    /// hold a team: reserving needs the balance less open reservations, settling debits.
+    balances: Mutex<BTreeMap<i64, Microcredits>>,
     /// Simulates an unreachable database.
     unavailable: Mutex<bool>,
 }
@@ -87,6 +91,46 @@ impl MemoryLedger {
             .values()
             .filter(|r| r.status == RowStatus::Reserved)
             .count()
+    }
+
+    /// Adds `amount` to `team`'s balance, opening its account.
+    pub fn credit(&self, team: i64, amount: Microcredits) {
+        *self
+            .balances
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .entry(team)
+            .or_default() += amount;
+    }
+
+    /// `team`'s balance, when it has an account.
+    pub fn balance(&self, team: i64) -> Option<Microcredits> {
+        self.balances
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(&team)
+            .copied()
+    }
+
+    /// What `team`'s settled rows cost in all.
+    pub fn settled_cost(&self, team: i64) -> Microcredits {
+        self.rows
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .values()
+            .filter(|r| r.status == RowStatus::Settled && r.reservation.team_id == team)
+            .map(|r| r.cost)
+            .sum()
+    }
+
+    /// A copy of every row.
+    pub fn rows(&self) -> Vec<MemoryRow> {
+        self.rows
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .values()
+            .cloned()
+            .collect()
     }
 
     /// Makes every call fail with [`LedgerError::Unavailable`] (or work again).
@@ -145,6 +189,15 @@ impl MemoryLedger {
                 row.reservation.price_input_per_mtok,
                 row.reservation.price_output_per_mtok,
             );
+            let team = row.reservation.team_id;
+            if let Some(balance) = self
+                .balances
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .get_mut(&team)
+            {
+                *balance = balance.saturating_sub(row.cost);
+            }
         }
         Ok(SettleOutcome::Applied)
     }
@@ -157,6 +210,17 @@ impl Ledger for MemoryLedger {
         let mut rows = self.rows.lock().unwrap_or_else(PoisonError::into_inner);
         if rows.contains_key(&reservation.request_id) {
             return Err(LedgerError::Duplicate);
+        }
+        let team = reservation.team_id;
+        if let Some(balance) = self.balance(team) {
+            let held: Microcredits = rows
+                .values()
+                .filter(|r| r.status == RowStatus::Reserved && r.reservation.team_id == team)
+                .map(|r| r.reservation.estimated_cost)
+                .sum();
+            if balance.saturating_sub(held) < reservation.estimated_cost {
+                return Err(LedgerError::InsufficientBalance);
+            }
         }
         rows.insert(
             reservation.request_id.clone(),

@@ -1,0 +1,341 @@
+//! A replica as a simulated host: the same actors a `switchyard serve` runs, wired as
+//! `Server::start` wires them (the supervision tree, each model's queue in the cluster, the
+//! team budgets with cluster-wide ownership, the node view), on the coordinator host over
+//! the simulated network and the shared database. Its HTTP layer is replaced by what it
+//! drives: node connections taken on [`agent::PORT`] and handed to the node view, and the
+//! clients of the plan, whose requests go through the launcher with an admission that
+//! prices and bounds them as the server's does.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use chrono::{DateTime, Utc};
+use switchyard_actors::budget::{BudgetCluster, BudgetConfig, BudgetSupervisor, TeamBudgets};
+use switchyard_actors::cluster::{NodeShared, NodeView, spawn_view};
+use switchyard_actors::error::Failure;
+use switchyard_actors::generation::{
+    GenEvent, LaunchError, Launched, Launcher, StreamBound, Timeouts, Trace,
+};
+use switchyard_actors::model_queue::{
+    ModelQueueHandle, QueueArgs, QueueCluster, QueueConfig, RoutingStrategy,
+};
+use switchyard_actors::node::NodeTrust;
+use switchyard_actors::ports::admission::{AdmissionJob, Admit, LimitState, Ready};
+use switchyard_actors::ports::{Clock, Coordinator, Reservation, UsageBounds};
+use switchyard_actors::protocol::{
+    Api, NodeFrame, PROTOCOL_VERSION, ServerFrame, decode_node_frame,
+};
+use switchyard_actors::supervision::{RestartPolicy, Spec, Supervision, SupervisionArgs};
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+use turmoil::net::{TcpListener, TcpStream};
+
+use super::agent::PORT;
+use super::net::{NetCoordinator, read_frame, write_frame};
+use super::world::{Outcome, Planned, World};
+
+/// The one model of the simulation.
+pub const MODEL: &str = "llama-3.1-8b-instruct";
+/// Owner leases (queues, budgets).
+const LEASE_TTL: Duration = Duration::from_secs(3);
+
+/// The simulation's clock: tokio's (simulated) instant, and a wall clock that is the
+/// simulation's own epoch plus its elapsed time, so nothing reads the host's real time.
+#[derive(Debug)]
+struct SimClock;
+
+impl Clock for SimClock {
+    fn now(&self) -> tokio::time::Instant {
+        tokio::time::Instant::now()
+    }
+    fn wall(&self) -> DateTime<Utc> {
+        let since = turmoil::since_epoch().unwrap_or_default();
+        DateTime::<Utc>::from_timestamp_millis(i64::try_from(since.as_millis()).unwrap_or(0))
+            .unwrap_or_default()
+    }
+}
+
+/// The deadlines of the simulation's generations: short, so a run comes to rest quickly.
+pub fn timeouts() -> Timeouts {
+    Timeouts {
+        first_token: Duration::from_secs(10),
+        total: Duration::from_secs(30),
+        cancel_grace: Duration::from_secs(1),
+        settle_wait: Duration::from_secs(5),
+        lease: Duration::from_secs(3),
+    }
+}
+
+/// The host's software: a new replica (a new id) each time the host starts.
+pub async fn run(host: String, world: Arc<World>, plan: Arc<Vec<Planned>>) -> turmoil::Result {
+    let replica_id = world.incarnate(&host);
+    let coordinator: Arc<dyn Coordinator> = Arc::new(NetCoordinator::new("redis"));
+    let clock: Arc<dyn Clock> = Arc::new(SimClock);
+    let ledger: Arc<dyn switchyard_actors::ports::Ledger> = world.ledger.clone();
+    let (budgets, budget_args) =
+        TeamBudgets::unstarted(ledger.clone(), clock.clone(), BudgetConfig::default());
+    let budget_cluster = Arc::new(BudgetCluster::new(
+        coordinator.clone(),
+        replica_id.clone(),
+        LEASE_TTL,
+        clock.clone(),
+    ));
+    let budgets = Arc::new(budgets.in_cluster(budget_cluster.clone()));
+    let member = Arc::new(QueueCluster::new(
+        coordinator.clone(),
+        replica_id.clone(),
+        LEASE_TTL,
+    ));
+    let supervision = Supervision::start(SupervisionArgs {
+        ledger: ledger.clone(),
+        queues: vec![QueueArgs {
+            model: MODEL.into(),
+            config: QueueConfig {
+                max_waiting: 64,
+                deadline: Duration::from_secs(10),
+                node_capacity: world.capacity,
+                routing: RoutingStrategy::LeastLoaded,
+            },
+            clock: clock.clone(),
+            cluster: Some(member.clone()),
+        }],
+        queue_policy: RestartPolicy::QUEUES,
+        supervisor_policy: RestartPolicy::SUPERVISORS,
+        extra: vec![Box::new(Spec::new(
+            "team_budgets",
+            BudgetSupervisor,
+            budget_args,
+        ))],
+    })
+    .await?;
+    let queue = supervision.queues[MODEL].clone();
+    member.spawn(queue.clone(), clock.clone()).await;
+    let view = Arc::new(NodeView::new(
+        NodeShared {
+            replica_id: replica_id.clone(),
+            queues: supervision.queues.clone(),
+            directory: supervision.generations.directory().clone(),
+            ledger: world.ledger.clone(),
+            lifecycle: None,
+            coordinator: coordinator.clone(),
+            heartbeat_timeout: Duration::from_secs(5),
+            clock: clock.clone(),
+            trust: NodeTrust::default(),
+        },
+        supervision.nodes.clone(),
+    ));
+    let stop = CancellationToken::new();
+    spawn_view(&view, stop.clone()).await;
+    budget_cluster.spawn(budgets.clone()).await;
+    let launcher = Launcher {
+        generations: supervision.generations.clone(),
+        ledger: budgets.clone(),
+        timeouts: timeouts(),
+        bound: StreamBound::default(),
+        retention: Duration::from_secs(5),
+        clock: clock.clone(),
+        coordinator: coordinator.clone(),
+    };
+    tokio::spawn(clients(host, replica_id, world, plan, launcher, queue));
+    let listener = TcpListener::bind(("0.0.0.0", PORT)).await?;
+    loop {
+        let (stream, _) = listener.accept().await?;
+        tokio::spawn(node_connection(view.clone(), stream));
+    }
+}
+
+/// One node's connection, as `/v1/nodes/connect` serves it.
+async fn node_connection(view: Arc<NodeView>, stream: TcpStream) {
+    let (mut read, mut write) = stream.into_split();
+    let first = tokio::time::timeout(Duration::from_secs(5), read_frame::<NodeFrame>(&mut read));
+    let Ok(Ok(NodeFrame::Register {
+        node_id,
+        models,
+        protocol,
+        ..
+    })) = first.await
+    else {
+        return;
+    };
+    let protocol = protocol.min(PROTOCOL_VERSION);
+    let registered = ServerFrame::Registered {
+        protocol: Some(protocol),
+    };
+    if write_frame(&mut write, &registered).await.is_err() {
+        return;
+    }
+    let (outbound, mut frames) = mpsc::channel(256);
+    let Ok(node) = view.connected(&node_id, &models, protocol, outbound).await else {
+        return;
+    };
+    let (incoming_tx, mut incoming) = mpsc::unbounded_channel();
+    let reader = tokio::spawn(async move {
+        // The frame goes through the server's own parser, from its text.
+        while let Ok(frame) = read_frame::<serde_json::Value>(&mut read).await {
+            if incoming_tx.send(frame.to_string()).is_err() {
+                return;
+            }
+        }
+    });
+    loop {
+        tokio::select! {
+            out = frames.recv() => match out {
+                Some(frame) => {
+                    if write_frame(&mut write, &frame).await.is_err() {
+                        break;
+                    }
+                }
+                None => break,
+            },
+            text = incoming.recv() => match text {
+                Some(text) => match decode_node_frame(&text) {
+                    Ok(frame) => {
+                        if !node.deliver(frame) {
+                            break;
+                        }
+                    }
+                    Err(_) => node.violation(switchyard_actors::node::Violation::MalformedFrame, None),
+                },
+                None => break,
+            },
+        }
+    }
+    reader.abort();
+    view.disconnected(&node);
+}
+
+/// The admission of a simulated request: priced and bounded as the server's would be
+/// (10 prompt tokens at 1 µcr, output at 2 µcr per token).
+#[derive(Debug)]
+struct Job {
+    planned: Planned,
+    queue: ModelQueueHandle,
+}
+
+/// The simulated admission never refuses (limits are not what the simulation tests).
+#[derive(Debug)]
+enum Never {}
+
+impl std::fmt::Display for Never {
+    fn fmt(&self, _: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match *self {}
+    }
+}
+
+impl std::error::Error for Never {}
+
+impl From<Never> for Failure {
+    fn from(never: Never) -> Self {
+        match never {}
+    }
+}
+
+#[async_trait]
+impl AdmissionJob for Job {
+    type Error = Never;
+
+    async fn run(self: Box<Self>) -> Result<Admit, Never> {
+        let p = self.planned;
+        let price_in = 1_000_000;
+        let price_out = 2_000_000;
+        let reservation = Reservation {
+            request_id: p.id.clone(),
+            team_id: p.team,
+            key_id: None,
+            model: MODEL.into(),
+            estimated_prompt_tokens: 10,
+            max_tokens: p.max_tokens,
+            estimated_cost: switchyard_actors::ports::cost_of(
+                10,
+                p.max_tokens,
+                price_in,
+                price_out,
+            ),
+            price_input_per_mtok: price_in,
+            price_output_per_mtok: price_out,
+            bounds: UsageBounds {
+                prompt_tokens: 10,
+                completion_tokens: p.max_tokens,
+            },
+        };
+        Ok(Admit::Ready(Box::new(Ready {
+            request_id: p.id,
+            model: MODEL.into(),
+            body: serde_json::json!({"model": MODEL, "messages": [], "max_tokens": p.max_tokens}),
+            reservation,
+            queue: self.queue,
+            lifecycle: None,
+            on_end: None,
+            limits: LimitState::default(),
+        })))
+    }
+}
+
+/// Sends this replica host's share of the plan at its times; each request's client reads
+/// its stream to the end (or hangs up) and records what it saw.
+async fn clients(
+    host: String,
+    replica_id: String,
+    world: Arc<World>,
+    plan: Arc<Vec<Planned>>,
+    launcher: Launcher,
+    queue: ModelQueueHandle,
+) {
+    let start = tokio::time::Instant::now() - turmoil::elapsed();
+    for p in plan.iter().filter(|p| p.replica == host) {
+        let at = start + Duration::from_millis(p.at_ms);
+        if tokio::time::Instant::now() > at + Duration::from_millis(500) {
+            // Due while this host was down: its client went elsewhere or gave up.
+            continue;
+        }
+        tokio::time::sleep_until(at).await;
+        if !world.issue(&p.id, &replica_id) {
+            continue;
+        }
+        let job = Box::new(Job {
+            planned: p.clone(),
+            queue: queue.clone(),
+        });
+        let launcher = launcher.clone();
+        let world = world.clone();
+        let p = p.clone();
+        tokio::spawn(async move {
+            let outcome = match launcher.launch(job, Api::Chat, Trace::default()).await {
+                Ok(Launched::Running { mut generation, .. }) => {
+                    read_stream(&mut generation, p.abandon_after).await
+                }
+                Ok(Launched::Existing(_)) => Outcome::Failed("existing".into()),
+                Err(LaunchError::NotStarted { failure, .. }) => {
+                    Outcome::Failed(failure.code.as_str().into())
+                }
+                Err(LaunchError::Refused(never)) => match never {},
+            };
+            world.outcome(&p.id, outcome);
+        });
+    }
+}
+
+async fn read_stream(
+    generation: &mut switchyard_actors::generation::GenerationStream,
+    abandon_after: Option<u64>,
+) -> Outcome {
+    let mut deltas = 0u64;
+    loop {
+        if abandon_after.is_some_and(|n| deltas >= n) {
+            return Outcome::Abandoned;
+        }
+        match generation.next().await {
+            Some(GenEvent::Delta(_)) => deltas += 1,
+            Some(GenEvent::Finished(usage)) => {
+                return Outcome::Finished {
+                    billed: usage.completion_tokens,
+                    deltas,
+                };
+            }
+            Some(GenEvent::Cancelled(_)) => return Outcome::Cancelled,
+            Some(GenEvent::Failed(f)) => return Outcome::Failed(f.code.as_str().into()),
+            None => return Outcome::Failed("stream ended without an end".into()),
+        }
+    }
+}
