@@ -234,6 +234,8 @@ pub struct Machine {
     pub switchyard_bin: String,
     /// LiteLLM's version, when it ran.
     pub litellm: Option<String>,
+    /// /proc/loadavg when the suite started and when it ended: the machine may be shared.
+    pub load_average: [Option<String>; 2],
 }
 
 /// Everything the suite produced: `bench.json`.
@@ -285,11 +287,13 @@ impl BenchReport {
         let m = &self.machine;
         writeln!(
             out,
-            "switchyard-loadtest bench{}: {} cores, {}, commit {}",
+            "switchyard-loadtest bench{}: {} cores, {}, commit {}, load average {} → {}",
             if self.quick { " --quick" } else { "" },
             m.cores,
             m.date,
-            m.git_commit.as_deref().unwrap_or("?")
+            m.git_commit.as_deref().unwrap_or("?"),
+            m.load_average[0].as_deref().unwrap_or("?"),
+            m.load_average[1].as_deref().unwrap_or("?"),
         )?;
         writeln!(
             out,
@@ -383,9 +387,21 @@ pub async fn bench(opts: &BenchOptions) -> anyhow::Result<BenchReport> {
         // Each scenario's figures land on disk as soon as it ends.
         write_json(&report, &opts.out)?;
     }
+    report.machine.load_average[1] = load_average();
     write_json(&report, &opts.out)?;
     draw(&report, &opts.out.join("bench.png")).context("drawing bench.png")?;
     Ok(report)
+}
+
+/// The first three fields of /proc/loadavg.
+fn load_average() -> Option<String> {
+    let text = std::fs::read_to_string("/proc/loadavg").ok()?;
+    Some(
+        text.split_whitespace()
+            .take(3)
+            .collect::<Vec<_>>()
+            .join(" "),
+    )
 }
 
 fn write_json(report: &BenchReport, out: &Path) -> anyhow::Result<()> {
@@ -439,6 +455,7 @@ fn machine(bin: &Path) -> Machine {
         git_dirty: git(&["status", "--porcelain", "--untracked-files=no"]).map(|s| !s.is_empty()),
         switchyard_bin: bin.display().to_string(),
         litellm: None,
+        load_average: [load_average(), None],
     }
 }
 

@@ -40,13 +40,15 @@ pub fn draw(report: &BenchReport, path: &Path) -> anyhow::Result<()> {
     root.fill(&WHITE)?;
     let m = &report.machine;
     let title = format!(
-        "switchyard-loadtest bench{} — {} — commit {} — {} cores — every figure against the same engine directly, same run",
+        "switchyard-loadtest bench{} — {} — commit {} — {} cores, load {} → {} — each figure against the engine directly, same run",
         if report.quick { " --quick" } else { "" },
         m.date,
         m.git_commit
             .as_deref()
             .map_or("?", |c| &c[..c.len().min(10)]),
         m.cores,
+        first(&m.load_average[0]),
+        first(&m.load_average[1]),
     );
     let root = root.titled(&title, (FONT, 20))?;
     let (top, bottom) = root.split_vertically(520);
@@ -274,6 +276,13 @@ fn table(area: &Area<'_>, report: &BenchReport) -> anyhow::Result<()> {
         area.draw(&Text::new(more, (20, height as i32 - 22), style))?;
     }
     Ok(())
+}
+
+/// The one-minute figure of a /proc/loadavg reading.
+fn first(load: &Option<String>) -> &str {
+    load.as_deref()
+        .and_then(|l| l.split(' ').next())
+        .unwrap_or("?")
 }
 
 /// Four significant figures or so.

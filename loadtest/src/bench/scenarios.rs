@@ -225,12 +225,18 @@ pub(super) fn figure_of(run: &Run, name: &str) -> Option<(f64, f64)> {
     }
 }
 
-/// Stops the stack; after a failure its logs stay and their directory is noted.
+/// Stops the stack; after a failure, or requests through the gateway that failed, its logs
+/// stay and their directory is noted.
 async fn finish(stack: Stack, failed: bool, found: &mut Found) {
-    if failed {
+    let refused = found
+        .runs
+        .iter()
+        .any(|r| r.compare.gateway.completed < r.compare.gateway.requests);
+    let keep = failed || refused;
+    if keep {
         found.logs = Some(stack.work_dir().display().to_string());
     }
-    if let Err(e) = stack.stop(failed).await {
+    if let Err(e) = stack.stop(keep).await {
         found
             .notes
             .push(format!("could not drop the stack's database: {e:#}"));
