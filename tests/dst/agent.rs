@@ -45,6 +45,9 @@ pub struct AgentSpec {
     pub replicas: Vec<String>,
     /// Seeds its choices (output lengths, backoff).
     pub seed: u64,
+    /// Sends unacked `done`s again while connected (off: as agents did before, to show the
+    /// simulation catches what that lost).
+    pub resend: bool,
 }
 
 struct Work {
@@ -203,7 +206,9 @@ async fn session(
                 }
             }
             _ = resend.tick() => {
-                out.extend(unacked.values().cloned());
+                if spec.resend {
+                    out.extend(unacked.values().cloned());
+                }
             }
             _ = heartbeat.tick() => {
                 out.push(NodeFrame::Heartbeat {
