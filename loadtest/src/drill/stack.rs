@@ -16,6 +16,21 @@ use super::proxy::CutProxy;
 /// The model every drill serves.
 pub const MODEL: &str = "tiny";
 
+/// A model a stack serves, the nodes that run it and its engines' fixed timing.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ServedModel {
+    /// The model's name, as the replicas and its engines know it.
+    pub name: String,
+    /// Simulated nodes that run it (one engine and one agent each).
+    pub nodes: usize,
+    /// Assignments one of its nodes carries at once.
+    pub node_concurrency: u32,
+    /// Its engines' time to first token, engine milliseconds (`--profile fixed`).
+    pub ttft_ms: u64,
+    /// Its engines' time between tokens, engine milliseconds.
+    pub itl_ms: u64,
+}
+
 /// What a drill's stack runs.
 #[derive(Debug, Clone)]
 pub struct StackConfig {
@@ -35,6 +50,20 @@ pub struct StackConfig {
     pub cut_node: bool,
     /// The replicas reach PostgreSQL through a proxy the drill can cut.
     pub cut_database: bool,
+}
+
+impl StackConfig {
+    /// What [`Stack::start`] serves: [`MODEL`] alone, on `nodes` nodes carrying
+    /// `node_concurrency` each, its engines at 50 ms to the first token and 20 ms a token.
+    pub fn one_model(&self) -> Vec<ServedModel> {
+        vec![ServedModel {
+            name: MODEL.to_owned(),
+            nodes: self.nodes,
+            node_concurrency: self.node_concurrency,
+            ttft_ms: 50,
+            itl_ms: 20,
+        }]
+    }
 }
 
 impl Default for StackConfig {
@@ -86,6 +115,8 @@ pub struct Stack {
     pub replicas: Vec<Replica>,
     /// Node ids, in start order.
     pub node_ids: Vec<String>,
+    /// The model each node runs, by node.
+    pub node_models: Vec<ServedModel>,
     /// The engines' child processes, by node.
     pub engines: Vec<Option<Child>>,
     /// The engines' ports, by node.
@@ -97,6 +128,8 @@ pub struct Stack {
     /// The team's id.
     pub team_id: i64,
     config: StackConfig,
+    /// The models served.
+    models: Vec<ServedModel>,
     http: reqwest::Client,
 }
 
@@ -115,6 +148,18 @@ fn log_file(work: &Path, name: &str) -> anyhow::Result<Stdio> {
 impl Stack {
     /// Starts everything and waits until every replica routes to every node.
     pub async fn start(bin: &Path, database: &str, config: StackConfig) -> anyhow::Result<Self> {
+        let models = config.one_model();
+        Self::start_serving(bin, database, config, models).await
+    }
+
+    /// [`Self::start`] serving `models` on their nodes (`config.nodes` and
+    /// `config.node_concurrency` unused).
+    pub async fn start_serving(
+        bin: &Path,
+        database: &str,
+        config: StackConfig,
+        models: Vec<ServedModel>,
+    ) -> anyhow::Result<Self> {
         let tag = format!("{:08x}", rand_u32());
         let work = std::env::temp_dir().join(format!("switchyard-drill-{tag}"));
         std::fs::create_dir_all(&work)?;
@@ -164,6 +209,7 @@ impl Stack {
             admin: format!("adm-drill-{tag}"),
             replicas: Vec::new(),
             node_ids: Vec::new(),
+            node_models: Vec::new(),
             engines: Vec::new(),
             engine_ports: Vec::new(),
             agents: Vec::new(),
@@ -171,6 +217,7 @@ impl Stack {
             key: String::new(),
             team_id: 0,
             config,
+            models,
             http: reqwest::Client::builder()
                 .timeout(Duration::from_secs(10))
                 .build()?,
@@ -215,7 +262,12 @@ impl Stack {
             )
             .await?;
         stack.key = key["key"].as_str().context("key")?.to_owned();
-        for n in 0..stack.config.nodes {
+        for model in &stack.models {
+            for _ in 0..model.nodes {
+                stack.node_models.push(model.clone());
+            }
+        }
+        for n in 0..stack.node_models.len() {
             stack.add_node(n).await?;
         }
         stack.wait_nodes_ready(Duration::from_secs(60)).await?;
@@ -223,11 +275,18 @@ impl Stack {
     }
 
     fn write_config(&self) -> anyhow::Result<()> {
-        let toml = format!(
-            "[[models]]\nname = \"{MODEL}\"\nprice_input_per_mtok = 1000\nprice_output_per_mtok = 2000\n\
-             node_concurrency = {}\nmax_context_tokens = 8192\n[listener]\nmax_connections_per_client = 0\n{}\n",
-            self.config.node_concurrency, self.config.extra_toml
-        );
+        let mut toml = String::new();
+        for m in &self.models {
+            toml.push_str(&format!(
+                "[[models]]\nname = \"{}\"\nprice_input_per_mtok = 1000\nprice_output_per_mtok = 2000\n\
+                 node_concurrency = {}\nmax_context_tokens = 8192\n",
+                m.name, m.node_concurrency
+            ));
+        }
+        toml.push_str(&format!(
+            "[listener]\nmax_connections_per_client = 0\n{}\n",
+            self.config.extra_toml
+        ));
         std::fs::write(self.work.join("switchyard.toml"), toml)?;
         Ok(())
     }
@@ -309,15 +368,18 @@ impl Stack {
     }
 
     fn spawn_engine(&self, n: usize, port: u16) -> anyhow::Result<Child> {
+        let model = self.node_models.get(n).context("no such node")?;
         Command::new(&self.bin)
             .args([
                 "sim",
                 "--listen",
                 &format!("127.0.0.1:{port}"),
                 "--model",
-                MODEL,
+                &model.name,
             ])
-            .args(["--profile", "fixed", "--ttft-ms", "50", "--itl-ms", "20"])
+            .args(["--profile", "fixed"])
+            .args(["--ttft-ms", &model.ttft_ms.to_string()])
+            .args(["--itl-ms", &model.itl_ms.to_string()])
             .args(["--time-scale", &self.config.time_scale.to_string()])
             .env("RUST_LOG", "warn")
             .stdout(Stdio::null())
