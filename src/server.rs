@@ -9,13 +9,14 @@ use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
-use switchyard_actors::budget::{BudgetCluster, BudgetConfig, BudgetSupervisor, TeamBudgets};
-use switchyard_actors::cluster::{NodeShared, NodeView, spawn_view};
+use switchyard_actors::budget::{BudgetConfig, TeamBudgets};
+use switchyard_actors::cluster::NodeView;
 use switchyard_actors::generation::{Generations, Launcher};
-use switchyard_actors::model_queue::{ModelQueueHandle, QueueArgs, QueueCluster};
+use switchyard_actors::model_queue::ModelQueueHandle;
 use switchyard_actors::node::NodeTrust;
 use switchyard_actors::ports::{Clock, Coordinator, SystemClock};
-use switchyard_actors::supervision::{RestartPolicy, Spec, Supervision, SupervisionArgs};
+use switchyard_actors::replica::{ReplicaActors, ReplicaArgs};
+use switchyard_actors::supervision::Supervision;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
@@ -254,58 +255,42 @@ impl Server {
                 m.chat_template.as_deref(),
             )
         }))?;
-        let ledger: Arc<dyn switchyard_actors::ports::Ledger> = store.clone();
-        let (budgets, budget_args) =
-            TeamBudgets::unstarted(ledger.clone(), clock.clone(), BudgetConfig::default());
         // One owner per model queue and per team budget in the cluster (alone, this replica
         // takes every lease).
-        let lease_ttl = Duration::from_secs(config.owner_lease_secs);
-        let budget_cluster = Arc::new(BudgetCluster::new(
-            coordinator.clone(),
-            replica_id.clone(),
-            lease_ttl,
-            clock.clone(),
-        ));
-        let budgets = Arc::new(budgets.in_cluster(budget_cluster.clone()));
-        let memberships: BTreeMap<String, Arc<QueueCluster>> = config
-            .models
-            .iter()
-            .map(|model| {
-                let member = QueueCluster::new(coordinator.clone(), replica_id.clone(), lease_ttl);
-                (model.name.clone(), Arc::new(member))
-            })
-            .collect();
-        let supervision = Supervision::start(SupervisionArgs {
-            ledger,
-            queues: config
+        let actors = ReplicaActors::start(ReplicaArgs {
+            replica_id: replica_id.clone(),
+            ledger: store.clone(),
+            lifecycle: Some(store.clone()),
+            coordinator: coordinator.clone(),
+            clock: clock.clone(),
+            models: config
                 .models
                 .iter()
-                .map(|model| QueueArgs {
-                    model: model.name.clone(),
-                    config: config.queue_config(model),
-                    clock: clock.clone(),
-                    cluster: memberships.get(&model.name).cloned(),
-                })
+                .map(|model| (model.name.clone(), config.queue_config(model)))
                 .collect(),
-            queue_policy: RestartPolicy::QUEUES,
-            supervisor_policy: RestartPolicy::SUPERVISORS,
-            extra: vec![Box::new(Spec::new(
-                "team_budgets",
-                BudgetSupervisor,
-                budget_args,
-            ))],
+            lease_ttl: Duration::from_secs(config.owner_lease_secs),
+            budget: BudgetConfig::default(),
+            heartbeat_timeout: Duration::from_secs(config.nodes.heartbeat_timeout_secs),
+            trust: NodeTrust {
+                max_violations: config.trust.max_violations,
+                window: Duration::from_secs(config.trust.violation_window_secs),
+            },
+            timeouts: config.generation_timeouts(),
+            bound: config.stream_bound(),
+            retention: Duration::from_millis(u64::try_from(config.retention_ms()).unwrap_or(0)),
         })
         .await
         .map_err(|e| StartError::Actors(e.to_string()))?;
-        let generations = supervision.generations.clone();
-        let queues = supervision.queues.clone();
-        // Each queue's first try at its lease is over before the replica serves: a replica
-        // starting alone (or first) owns its queues from its first request on.
-        for (model, member) in &memberships {
-            if let Some(queue) = queues.get(model) {
-                member.spawn(queue.clone(), clock.clone()).await;
-            }
-        }
+        let queues = actors.supervision.queues.clone();
+        let shutdown = CancellationToken::new();
+        actors.join(shutdown.clone()).await;
+        let ReplicaActors {
+            supervision,
+            budgets,
+            view,
+            launcher,
+            ..
+        } = actors;
         // A stream's place outlives the longest request (plus the wait for its usage report).
         let slot_ttl = Duration::from_secs(
             config.timeouts.total_secs
@@ -314,32 +299,6 @@ impl Server {
         );
         let per_second =
             NonZeroU32::new(config.nodes.registrations_per_second).unwrap_or(NonZeroU32::MIN);
-        let view = Arc::new(NodeView::new(
-            NodeShared {
-                replica_id: replica_id.clone(),
-                queues: queues.clone(),
-                directory: generations.directory().clone(),
-                ledger: store.clone(),
-                lifecycle: Some(store.clone()),
-                coordinator: coordinator.clone(),
-                heartbeat_timeout: Duration::from_secs(config.nodes.heartbeat_timeout_secs),
-                clock: clock.clone(),
-                trust: NodeTrust {
-                    max_violations: config.trust.max_violations,
-                    window: Duration::from_secs(config.trust.violation_window_secs),
-                },
-            },
-            supervision.nodes.clone(),
-        ));
-        let launcher = Launcher {
-            generations,
-            ledger: budgets.clone(),
-            timeouts: config.generation_timeouts(),
-            bound: config.stream_bound(),
-            retention: Duration::from_millis(u64::try_from(config.retention_ms()).unwrap_or(0)),
-            clock: clock.clone(),
-            coordinator: coordinator.clone(),
-        };
         let state = Arc::new(AppState {
             auth: Authenticator::new(
                 store.clone(),
@@ -370,7 +329,7 @@ impl Server {
             view,
             metrics: metrics_handle(),
             clock,
-            shutdown: CancellationToken::new(),
+            shutdown,
             config,
         });
         // Rows still reserved after the longest request plus the wait for its usage report
@@ -387,8 +346,6 @@ impl Server {
         ));
         spawn_cancel_listener(&state).await;
         spawn_client_back_listener(&state).await;
-        spawn_view(&state.view, state.shutdown.clone()).await;
-        budget_cluster.spawn(state.budgets.clone()).await;
         let addr = listener.local_addr()?;
         let app = crate::http::router(state.clone());
         let shutdown = state.shutdown.clone();

@@ -77,6 +77,7 @@ pub mod node;
 pub mod output;
 pub mod ports;
 pub mod protocol;
+pub mod replica;
 pub mod sse;
 pub mod supervision;
 pub mod tasks;

@@ -1,5 +1,5 @@
-//! A replica as a simulated host: the same actors a `switchyard serve` runs, wired as
-//! `Server::start` wires them (the supervision tree, each model's queue in the cluster, the
+//! A replica as a simulated host: the actors a `switchyard serve` runs, started by the same
+//! [`ReplicaActors::start`] (the supervision tree, each model's queue in the cluster, the
 //! team budgets with cluster-wide ownership, the node view), on the coordinator host over
 //! the simulated network and the shared database. Its HTTP layer is replaced by what it
 //! drives: node connections taken on [`agent::PORT`] and handed to the node view, and the
@@ -11,22 +11,20 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
-use switchyard_actors::budget::{BudgetCluster, BudgetConfig, BudgetSupervisor, TeamBudgets};
-use switchyard_actors::cluster::{NodeShared, NodeView, spawn_view};
+use switchyard_actors::budget::BudgetConfig;
+use switchyard_actors::cluster::NodeView;
 use switchyard_actors::error::Failure;
 use switchyard_actors::generation::{
     GenEvent, LaunchError, Launched, Launcher, StreamBound, Timeouts, Trace,
 };
-use switchyard_actors::model_queue::{
-    ModelQueueHandle, QueueArgs, QueueCluster, QueueConfig, RoutingStrategy,
-};
+use switchyard_actors::model_queue::{ModelQueueHandle, QueueConfig, RoutingStrategy};
 use switchyard_actors::node::NodeTrust;
 use switchyard_actors::ports::admission::{AdmissionJob, Admit, LimitState, Ready};
-use switchyard_actors::ports::{Clock, Coordinator, Reservation, UsageBounds};
+use switchyard_actors::ports::{Clock, Reservation, UsageBounds};
 use switchyard_actors::protocol::{
     Api, NodeFrame, PROTOCOL_VERSION, ServerFrame, decode_node_frame,
 };
-use switchyard_actors::supervision::{RestartPolicy, Spec, Supervision, SupervisionArgs};
+use switchyard_actors::replica::{ReplicaActors, ReplicaArgs};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use turmoil::net::{TcpListener, TcpStream};
@@ -70,73 +68,35 @@ pub fn timeouts() -> Timeouts {
 /// The host's software: a new replica (a new id) each time the host starts.
 pub async fn run(host: String, world: Arc<World>, plan: Arc<Vec<Planned>>) -> turmoil::Result {
     let replica_id = world.incarnate(&host);
-    let coordinator: Arc<dyn Coordinator> = Arc::new(NetCoordinator::new("redis"));
-    let clock: Arc<dyn Clock> = Arc::new(SimClock);
-    let ledger: Arc<dyn switchyard_actors::ports::Ledger> = world.ledger.clone();
-    let (budgets, budget_args) =
-        TeamBudgets::unstarted(ledger.clone(), clock.clone(), BudgetConfig::default());
-    let budget_cluster = Arc::new(BudgetCluster::new(
-        coordinator.clone(),
-        replica_id.clone(),
-        LEASE_TTL,
-        clock.clone(),
-    ));
-    let budgets = Arc::new(budgets.in_cluster(budget_cluster.clone()));
-    let member = Arc::new(QueueCluster::new(
-        coordinator.clone(),
-        replica_id.clone(),
-        LEASE_TTL,
-    ));
-    let supervision = Supervision::start(SupervisionArgs {
-        ledger: ledger.clone(),
-        queues: vec![QueueArgs {
-            model: MODEL.into(),
-            config: QueueConfig {
+    let actors = ReplicaActors::start(ReplicaArgs {
+        replica_id: replica_id.clone(),
+        ledger: world.ledger.clone(),
+        lifecycle: None,
+        coordinator: Arc::new(NetCoordinator::new("redis")),
+        clock: Arc::new(SimClock),
+        models: vec![(
+            MODEL.to_owned(),
+            QueueConfig {
                 max_waiting: 64,
                 deadline: Duration::from_secs(10),
                 node_capacity: world.capacity,
                 routing: RoutingStrategy::LeastLoaded,
             },
-            clock: clock.clone(),
-            cluster: Some(member.clone()),
-        }],
-        queue_policy: RestartPolicy::QUEUES,
-        supervisor_policy: RestartPolicy::SUPERVISORS,
-        extra: vec![Box::new(Spec::new(
-            "team_budgets",
-            BudgetSupervisor,
-            budget_args,
-        ))],
-    })
-    .await?;
-    let queue = supervision.queues[MODEL].clone();
-    member.spawn(queue.clone(), clock.clone()).await;
-    let view = Arc::new(NodeView::new(
-        NodeShared {
-            replica_id: replica_id.clone(),
-            queues: supervision.queues.clone(),
-            directory: supervision.generations.directory().clone(),
-            ledger: world.ledger.clone(),
-            lifecycle: None,
-            coordinator: coordinator.clone(),
-            heartbeat_timeout: Duration::from_secs(5),
-            clock: clock.clone(),
-            trust: NodeTrust::default(),
-        },
-        supervision.nodes.clone(),
-    ));
-    let stop = CancellationToken::new();
-    spawn_view(&view, stop.clone()).await;
-    budget_cluster.spawn(budgets.clone()).await;
-    let launcher = Launcher {
-        generations: supervision.generations.clone(),
-        ledger: budgets.clone(),
+        )],
+        lease_ttl: LEASE_TTL,
+        budget: BudgetConfig::default(),
+        heartbeat_timeout: Duration::from_secs(5),
+        trust: NodeTrust::default(),
         timeouts: timeouts(),
         bound: StreamBound::default(),
         retention: Duration::from_secs(5),
-        clock: clock.clone(),
-        coordinator: coordinator.clone(),
-    };
+    })
+    .await?;
+    // The replica's life is the host's: a crash ends it, nothing stops it otherwise.
+    actors.join(CancellationToken::new()).await;
+    let queue = actors.supervision.queues[MODEL].clone();
+    let launcher = actors.launcher.clone();
+    let view = actors.view.clone();
     tokio::spawn(clients(host, replica_id, world, plan, launcher, queue));
     let listener = TcpListener::bind(("0.0.0.0", PORT)).await?;
     loop {
@@ -303,7 +263,7 @@ async fn clients(
         tokio::spawn(async move {
             let outcome = match launcher.launch(job, Api::Chat, Trace::default()).await {
                 Ok(Launched::Running { mut generation, .. }) => {
-                    read_stream(&mut generation, p.abandon_after).await
+                    read_stream(&p.id, &mut generation, p.abandon_after).await
                 }
                 Ok(Launched::Existing(_)) => Outcome::Failed("existing".into()),
                 Err(LaunchError::NotStarted { failure, .. }) => {
@@ -317,6 +277,7 @@ async fn clients(
 }
 
 async fn read_stream(
+    id: &str,
     generation: &mut switchyard_actors::generation::GenerationStream,
     abandon_after: Option<u64>,
 ) -> Outcome {
@@ -326,15 +287,34 @@ async fn read_stream(
             return Outcome::Abandoned;
         }
         match generation.next().await {
-            Some(GenEvent::Delta(_)) => deltas += 1,
+            // Pieces may carry several of the engine's chunks (a reader behind is sent them
+            // together): count the tokens, each a "tok " of text.
+            Some(GenEvent::Delta(piece)) => {
+                deltas += piece.text.matches("tok ").count() as u64;
+                if std::env::var("DST_DEBUG").is_ok_and(|d| d == id) {
+                    eprintln!(
+                        "{:?} client {id} delta {:?}",
+                        turmoil::elapsed(),
+                        piece.text
+                    );
+                }
+            }
             Some(GenEvent::Finished(usage)) => {
+                if std::env::var("DST_DEBUG").is_ok_and(|d| d == id) {
+                    eprintln!("{:?} client {id} finished {usage:?}", turmoil::elapsed());
+                }
                 return Outcome::Finished {
                     billed: usage.completion_tokens,
                     deltas,
                 };
             }
             Some(GenEvent::Cancelled(_)) => return Outcome::Cancelled,
-            Some(GenEvent::Failed(f)) => return Outcome::Failed(f.code.as_str().into()),
+            Some(GenEvent::Failed(f)) => {
+                if std::env::var("DST_DEBUG").is_ok_and(|d| d == id) {
+                    eprintln!("{:?} client {id} failed {f:?}", turmoil::elapsed());
+                }
+                return Outcome::Failed(f.code.as_str().into());
+            }
             None => return Outcome::Failed("stream ended without an end".into()),
         }
     }
