@@ -33,7 +33,7 @@ mod outbox;
 mod view;
 pub mod wire;
 
-pub use outbox::Outbox;
+pub use outbox::{OnFailure, Outbox};
 pub use view::{NodeShared, NodeView, Proxies, spawn_view};
 pub use wire::{
     Announcement, Command, FromNode, FromQueue, NodeNews, QueueItem, QueueNews, QueueOwner,

@@ -14,7 +14,7 @@ use super::cluster::{QueueCluster, Role};
 use super::grant::Grants;
 use super::msg::QueueMsg;
 use crate::cluster::to_queue;
-use crate::cluster::{FromQueue, Outbox, QueueItem, QueueOwner, QueueReply, ToQueue};
+use crate::cluster::{FromQueue, OnFailure, Outbox, QueueItem, QueueOwner, QueueReply, ToQueue};
 use crate::error::{ErrorCode, Failure};
 use crate::generation::GenerationMsg;
 use crate::metric_names::QUEUE_FENCED_TOTAL;
@@ -508,6 +508,7 @@ impl QueueState {
             m.to_owner = Some(Outbox::spawn(
                 m.cluster.coordinator.clone(),
                 to_queue(&self.args.model),
+                OnFailure::GiveUp,
                 move |_, items| {
                     serde_json::to_vec(&ToQueue {
                         from: from.clone(),

@@ -8,7 +8,7 @@ use super::actor::{QueueState, Waiter};
 use super::cluster::Role;
 use super::follow::Follower;
 use super::msg::QueueMsg;
-use crate::cluster::{FromQueue, Outbox, QueueItem, QueueReply, ToQueue, from_queue};
+use crate::cluster::{FromQueue, OnFailure, Outbox, QueueItem, QueueReply, ToQueue, from_queue};
 
 impl QueueState {
     /// As the owner: what a follower asked.
@@ -38,6 +38,7 @@ impl QueueState {
             let outbox = Outbox::spawn(
                 m.cluster.coordinator.clone(),
                 from_queue(&model, &from),
+                OnFailure::GiveUp,
                 move |_, items| serde_json::to_vec(&FromQueue { fence, items }).ok(),
                 move || {
                     let _ = gone.cast(QueueMsg::ReplicaGone(replica));

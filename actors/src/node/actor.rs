@@ -676,13 +676,19 @@ pub(super) async fn violation(
 
 /// The replica whose generation holds this attempt, when it is not on this one.
 fn relays_to(state: &NodeState, request_id: &str, attempt: u64) -> Option<String> {
-    let f = state
+    match state
         .in_flight
         .get(request_id)
-        .filter(|f| f.attempt == attempt)?;
-    match &f.dest {
-        Dest::Replica(replica) => Some(replica.clone()),
-        Dest::Local(_) | Dest::Orphaned => None,
+        .filter(|f| f.attempt == attempt)
+    {
+        Some(f) => match &f.dest {
+            Dest::Replica(replica) => Some(replica.clone()),
+            Dest::Local(_) | Dest::Orphaned => None,
+        },
+        // A `done` sent again while its first copy, relayed, still waits for that replica's
+        // ack: it goes the same way. Settled here instead, it would bill an attempt the
+        // generation may have fenced meanwhile (found by the simulation, seed 217).
+        None => link::awaiting_ack(state, request_id, attempt),
     }
 }
 

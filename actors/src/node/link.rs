@@ -14,8 +14,8 @@ use super::actor::{NodeState, assign, on_frame, send, violation};
 use super::msg::NodeMsg;
 use super::orphan::settle_orphan_done;
 use crate::cluster::{
-    Announcement, Command, FromNode, NODES_CHANNEL, NodeNews, Outbox, ToNode, node_key, to_node,
-    to_replica,
+    Announcement, Command, FromNode, NODES_CHANNEL, NodeNews, OnFailure, Outbox, ToNode, node_key,
+    to_node, to_replica,
 };
 use crate::generation::GenerationMsg;
 use crate::metric_names::STALE_FRAMES_TOTAL;
@@ -165,6 +165,7 @@ pub(super) async fn open(
             let outbox = Outbox::spawn(
                 args.coordinator.clone(),
                 to_node(&args.node_id),
+                OnFailure::GiveUp,
                 move |seq, commands| {
                     serde_json::to_vec(&ToNode {
                         from: from.clone(),
@@ -353,9 +354,13 @@ pub(super) fn relay(
         let (node_id, fence, stream) = (state.args.node_id.clone(), state.fence, new_stream());
         let (me, gone) = (myself.clone(), replica.clone());
         Relay {
+            // A failed publish is this replica's trouble with the coordinator, not the
+            // generation's replica gone: settling its `done`s here would bill an attempt it
+            // may already have fenced and retried (found by the simulation, seed 217).
             outbox: Outbox::spawn(
                 state.args.coordinator.clone(),
                 to_replica(&replica),
+                OnFailure::Retry,
                 move |seq, frames| {
                     serde_json::to_vec(&FromNode {
                         node_id: node_id.clone(),
@@ -381,6 +386,17 @@ pub(super) fn relay(
         unacked.insert(request_id.clone(), (replica, frame.clone()));
     }
     true
+}
+
+/// The replica a `done` of `attempt` was relayed to, while it has not acked it.
+pub(super) fn awaiting_ack(state: &NodeState, request_id: &str, attempt: u64) -> Option<String> {
+    let Transport::Socket { unacked, .. } = &state.transport else {
+        return None;
+    };
+    unacked
+        .get(request_id)
+        .filter(|(_, done)| matches!(done, NodeFrame::Done { attempt: a, .. } if *a == attempt))
+        .map(|(replica, _)| replica.clone())
 }
 
 /// A replica stopped listening for this node's frames (it died, or lost Redis): the node
