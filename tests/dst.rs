@@ -11,7 +11,8 @@
 //!
 //! A failing seed prints itself; `DST_SEED=n` replays exactly that seed, `DST_SEEDS=n`
 //! runs more (the test command runs 200, in two halves at once; `DST_SEED_BASE` moves the
-//! window).
+//! window). `DST_DEBUG=<request id>` replays with the actors' debug log and that request's
+//! assignments, tokens and client events on stderr.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
@@ -148,6 +149,12 @@ fn run(seed: u64) -> Result<(Summary, String), String> {
 
 /// [`run`], with the agents' resending of unacked `done`s while connected on or off.
 fn run_with(seed: u64, resend: bool) -> Result<(Summary, String), String> {
+    if std::env::var("DST_DEBUG").is_ok() {
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter("switchyard_actors=debug")
+            .with_writer(std::io::stderr)
+            .try_init();
+    }
     let Scenario { plan, faults } = scenario(seed);
     let plan = Arc::new(plan);
     let world = Arc::new(World::new(CAPACITY));

@@ -153,6 +153,9 @@ async fn session(
                         let ceiling = body.get("max_tokens").and_then(serde_json::Value::as_u64).unwrap_or(16);
                         let target = rng.random_range(1..=ceiling.max(1));
                         world.start_work(&spec.node_id, &request_id, attempt);
+                        if std::env::var("DST_DEBUG").is_ok_and(|d| d == request_id) {
+                            eprintln!("{:?} {} assign {request_id} #{attempt} target {target}", turmoil::elapsed(), spec.node_id);
+                        }
                         work.insert((request_id.clone(), attempt), Work {
                             target,
                             produced: 0,
@@ -185,6 +188,9 @@ async fn session(
                     let expired = w.lease.is_some_and(|l| now.duration_since(last_heard) > l);
                     if !expired {
                         w.produced += 1;
+                        if std::env::var("DST_DEBUG").is_ok_and(|d| d == key.0) {
+                            eprintln!("{:?} {} chunk {} #{} seq {}", turmoil::elapsed(), spec.node_id, key.0, key.1, w.produced - 1);
+                        }
                         world.produce(&key.0, key.1);
                         out.push(NodeFrame::Chunk {
                             request_id: key.0.clone(),

@@ -189,6 +189,29 @@ async fn run(c: &MemoryCoordinator, call: Call) -> Result<Answer, CoordError> {
     })
 }
 
+/// Sends `call` and reads its answer within `within`.
+async fn exchange(
+    stream: &mut TcpStream,
+    call: &Call,
+    within: Duration,
+) -> Result<Answer, CoordError> {
+    tokio::time::timeout(within, async {
+        write_frame(stream, call).await?;
+        read_frame::<Answer>(stream).await
+    })
+    .await
+    .map_err(down)?
+    .map_err(down)
+}
+
+/// A failure the coordinator answered is the caller's error.
+fn answered(answer: Answer) -> Result<Answer, CoordError> {
+    match answer {
+        Answer::Failed(e) => Err(CoordError::Unavailable(e)),
+        a => Ok(a),
+    }
+}
+
 /// A replica's connection to the coordinator host.
 #[derive(Debug)]
 pub struct NetCoordinator {
@@ -230,36 +253,17 @@ impl NetCoordinator {
             Some(s) => s,
             None => self.connect().await?,
         };
-        let answer = tokio::time::timeout(ANSWER_WITHIN, async {
-            write_frame(&mut stream, &call).await?;
-            read_frame::<Answer>(&mut stream).await
-        })
-        .await
-        .map_err(down)?
-        .map_err(down)?;
+        let answer = exchange(&mut stream, &call, ANSWER_WITHIN).await?;
         // Only a connection that answered is kept: after a timeout the late answer would
         // be read as the next command's.
         *conn = Some(stream);
-        match answer {
-            Answer::Failed(e) => Err(CoordError::Unavailable(e)),
-            a => Ok(a),
-        }
+        answered(answer)
     }
 
     /// A command on a connection of its own (a blocking read must not hold up the rest).
     async fn call_alone(&self, call: Call, within: Duration) -> Result<Answer, CoordError> {
         let mut stream = self.connect().await?;
-        let answer = tokio::time::timeout(within + ANSWER_WITHIN, async {
-            write_frame(&mut stream, &call).await?;
-            read_frame::<Answer>(&mut stream).await
-        })
-        .await
-        .map_err(down)?
-        .map_err(down)?;
-        match answer {
-            Answer::Failed(e) => Err(CoordError::Unavailable(e)),
-            a => Ok(a),
-        }
+        answered(exchange(&mut stream, &call, within + ANSWER_WITHIN).await?)
     }
 
     async fn unit(&self, call: Call) -> Result<(), CoordError> {
@@ -428,13 +432,7 @@ impl Coordinator for NetCoordinator {
         channel: &str,
     ) -> Result<mpsc::UnboundedReceiver<Vec<u8>>, CoordError> {
         let mut stream = self.connect().await?;
-        let ack = tokio::time::timeout(ANSWER_WITHIN, async {
-            write_frame(&mut stream, &Call::Subscribe(channel.into())).await?;
-            read_frame::<Answer>(&mut stream).await
-        })
-        .await
-        .map_err(down)?
-        .map_err(down)?;
+        let ack = exchange(&mut stream, &Call::Subscribe(channel.into()), ANSWER_WITHIN).await?;
         if !matches!(ack, Answer::Unit) {
             return Err(unexpected(&ack));
         }

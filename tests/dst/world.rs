@@ -14,7 +14,7 @@ pub const TEAMS: [(i64, i64); 2] = [(1, 1_000_000_000), (2, 400)];
 /// How one client's request ended, as the client saw it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Outcome {
-    /// `Finished` with this many completion tokens billed, after this many deltas.
+    /// `Finished` with this many completion tokens billed, after this many streamed.
     Finished { billed: u64, deltas: u64 },
     /// The client hung up after some deltas.
     Abandoned,
@@ -280,7 +280,7 @@ impl World {
                         && (*billed != row.completion_tokens || *deltas != *billed)
                     {
                         return Err(format!(
-                            "{}: the client saw {deltas} deltas billed {billed}, the row holds {}",
+                            "{}: the client was streamed {deltas} tokens billed {billed}, the row holds {}",
                             p.id, row.completion_tokens
                         ));
                     }
