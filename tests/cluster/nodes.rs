@@ -259,8 +259,16 @@ async fn a_follower_whose_queue_restarts_gives_its_lent_slots_back_through_its_r
     // Restarted (at once, by its supervisor), and reported to the owner (a renewal period
     // is a third of a second; a loaded machine takes longer).
     tokio::time::sleep(Duration::from_secs(4)).await;
-    let peak = peak_of_streams(&c, 24, |_| owner_at, 30).await;
-    assert!(peak <= 6, "the node ran {peak} at once; its capacity is 6");
+    // A busy machine can keep the streams from overlapping fully: a few tries. Slots lent
+    // forever cap every try at 4.
+    let mut peak = 0;
+    for _ in 0..3 {
+        peak = peak_of_streams(&c, 24, |_| owner_at, 30).await;
+        assert!(peak <= 6, "the node ran {peak} at once; its capacity is 6");
+        if peak >= 5 {
+            break;
+        }
+    }
     assert!(
         peak >= 5,
         "the owner used {peak} of the node's 6 slots: lent slots never came back"
