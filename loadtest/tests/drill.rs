@@ -6,7 +6,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use switchyard_loadtest::drill::{DrillOptions, bank, drill};
+use switchyard_loadtest::drill::{DrillOptions, DrillReport, PeakShape, bank, drill, peak_200};
 
 /// `target/<profile>/switchyard`, built with the workspace's tests.
 fn switchyard_bin() -> PathBuf {
@@ -15,8 +15,8 @@ fn switchyard_bin() -> PathBuf {
     profile_dir.join("switchyard")
 }
 
-async fn short(name: &str) {
-    let opts = DrillOptions {
+fn short_options() -> DrillOptions {
+    DrillOptions {
         bin: switchyard_bin(),
         database: std::env::var("SWITCHYARD_TEST_DATABASE_URL")
             .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".to_owned()),
@@ -24,20 +24,63 @@ async fn short(name: &str) {
         progress: false,
         keep_logs: false,
         abandon: 400,
-    };
-    let reports = drill(name, &opts).await.unwrap();
+    }
+}
+
+async fn short(name: &str) {
+    let reports = drill(name, &short_options()).await.unwrap();
     assert_eq!(reports.len(), 1);
+    passed(&reports[0]);
+}
+
+/// Prints the report and asserts it passed; returns what it printed.
+fn passed(report: &DrillReport) -> String {
     let mut out = Vec::new();
-    reports[0].print(&mut out).unwrap();
+    report.print(&mut out).unwrap();
     let printed = String::from_utf8(out).unwrap();
     println!("{printed}");
-    assert!(reports[0].passed, "{printed}");
+    assert!(report.passed, "{printed}");
     // Every drill ends with the books checked.
     assert!(
-        reports[0]
+        report
             .checks
             .iter()
-            .any(|c| c.name.starts_with("balance = credits"))
+            .any(|c| c.name.starts_with("balance = credits")),
+        "{printed}"
+    );
+    printed
+}
+
+/// A quarter of the peak (50 streams on nodes carrying a quarter each, queues of 16): the
+/// SLOs hold, and past the nodes and the queue the queue is seen rising before the first
+/// `queue_full`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn peak_200_quarter() {
+    let report = peak_200(&short_options(), PeakShape::QUARTER)
+        .await
+        .unwrap();
+    let printed = passed(&report);
+    for check in [
+        "every stream of the peak completes",
+        "llama-3.1-8b-instruct: TTFT p50",
+        "qwen2.5-32b-instruct: TTFT p50",
+        "llama-3.3-70b-instruct: TTFT p50",
+        "past the bound, refusals are 429 queue_full",
+        "switchyard_queue_depth rises",
+    ] {
+        assert!(
+            report.checks.iter().any(|c| c.name.starts_with(check)),
+            "no check {check:?}: {printed}"
+        );
+    }
+    let refused = &report.figures["overload"]["llama-3.1-8b-instruct"];
+    assert!(refused["queue_full"].as_u64().unwrap() > 0, "{printed}");
+    assert!(
+        refused["queue_depth_before_first_refusal"]
+            .as_f64()
+            .unwrap()
+            >= 8.0,
+        "{printed}"
     );
 }
 

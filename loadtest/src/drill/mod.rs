@@ -7,6 +7,7 @@ mod bank;
 mod drills;
 mod faults;
 mod ledger;
+mod peak;
 mod proxy;
 mod stack;
 
@@ -21,13 +22,15 @@ use tokio::time::Instant;
 
 pub use bank::bank;
 pub use ledger::{Books, books};
+pub use peak::PeakShape;
 pub use proxy::CutProxy;
-pub use stack::{MODEL, Stack, StackConfig, free_port};
+pub use stack::{MODEL, ServedModel, Stack, StackConfig, free_port};
 
 use crate::{Limit, Report, RunConfig};
 
 /// The drills, in the order `all` runs them.
 pub const DRILLS: &[&str] = &[
+    "peak-200",
     "kill-replica",
     "kill-engine",
     "restart-all",
@@ -148,35 +151,31 @@ pub async fn drill(name: &str, opts: &DrillOptions) -> anyhow::Result<Vec<DrillR
     };
     let mut reports = Vec::new();
     for n in names {
-        reports.push(run_one(n, opts).await?);
+        reports.push(run_one(n, opts, PeakShape::FULL).await?);
     }
     Ok(reports)
 }
 
-async fn run_one(name: &str, opts: &DrillOptions) -> anyhow::Result<DrillReport> {
+/// Runs `peak-200` at `shape` (the test command runs a quarter of the peak).
+pub async fn peak_200(opts: &DrillOptions, shape: PeakShape) -> anyhow::Result<DrillReport> {
+    run_one("peak-200", opts, shape).await
+}
+
+/// Drill `name` on a stack of its own; `shape` sizes `peak-200`.
+async fn run_one(name: &str, opts: &DrillOptions, shape: PeakShape) -> anyhow::Result<DrillReport> {
     let started = Instant::now();
     let bar = progress(opts.progress, name);
     let mut found = Found::default();
-    let config = match name {
-        "kill-replica" | "restart-all" | "redis-down" | "abandon-10k" | "max-streams-500" => {
-            short_deadlines()
+    let (config, models) = match name {
+        "peak-200" => peak::stack(shape),
+        _ => {
+            let config = drill_config(name);
+            let models = config.one_model();
+            (config, models)
         }
-        "cut-node" => StackConfig {
-            cut_node: true,
-            ..short_deadlines()
-        },
-        "postgres-down" => StackConfig {
-            cut_database: true,
-            ..short_deadlines()
-        },
-        _ => StackConfig {
-            replicas: 2,
-            nodes: 2,
-            ..short_deadlines()
-        },
     };
     bar.set_message("starting the cluster");
-    let mut stack = match Stack::start(&opts.bin, &opts.database, config).await {
+    let mut stack = match Stack::start_serving(&opts.bin, &opts.database, config, models).await {
         Ok(stack) => stack,
         Err(e) => {
             // Reported as a failed drill: `all` goes on with the next.
@@ -201,6 +200,7 @@ async fn run_one(name: &str, opts: &DrillOptions) -> anyhow::Result<DrillReport>
         "abandon-10k" => drills::abandon(&mut stack, opts, &bar, &mut found).await,
         "cut-node" => faults::cut_node(&mut stack, opts, &bar, &mut found).await,
         "postgres-down" => faults::postgres_down(&mut stack, opts, &bar, &mut found).await,
+        "peak-200" => peak::peak_200(&mut stack, opts, &bar, &mut found, shape).await,
         _ => faults::max_streams(&mut stack, opts, &bar, &mut found).await,
     };
     if let Err(e) = &outcome {
@@ -221,6 +221,28 @@ async fn run_one(name: &str, opts: &DrillOptions) -> anyhow::Result<DrillReport>
         figures: found.figures,
         logs,
     })
+}
+
+/// The stack of drill `name` (but `peak-200`'s), serving [`MODEL`].
+fn drill_config(name: &str) -> StackConfig {
+    match name {
+        "kill-replica" | "restart-all" | "redis-down" | "abandon-10k" | "max-streams-500" => {
+            short_deadlines()
+        }
+        "cut-node" => StackConfig {
+            cut_node: true,
+            ..short_deadlines()
+        },
+        "postgres-down" => StackConfig {
+            cut_database: true,
+            ..short_deadlines()
+        },
+        _ => StackConfig {
+            replicas: 2,
+            nodes: 2,
+            ..short_deadlines()
+        },
+    }
 }
 
 /// The checks and figures a drill gathers.
