@@ -200,10 +200,16 @@ impl World {
                 .row(id)
                 .is_some_and(|r| r.status == RowStatus::Reserved)
         };
+        let worked = |id: &str| {
+            s.produced
+                .range((id.to_owned(), 0)..=(id.to_owned(), u64::MAX))
+                .any(|(_, t)| *t > 0)
+        };
         s.running.values().all(|n| *n == 0)
             && plan.iter().all(|p| match s.issued.get(&p.id) {
                 None => true,
-                Some(r) if s.crashed.contains(r) => true,
+                // Its client went with its replica; a `done` may still settle its row.
+                Some(r) if s.crashed.contains(r) => !(open(&p.id) && worked(&p.id)),
                 Some(_) => s.outcomes.contains_key(&p.id) && !open(&p.id),
             })
     }

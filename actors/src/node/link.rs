@@ -63,9 +63,9 @@ pub(super) enum Transport {
         relays: BTreeMap<String, Relay>,
         /// The last command batch heard per (replica, stream).
         heard: BTreeMap<(String, u64), u64>,
-        /// `done`s relayed and not yet acked, by request id: if their replica stops
-        /// listening they are settled here.
-        unacked: BTreeMap<String, (String, NodeFrame)>,
+        /// `done`s relayed and not yet acked, by request id, with when: if their replica
+        /// stops listening they are settled here.
+        unacked: BTreeMap<String, (String, NodeFrame, tokio::time::Instant)>,
     },
     /// A proxy's side.
     Remote {
@@ -383,20 +383,39 @@ pub(super) fn relay(
         return false;
     }
     if let NodeFrame::Done { request_id, .. } = frame {
-        unacked.insert(request_id.clone(), (replica, frame.clone()));
+        // A copy sent again keeps the first one's time: the wait for the ack is the first's.
+        let now = state.args.clock.now();
+        let since = match unacked.get(request_id) {
+            Some((_, NodeFrame::Done { attempt: a, .. }, at)) if matches!(frame, NodeFrame::Done { attempt, .. } if attempt == a) => {
+                *at
+            }
+            _ => now,
+        };
+        unacked.insert(request_id.clone(), (replica, frame.clone(), since));
     }
     true
 }
 
-/// The replica a `done` of `attempt` was relayed to, while it has not acked it.
+/// How long a relayed `done` may wait for its replica's ack before a copy of it sent again
+/// is settled here instead: past the generation's wait for its usage (20 s by default), a
+/// replica that still has not acked is gone or cut off — a machine lost without closing its
+/// connections still counts as listening.
+const RELAYED_ACK_WITHIN: Duration = Duration::from_secs(30);
+
+/// The replica a `done` of `attempt` was relayed to, while it has not acked it (and has
+/// had less than [`RELAYED_ACK_WITHIN`] to).
 pub(super) fn awaiting_ack(state: &NodeState, request_id: &str, attempt: u64) -> Option<String> {
     let Transport::Socket { unacked, .. } = &state.transport else {
         return None;
     };
+    let now = state.args.clock.now();
     unacked
         .get(request_id)
-        .filter(|(_, done)| matches!(done, NodeFrame::Done { attempt: a, .. } if *a == attempt))
-        .map(|(replica, _)| replica.clone())
+        .filter(|(_, done, at)| {
+            matches!(done, NodeFrame::Done { attempt: a, .. } if a == &attempt)
+                && now.saturating_duration_since(*at) < RELAYED_ACK_WITHIN
+        })
+        .map(|(replica, _, _)| replica.clone())
 }
 
 /// A replica stopped listening for this node's frames (it died, or lost Redis): the node
@@ -412,13 +431,13 @@ pub(super) async fn replica_gone(state: &mut NodeState, myself: &ActorRef<NodeMs
     relays.remove(replica);
     let theirs: Vec<String> = unacked
         .iter()
-        .filter(|(_, (r, _))| r == replica)
+        .filter(|(_, (r, _, _))| r == replica)
         .map(|(id, _)| id.clone())
         .collect();
     let dones: Vec<NodeFrame> = theirs
         .iter()
         .filter_map(|id| unacked.remove(id))
-        .map(|(_, done)| done)
+        .map(|(_, done, _)| done)
         .collect();
     let mut cancels = Vec::new();
     for (request_id, f) in &mut state.in_flight {
