@@ -249,8 +249,15 @@ impl World {
                         && s.producer
                             .range((p.id.clone(), 0)..=(p.id.clone(), u64::MAX))
                             .all(|(_, node)| s.crashed_nodes.contains(node));
+                    // Or a reservation in doubt: its answer was lost or came after the
+                    // generation gave up (told its client it failed, billing nothing), and the
+                    // row it made outlived it.
+                    let refused = matches!(s.outcomes.get(&p.id), Some(Outcome::Failed(_)));
                     if produced > 0 && both_died {
                         summary.lost_with_replica_and_node += 1;
+                        summary.unbilled_tokens += produced;
+                    } else if produced > 0 && refused {
+                        summary.in_doubt_after_failure += 1;
                         summary.unbilled_tokens += produced;
                     } else if produced > 0 {
                         return Err(format!(
@@ -333,6 +340,9 @@ pub struct Summary {
     /// Of those, rows an engine worked for, whose replica and node both crashed before the
     /// `done` was recorded (the work is lost with them, unbilled).
     pub lost_with_replica_and_node: u32,
+    /// Of those, rows an engine worked for whose client was told the request failed,
+    /// billing nothing (a reservation whose answer was lost or late).
+    pub in_doubt_after_failure: u32,
     /// Rows settled.
     pub settled_rows: u32,
     /// Rows cancelled.
@@ -353,6 +363,7 @@ impl Summary {
         self.lost_with_replica += other.lost_with_replica;
         self.left_to_sweeper += other.left_to_sweeper;
         self.lost_with_replica_and_node += other.lost_with_replica_and_node;
+        self.in_doubt_after_failure += other.in_doubt_after_failure;
         self.settled_rows += other.settled_rows;
         self.cancelled_rows += other.cancelled_rows;
         self.billed_tokens += other.billed_tokens;
