@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# The cross-replica relay, measured (issue 13's benchmark; on demand, never in scripts/test):
+# The cross-replica relay, measured (issue 13's benchmark; on demand, never in scripts/test).
+# `switchyard-loadtest bench --scenarios relay` measures local and relayed; this script remains
+# for the `remote` and `spread` paths:
 # REPLICAS (3) `serve` replicas on one PostgreSQL and Redis, a fixed-timing simulator (50 ms to
 # the first token, 20 ms per token, 64 tokens) whose agent dials the first replica, which also
 # owns the model's queue (it starts first). Two teams: the first's budget is owned by the

@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# The gateway's overhead, measured (issue 12's benchmark; on demand, never in scripts/test):
+# The gateway's overhead, measured (issue 12's benchmark; on demand, never in scripts/test).
+# The suite (`switchyard-loadtest bench`, docs/loadtest.md) measures the same and more; this
+# script remains for PERF=1, a profile of the gateway under that load:
 # a fixed-timing simulator (50 ms to the first token, 20 ms per token, 64 tokens), `serve` on
 # PostgreSQL and Redis with a key whose rpm, tokens/day and max_streams are all set, one node
 # agent; `switchyard-loadtest compare` sends the same load to the simulator directly and

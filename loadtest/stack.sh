@@ -1,4 +1,4 @@
-# Sourced by the on-demand benchmarks (overhead.sh, burst.sh): starts a fixed-timing simulator,
+# Sourced by the on-demand benchmarks (overhead.sh, cluster.sh): starts a fixed-timing simulator,
 # `serve` on a fresh PostgreSQL database and Redis, a team with credits, a key with every limit
 # set (so every admission runs every check) and one node agent; stops them and drops the
 # database on exit. Before sourcing, set TTFT_MS and ITL_MS (the simulator's timing) and
