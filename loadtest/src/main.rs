@@ -162,7 +162,7 @@ fn switchyard_bin(bin: Option<PathBuf>) -> anyhow::Result<PathBuf> {
 
 #[derive(Debug, Args)]
 struct DrillArgs {
-    /// The drill (`kill-replica`, `kill-engine`, `restart-all`, `redis-down`,
+    /// The drill (`peak-200`, `kill-replica`, `kill-engine`, `restart-all`, `redis-down`,
     /// `spot-reclaim`, `abandon-10k`, `cut-node`, `postgres-down`, `max-streams-500`), or
     /// `all`.
     name: String,
