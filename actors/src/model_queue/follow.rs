@@ -46,9 +46,9 @@ pub(super) struct Follower {
     pub(super) epoch: u64,
     /// Dispatches sent to it.
     pub(super) sent: u64,
-    /// Dispatches and grants (number, node, slots granted: 0 for a dispatch) its last report
-    /// had not seen yet.
-    pub(super) unreported: VecDeque<(u64, String, u32)>,
+    /// Dispatches and grants (number, node, slots granted: 0 for a dispatch, when sent) its
+    /// last report had not seen yet.
+    pub(super) unreported: VecDeque<(u64, String, u32, Instant)>,
     /// When it last said anything (it reports every lease period).
     pub(super) heard: Instant,
 }
@@ -320,7 +320,9 @@ impl QueueState {
             return false;
         }
         f.sent += 1;
-        f.unreported.push_back((f.sent, node.to_owned(), slots));
+        let now = self.args.clock.now();
+        f.unreported
+            .push_back((f.sent, node.to_owned(), slots, now));
         true
     }
 

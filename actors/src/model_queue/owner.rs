@@ -106,22 +106,27 @@ impl QueueState {
         held: &BTreeMap<String, u32>,
         seen: Option<(u64, u64)>,
     ) {
-        let Some(f) = self
-            .cluster
-            .as_mut()
-            .and_then(|m| m.followers.get_mut(from))
-        else {
+        let now = self.args.clock.now();
+        let Some(m) = self.cluster.as_mut() else {
+            return;
+        };
+        // A follower reports every lease period what it received before: a message sent two
+        // periods before this report and still unseen never arrived (a restarted follower's
+        // queue subscribed after it), and what it said is not the follower's to count.
+        let lost_before = now.checked_sub(m.cluster.lease_ttl * 2);
+        let Some(f) = m.followers.get_mut(from) else {
             return;
         };
         // A report that saw none of this record's dispatches includes none of them.
         let seen = seen
             .filter(|(epoch, _)| *epoch == f.epoch)
             .map_or(0, |(_, n)| n);
-        f.unreported.retain(|(n, _, _)| *n > seen);
+        f.unreported
+            .retain(|(n, _, _, at)| *n > seen && lost_before.is_none_or(|t| *at > t));
         let unreported: Vec<(String, u32)> = f
             .unreported
             .iter()
-            .map(|(_, node, slots)| (node.clone(), *slots))
+            .map(|(_, node, slots, _)| (node.clone(), *slots))
             .collect();
         for (id, n) in &mut self.nodes {
             let later = unreported
