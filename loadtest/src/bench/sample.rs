@@ -11,6 +11,7 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
 use crate::compare::descendants;
+use crate::drill::rss_bytes;
 
 /// How often resident memory is read.
 const RSS_EVERY: Duration = Duration::from_millis(250);
@@ -119,20 +120,6 @@ impl Peaks {
         let _ = self.stop.send(());
         self.task.await.unwrap_or_default()
     }
-}
-
-/// `VmRSS` of `pid` now, bytes; `None` when it is gone (or off Linux).
-pub fn rss_bytes(pid: u32) -> Option<u64> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    let kib: u64 = status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))?
-        .trim()
-        .trim_end_matches("kB")
-        .trim()
-        .parse()
-        .ok()?;
-    Some(kib * 1024)
 }
 
 /// The series `name` in `{url}/metrics`, summed over its labels.

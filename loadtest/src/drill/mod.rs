@@ -24,7 +24,7 @@ pub use bank::bank;
 pub use ledger::{Books, books};
 pub use peak::PeakShape;
 pub use proxy::CutProxy;
-pub use stack::{MODEL, ServedModel, Stack, StackConfig, free_port};
+pub use stack::{MODEL, ServedModel, Stack, StackConfig, free_port, rss_bytes};
 
 use crate::{Limit, Report, RunConfig};
 

@@ -512,17 +512,7 @@ impl Stack {
     /// Resident memory of replica `i` now, bytes (`VmRSS` in /proc; `None` elsewhere or when
     /// it is not running).
     pub fn replica_rss(&self, i: usize) -> Option<u64> {
-        let pid = self.replicas.get(i)?.child.as_ref()?.id()?;
-        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-        let kib: u64 = status
-            .lines()
-            .find_map(|l| l.strip_prefix("VmRSS:"))?
-            .trim()
-            .trim_end_matches("kB")
-            .trim()
-            .parse()
-            .ok()?;
-        Some(kib * 1024)
+        rss_bytes(self.replicas.get(i)?.child.as_ref()?.id()?)
     }
 
     /// The HTTP client the stack uses.
@@ -671,4 +661,18 @@ async fn wait_healthy(http: &reqwest::Client, url: &str) -> anyhow::Result<()> {
         tokio::time::sleep(Duration::from_millis(250)).await;
     }
     bail!("{url} did not become healthy")
+}
+
+/// `VmRSS` of `pid` now, bytes; `None` when it is gone (or off Linux).
+pub fn rss_bytes(pid: u32) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let kib: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))?
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse()
+        .ok()?;
+    Some(kib * 1024)
 }
