@@ -20,6 +20,31 @@ async fn queue_view(c: &super::Cluster, i: usize, node: &str) -> Option<(u32, bo
         .map(|(_, n, d)| (*n, *d))
 }
 
+/// Every replica's queue shows `small-1` idle and routable.
+async fn assert_idle_everywhere(c: &super::Cluster) {
+    for i in 0..3 {
+        assert_eq!(
+            queue_view(c, i, "small-1").await,
+            Some((0, false)),
+            "replica {i}"
+        );
+    }
+}
+
+/// Sends requests one at a time through replica `follower` until its queue has started
+/// `at_least` generations on granted slots.
+async fn work_on_grants(c: &super::Cluster, follower: usize, at_least: u64) {
+    let model = &c.fleet.nodes[0].model;
+    let queue = c.fleet.replicas()[follower].state().queues[model].clone();
+    let mut tries = 0;
+    while queue.stats().await.unwrap().on_grant < at_least {
+        tries += 1;
+        assert!(tries < 40, "the follower never started work on a grant");
+        assert!(c.chat_through(follower, 4).await.contains("[DONE]"));
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_replica_shows_each_nodes_owner_and_a_drain_reaches_it_from_anywhere() {
     let c = cluster(2, 2, 10.0, |_| {}).await;
@@ -170,13 +195,7 @@ async fn a_node_never_runs_more_than_its_capacity_for_work_entering_every_replic
     let peak = peak_of_streams(&c, 12, |i| i % 3, 30).await;
     assert!(peak >= 1, "the sampler saw the node work");
     assert!(peak <= 2, "the node ran {peak} at once; its capacity is 2");
-    for i in 0..3 {
-        assert_eq!(
-            queue_view(&c, i, "small-1").await,
-            Some((0, false)),
-            "replica {i}"
-        );
-    }
+    assert_idle_everywhere(&c).await;
     c.stop().await;
 }
 
@@ -203,13 +222,7 @@ async fn followers_start_work_on_their_granted_share_and_the_node_still_never_ex
         async move { queue.stats().await.unwrap().on_grant }
     };
     // One at a time through a follower: once the grant is there, none asks the owner.
-    let mut tries = 0;
-    while on_grant(follower).await < 3 {
-        tries += 1;
-        assert!(tries < 40, "the follower never started work on a grant");
-        assert!(c.chat_through(follower, 4).await.contains("[DONE]"));
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    work_on_grants(&c, follower, 3).await;
     // Four times the node's capacity entering every replica at once.
     let peak = peak_of_streams(&c, 24, |i| i % 3, 20).await;
     assert!(
@@ -219,13 +232,7 @@ async fn followers_start_work_on_their_granted_share_and_the_node_still_never_ex
     assert!(peak <= 6, "the node ran {peak} at once; its capacity is 6");
     let started: u64 = join_all((0..3).map(on_grant)).await.into_iter().sum();
     assert!(started >= 3, "{started} started on grants");
-    for i in 0..3 {
-        assert_eq!(
-            queue_view(&c, i, "small-1").await,
-            Some((0, false)),
-            "replica {i}"
-        );
-    }
+    assert_idle_everywhere(&c).await;
     c.stop().await;
 }
 
@@ -248,13 +255,7 @@ async fn a_follower_whose_queue_restarts_gives_its_lent_slots_back_through_its_r
     let owner_at = (0..3).find(is_owner).unwrap();
     let follower = (0..3).find(|i| !is_owner(i)).unwrap();
     let queue = replicas[follower].state().queues[&model].clone();
-    let mut tries = 0;
-    while queue.stats().await.unwrap().on_grant < 1 {
-        tries += 1;
-        assert!(tries < 40, "the follower never started work on a grant");
-        assert!(c.chat_through(follower, 4).await.contains("[DONE]"));
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    work_on_grants(&c, follower, 1).await;
     queue.crash();
     // Restarted (at once, by its supervisor), and reported to the owner (a renewal period
     // is a third of a second; a loaded machine takes longer).
