@@ -213,13 +213,20 @@ fn env_u64(name: &str) -> Option<u64> {
 }
 
 /// Seeds that once broke an invariant (each names what it found), run every time.
-const REGRESSIONS: [u64; 4] = [
+const REGRESSIONS: [u64; 8] = [
     // A resent `done` settled as an orphan while its relayed first copy awaited the ack of
     // a generation that lived on and fenced that attempt.
     217, 711,
     // A relayed `done` whose replica was lost without closing its connections, never
     // settled once resent copies followed the first forever.
     204, 706,
+    // A `done` from a node's new connection, on another replica than its generation's,
+    // settled there as an orphan while the live generation fenced that attempt and retried:
+    // the retry's row was billed the fenced attempt's tokens.
+    336, 640,
+    // Chunks lost with a crashed owner, and the `done` resent on the node's new connection
+    // finished the stream as if whole.
+    517, 1093,
 ];
 
 /// The seeds of one half of the run: `DST_SEED` alone (in the first half), or `DST_SEEDS`

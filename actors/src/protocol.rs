@@ -135,6 +135,10 @@ pub enum NodeFrame {
         /// `usage.prompt_tokens_details.cached_tokens` as the engine reported it (version 2).
         #[serde(default, skip_serializing_if = "Option::is_none")]
         cached_tokens: Option<u64>,
+        /// How many `chunk`s the attempt sent (its last `seq` plus one; version 2), so a
+        /// generation that got fewer knows part of its output was lost on the way.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        chunks: Option<u64>,
     },
     /// The engine failed this assignment.
     Error {
@@ -300,6 +304,7 @@ pub fn decode_node_frame(text: &str) -> Result<NodeFrame, Malformed> {
         completion_tokens: count("completion_tokens")?,
         finish_reason,
         cached_tokens: field("cached_tokens").and_then(serde_json::Value::as_u64),
+        chunks: field("chunks").and_then(serde_json::Value::as_u64),
     })
 }
 

@@ -139,6 +139,7 @@ impl ReplicaActors {
             retention: args.retention,
             clock: args.clock,
             coordinator: args.coordinator,
+            replica_id: args.replica_id.clone(),
         };
         Ok(Self {
             supervision,

@@ -179,6 +179,7 @@ async fn embeddings(id: &Id, ctx: &AssignCtx, mut resp: reqwest::Response) {
         let message = "an embedding is too large to relay".to_owned();
         return ctx.finish(id, (prompt, 0), "error", Some(message)).await;
     }
+    let mut chunks = 0;
     for (seq, slice) in (0u64..).zip(slices(&answer.data, EMBEDDINGS_PER_FRAME)) {
         let items: Vec<&str> = slice.iter().map(RawJson::get).collect();
         let Some(delta) = RawJson::parse(&format!(r#"{{"data":[{}]}}"#, items.join(","))) else {
@@ -195,8 +196,13 @@ async fn embeddings(id: &Id, ctx: &AssignCtx, mut resp: reqwest::Response) {
         if !ctx.send(chunk).await {
             return ctx.finish(id, (prompt, 0), "abort", None).await;
         }
+        chunks = seq + 1;
     }
-    ctx.finish(id, (prompt, 0), "stop", None).await;
+    let counts = Counts {
+        chunks,
+        ..Counts::from((prompt, 0))
+    };
+    ctx.finish(id, counts, "stop", None).await;
 }
 
 /// `items` in consecutive slices of at most `bytes` of JSON each (an item larger than that
@@ -354,6 +360,7 @@ impl AssignCtx {
             prompt,
             completion,
             cached,
+            chunks,
         } = counts.into();
         let done = Done {
             request_id: id.request_id.clone(),
@@ -362,6 +369,7 @@ impl AssignCtx {
             completion_tokens: completion,
             // Version 1 servers know no such field; they would ignore it, but say nothing.
             cached_tokens: cached.filter(|_| self.protocol >= 2),
+            chunks: Some(chunks).filter(|_| self.protocol >= 2),
             // The server believes only a short word; an engine that says something else
             // failed to say how it ended.
             finish_reason: if is_finish_reason(reason) {
@@ -406,6 +414,8 @@ struct Counts {
     completion: u64,
     /// Prompt tokens served from the engine's prefix cache, when it said.
     cached: Option<u64>,
+    /// `chunk`s sent for the attempt.
+    chunks: u64,
 }
 
 impl From<(u64, u64)> for Counts {
@@ -414,6 +424,7 @@ impl From<(u64, u64)> for Counts {
             prompt,
             completion,
             cached: None,
+            chunks: 0,
         }
     }
 }
@@ -596,6 +607,7 @@ impl Relay {
             prompt,
             completion,
             cached: self.cached,
+            chunks: self.seq,
         }
     }
 }
@@ -668,7 +680,8 @@ mod tests {
             Counts {
                 prompt: 9,
                 completion: 2,
-                cached: Some(4)
+                cached: Some(4),
+                chunks: 0,
             }
         );
         // A legacy completion's text becomes a `text` delta.

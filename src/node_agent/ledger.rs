@@ -35,6 +35,8 @@ pub(crate) struct Done {
     pub finish_reason: String,
     /// Prompt tokens the engine served from its cache (protocol 2).
     pub cached_tokens: Option<u64>,
+    /// `chunk`s the attempt sent (protocol 2).
+    pub chunks: Option<u64>,
 }
 
 impl Done {
@@ -50,6 +52,7 @@ impl Done {
             completion_tokens: self.completion_tokens,
             finish_reason: self.finish_reason.clone(),
             cached_tokens: self.cached_tokens,
+            chunks: self.chunks,
         }
     }
 }
@@ -177,6 +180,7 @@ mod tests {
             completion_tokens: 4,
             finish_reason: "stop".into(),
             cached_tokens: None,
+            chunks: None,
         }
     }
 

@@ -254,6 +254,12 @@ async fn an_assignment_streams_with_the_engines_exact_usage() {
     assert!(r.accepted && r.error.is_none());
     assert!(!r.seqs.is_empty() && !r.text.is_empty());
     assert_eq!(r.seqs, (0..r.seqs.len() as u64).collect::<Vec<_>>());
+    // The `done` says how many chunks went out, so a gateway that got fewer knows.
+    assert!(
+        matches!(&r.done, Some(NodeFrame::Done { chunks: Some(n), .. }) if *n == r.seqs.len() as u64),
+        "{:?}",
+        r.done
+    );
     let (prompt, completion, reason) = r.done_usage();
     let engine = sim.stats();
     assert_eq!(completion, 8);

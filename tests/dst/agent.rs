@@ -86,6 +86,8 @@ fn done(id: &str, attempt: u64, w: &Work, reason: &str) -> NodeFrame {
         completion_tokens: w.produced,
         finish_reason: reason.to_owned(),
         cached_tokens: None,
+        // One token a chunk.
+        chunks: Some(w.produced),
     }
 }
 

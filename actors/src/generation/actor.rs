@@ -117,6 +117,7 @@ impl Actor for GenerationActor {
                 prompt_tokens,
                 completion_tokens,
                 cached_tokens,
+                chunks,
                 finish_reason,
                 from,
             } => Input::Done {
@@ -125,6 +126,7 @@ impl Actor for GenerationActor {
                     prompt_tokens,
                     completion_tokens,
                     cached_tokens,
+                    chunks,
                     finish_reason,
                 },
                 from,
@@ -378,16 +380,14 @@ impl GenerationState {
     /// coordinator, so that a `done` arriving where this actor is not live is accepted only
     /// from its node. False when it could not be written: then nothing is sent.
     async fn record_holders(&self, holders: &std::collections::BTreeMap<u64, String>) -> bool {
-        let Some(coordinator) = &self.args.coordinator else {
+        let Some(recorder) = &self.args.attempts else {
             return true;
         };
         let t = &self.args.timeouts;
         // The longest a `done` may arrive: the whole request, the wait for its usage, and the
         // sweeper's margin (the row is swept after that anyway).
         let ttl = t.total + t.settle_wait + Duration::from_secs(60);
-        if let Err(e) =
-            crate::attempts::record(coordinator.as_ref(), &self.args.request_id, holders, ttl).await
-        {
+        if let Err(e) = recorder.record(&self.args.request_id, holders, ttl).await {
             tracing::warn!(request_id = %self.args.request_id, error = %e, "could not record the attempt's node; not sending it");
             return false;
         }

@@ -82,6 +82,8 @@ pub struct Launcher {
     pub clock: Arc<dyn Clock>,
     /// Cluster coordination (holders records, journals).
     pub coordinator: Arc<dyn Coordinator>,
+    /// This replica, named in its generations' attempt records.
+    pub replica_id: String,
 }
 
 impl Launcher {
@@ -174,7 +176,10 @@ impl Launcher {
             clock: self.clock.clone(),
             on_end: ready.on_end,
             lifecycle: ready.lifecycle,
-            coordinator: Some(self.coordinator.clone()),
+            attempts: Some(crate::attempts::Recorder {
+                coordinator: self.coordinator.clone(),
+                replica_id: self.replica_id.clone(),
+            }),
         };
         (args, events)
     }

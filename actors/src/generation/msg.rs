@@ -11,7 +11,7 @@ use crate::lifecycle::GenerationStore;
 use crate::model_queue::ModelQueueHandle;
 use crate::node::NodeHandle;
 use crate::output::Piece;
-use crate::ports::{Clock, Coordinator, Ledger, Reservation};
+use crate::ports::{Clock, Ledger, Reservation};
 use crate::protocol::Api;
 
 /// Deadlines of one generation.
@@ -145,9 +145,9 @@ pub struct GenerationArgs {
     /// lifecycle (the Generations API, or an Idempotency-Key).
     pub lifecycle: Option<Arc<dyn GenerationStore>>,
     /// Where the record of which node holds each attempt goes (see `crate::attempts`), so a
-    /// `done` that outlives the generation is accepted only from its node. `None` in tests
-    /// that do not need it.
-    pub coordinator: Option<Arc<dyn Coordinator>>,
+    /// `done` that outlives the generation is accepted only from its node, and one arriving
+    /// on another replica is sent here. `None` in tests that do not need it.
+    pub attempts: Option<crate::attempts::Recorder>,
 }
 
 /// Deadlines a generation arms.
@@ -211,6 +211,8 @@ pub enum GenerationMsg {
         completion_tokens: u64,
         /// Prompt tokens served from the engine's cache, when it said.
         cached_tokens: Option<u64>,
+        /// `chunk`s the attempt sent, when the node said.
+        chunks: Option<u64>,
         /// `stop`, `length`, `tool_calls`, `abort`, `error`, …
         finish_reason: String,
         /// The connection it came on, to ack it.

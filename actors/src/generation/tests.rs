@@ -203,7 +203,10 @@ fn generation_args(
         clock: Arc::new(SystemClock),
         on_end: None,
         lifecycle,
-        coordinator: Some(h.coord.clone()),
+        attempts: Some(crate::attempts::Recorder {
+            coordinator: h.coord.clone(),
+            replica_id: "r1".into(),
+        }),
     };
     (args, rx)
 }
@@ -241,6 +244,7 @@ fn done(id: &str, attempt: u64, p: u64, c: u64, reason: &str) -> NodeFrame {
         completion_tokens: c,
         finish_reason: reason.into(),
         cached_tokens: None,
+        chunks: None,
     }
 }
 

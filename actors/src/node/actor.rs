@@ -8,7 +8,7 @@ use ractor::{Actor, ActorCell, ActorProcessingErr, ActorRef};
 
 use super::link::{self, Dest, Link, Transport};
 use super::msg::{NodeHandle, NodeLoad, NodeMsg, Violation, Work};
-use super::orphan::settle_orphan;
+use super::orphan::{Forward, settle_orphan};
 use crate::generation::{Directory, GenerationMsg};
 use crate::lifecycle::GenerationStore;
 use crate::metric_names::{
@@ -550,6 +550,7 @@ pub(super) async fn on_frame(state: &mut NodeState, myself: &ActorRef<NodeMsg>, 
             completion_tokens,
             finish_reason,
             cached_tokens,
+            chunks,
         } => {
             // Engines name the reason in a short word; anything else (control characters,
             // NUL, kilobytes) would reach the client and the generation's record.
@@ -567,40 +568,37 @@ pub(super) async fn on_frame(state: &mut NodeState, myself: &ActorRef<NodeMsg>, 
             {
                 release(state, &request_id);
             }
+            let frame = NodeFrame::Done {
+                request_id: request_id.clone(),
+                attempt,
+                prompt_tokens,
+                completion_tokens,
+                finish_reason: finish_reason.clone(),
+                cached_tokens,
+                chunks,
+            };
+            // Its replica stopped listening, or had its time to ack: no generation there
+            // takes it, and one here would have been routed to already.
+            let mut forward = Forward::ToGeneration;
             if let Some(replica) = remote {
-                let frame = NodeFrame::Done {
-                    request_id: request_id.clone(),
-                    attempt,
-                    prompt_tokens,
-                    completion_tokens,
-                    finish_reason: finish_reason.clone(),
-                    cached_tokens,
-                };
                 if link::relay(state, myself, replica, &frame) {
                     return;
                 }
-                // Its replica stopped listening: no generation here takes it either, so it
-                // is settled here below.
+                forward = Forward::Never;
+            } else if link::ack_overdue(state, &request_id, attempt) {
+                forward = Forward::Never;
             }
             let msg = GenerationMsg::Done {
                 attempt,
                 prompt_tokens,
                 completion_tokens,
                 cached_tokens,
-                finish_reason: finish_reason.clone(),
+                chunks,
+                finish_reason,
                 from: state.handle.clone(),
             };
             if !route(state, &request_id, attempt, msg) {
-                settle_orphan(
-                    state,
-                    myself,
-                    request_id,
-                    attempt,
-                    prompt_tokens,
-                    completion_tokens,
-                    finish_reason,
-                )
-                .await;
+                settle_orphan(state, myself, frame, forward).await;
             }
         }
     }

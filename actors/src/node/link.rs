@@ -12,7 +12,7 @@ use tokio::sync::mpsc;
 
 use super::actor::{NodeState, assign, on_frame, send, violation};
 use super::msg::NodeMsg;
-use super::orphan::settle_orphan_done;
+use super::orphan::{Forward, settle_orphan};
 use crate::cluster::{
     Announcement, Command, FromNode, NODES_CHANNEL, NodeNews, OnFailure, Outbox, ToNode, node_key,
     to_node, to_replica,
@@ -405,17 +405,34 @@ const RELAYED_ACK_WITHIN: Duration = Duration::from_secs(30);
 /// The replica a `done` of `attempt` was relayed to, while it has not acked it (and has
 /// had less than [`RELAYED_ACK_WITHIN`] to).
 pub(super) fn awaiting_ack(state: &NodeState, request_id: &str, attempt: u64) -> Option<String> {
+    relayed_at(state, request_id, attempt)
+        .filter(|(_, at)| {
+            state.args.clock.now().saturating_duration_since(*at) < RELAYED_ACK_WITHIN
+        })
+        .map(|(replica, _)| replica)
+}
+
+/// Whether a `done` of `attempt` was relayed and its replica has not acked it within
+/// [`RELAYED_ACK_WITHIN`]: it is settled here, never relayed again.
+pub(super) fn ack_overdue(state: &NodeState, request_id: &str, attempt: u64) -> bool {
+    relayed_at(state, request_id, attempt).is_some_and(|(_, at)| {
+        state.args.clock.now().saturating_duration_since(at) >= RELAYED_ACK_WITHIN
+    })
+}
+
+/// Where and since when a `done` of `attempt` waits for its ack.
+fn relayed_at(
+    state: &NodeState,
+    request_id: &str,
+    attempt: u64,
+) -> Option<(String, tokio::time::Instant)> {
     let Transport::Socket { unacked, .. } = &state.transport else {
         return None;
     };
-    let now = state.args.clock.now();
     unacked
         .get(request_id)
-        .filter(|(_, done, at)| {
-            matches!(done, NodeFrame::Done { attempt: a, .. } if a == &attempt)
-                && now.saturating_duration_since(*at) < RELAYED_ACK_WITHIN
-        })
-        .map(|(replica, _, _)| replica.clone())
+        .filter(|(_, done, _)| matches!(done, NodeFrame::Done { attempt: a, .. } if a == &attempt))
+        .map(|(replica, _, at)| (replica.clone(), *at))
 }
 
 /// A replica stopped listening for this node's frames (it died, or lost Redis): the node
@@ -456,7 +473,7 @@ pub(super) async fn replica_gone(state: &mut NodeState, myself: &ActorRef<NodeMs
         send(state, myself, cancel);
     }
     for done in dones {
-        settle_orphan_done(state, myself, done).await;
+        settle_orphan(state, myself, done, Forward::Never).await;
     }
 }
 

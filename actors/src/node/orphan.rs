@@ -1,6 +1,7 @@
 //! A `done` that no live generation takes: settled from the frame alone.
 
 use super::actor::{NodeState, send, violation};
+use super::link;
 use super::msg::{NodeMsg, Violation};
 use crate::attempts::{self, Holder};
 use crate::lifecycle::{AttemptState, Event, Outcome};
@@ -11,38 +12,70 @@ use crate::ports::{
 use crate::protocol::{NodeFrame, ServerFrame};
 use ractor::ActorRef;
 
-/// A `done` whose generation is gone (a replica restart, a crashed actor): settle the row
-/// from the frame alone — a row already final is left as is — then ack it. Only the node the
-/// attempt was assigned to may do this (the coordinator's attempt record says which); when
-/// the record is gone, the row is settled within its bounds and marked for review. If the
-/// ledger is down the `done` stays unacked and the node sends it again after its next
-/// reconnect.
+/// Whether a `done` no generation here takes may go to its generation's replica.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Forward {
+    /// To the replica the attempt record names, when that is another one still listening.
+    ToGeneration,
+    /// Settle here: that replica is gone, or had its chance to ack it.
+    Never,
+}
+
+/// A `done` whose generation is not live on this replica. While the attempt record names
+/// another replica for the generation, the `done` goes there: only the live generation knows
+/// whether it fenced the attempt (settled here, a `done` racing the generation's retry would
+/// bill the retry's row for the fenced attempt; found by the simulation, seed 336). Otherwise
+/// the generation is gone (a replica restart, a crashed actor): settle the row from the frame
+/// alone — a row already final is left as is — then ack it. Only the node the attempt was
+/// assigned to may do this (the record says which); when the record is gone, the row is
+/// settled within its bounds and marked for review. If the ledger is down the `done` stays
+/// unacked and the node sends it again.
 pub(super) async fn settle_orphan(
     state: &mut NodeState,
     myself: &ActorRef<NodeMsg>,
-    request_id: String,
-    attempt: u64,
-    prompt_tokens: u64,
-    completion_tokens: u64,
-    finish_reason: String,
+    done: NodeFrame,
+    forward: Forward,
 ) {
-    let mut review = match attempts::holder(state.args.coordinator.as_ref(), &request_id, attempt)
-        .await
+    // A copy: the frame itself may still be relayed whole.
+    let NodeFrame::Done {
+        request_id,
+        attempt,
+        prompt_tokens,
+        completion_tokens,
+        finish_reason,
+        ..
+    } = done.clone()
+    else {
+        return;
+    };
+    let record = match attempts::lookup(state.args.coordinator.as_ref(), &request_id, attempt).await
     {
-        Ok(Holder::Node(node)) if node == state.args.node_id => None,
-        Ok(Holder::Node(_) | Holder::NotAssigned) => {
-            violation(state, myself, Violation::ForeignRequest, Some(&request_id)).await;
-            return;
-        }
-        Ok(Holder::Unrecorded) => {
-            tracing::warn!(node_id = %state.args.node_id, %request_id, attempt, "no record of who held this attempt; settling within its bounds for review");
-            Some(ReviewReason::UnverifiedNode)
-        }
+        Ok(record) => record,
         Err(e) => {
             tracing::warn!(%request_id, error = %e, "could not check who held a done's attempt; left unacked");
             return;
         }
     };
+    let mut review = match record.holder {
+        Holder::Node(node) if node == state.args.node_id => None,
+        Holder::Node(_) | Holder::NotAssigned => {
+            violation(state, myself, Violation::ForeignRequest, Some(&request_id)).await;
+            return;
+        }
+        Holder::Unrecorded => {
+            tracing::warn!(node_id = %state.args.node_id, %request_id, attempt, "no record of who held this attempt; settling within its bounds for review");
+            Some(ReviewReason::UnverifiedNode)
+        }
+    };
+    if forward == Forward::ToGeneration
+        && let Some(replica) = record.replica
+        && replica != state.args.replica_id
+    {
+        tracing::debug!(%request_id, attempt, %replica, "a done for a generation on another replica goes there");
+        if link::relay(state, myself, replica, &done) {
+            return;
+        }
+    }
     let verified = review.is_none();
     if prompt_tokens > MAX_TOKEN_COUNT || completion_tokens > MAX_TOKEN_COUNT {
         violation(state, myself, Violation::UsageOutOfRange, Some(&request_id)).await;
@@ -153,32 +186,4 @@ pub(super) async fn settle_orphan(
             attempt,
         },
     );
-}
-
-/// [`settle_orphan`] for a whole `done` frame (any other frame is ignored).
-pub(super) async fn settle_orphan_done(
-    state: &mut NodeState,
-    myself: &ActorRef<NodeMsg>,
-    done: NodeFrame,
-) {
-    if let NodeFrame::Done {
-        request_id,
-        attempt,
-        prompt_tokens,
-        completion_tokens,
-        finish_reason,
-        ..
-    } = done
-    {
-        settle_orphan(
-            state,
-            myself,
-            request_id,
-            attempt,
-            prompt_tokens,
-            completion_tokens,
-            finish_reason,
-        )
-        .await;
-    }
 }

@@ -161,7 +161,7 @@ async fn start(h: &Harness, request_id: &str) -> Result<GenerationStream, Failur
         clock: Arc::new(SystemClock),
         on_end: None,
         lifecycle: None,
-        coordinator: None,
+        attempts: None,
     };
     h.sup.generations.start_generation(args, rx).await
 }
@@ -210,6 +210,7 @@ fn finish(node: &NodeHandle, id: &str, attempt: u64) {
         completion_tokens: 2,
         finish_reason: "stop".into(),
         cached_tokens: None,
+        chunks: None,
     });
 }
 

@@ -3,6 +3,7 @@
 //! back, a cancel, a deadline. Each path settles or cancels the row at most once and moves the
 //! record only through transitions its state machine allows; settle retries are timers.
 
+use super::settle::DoneReport;
 use super::{AfterSettle, Core, Effect, Fx, Metric, NodeRef, Reader, Row, Stop, Tally, Where};
 use crate::error::{ErrorCode, Failure};
 use crate::generation::msg::{GenEvent, Timer, Usage};
@@ -19,6 +20,8 @@ pub(crate) struct Claim {
     pub completion_tokens: u64,
     /// Prompt tokens served from the engine's cache, when it said.
     pub cached_tokens: Option<u64>,
+    /// `chunk`s the attempt sent, when the node said.
+    pub chunks: Option<u64>,
     /// The engine's finish reason.
     pub finish_reason: String,
 }
@@ -48,6 +51,15 @@ impl<N: NodeRef> Core<N> {
             return;
         }
         let stop = self.stop();
+        // A chunk the node sent that never came (the connection that carried it died with
+        // its replica, and the `done` came again on a new one), or a gap seen on the way.
+        let lost_output = self.attempt.gap
+            || claim
+                .chunks
+                .is_some_and(|sent| sent > self.attempt.next_seq);
+        if lost_output {
+            tracing::warn!(request_id = %self.cfg.request_id, received = self.attempt.next_seq, sent = ?claim.chunks, "output chunks were lost on the way from the node");
+        }
         // Billed within the request's bounds; the ledger applies the same rule to the same
         // claim, so the client is told exactly what the ledger records.
         let billed = self
@@ -87,13 +99,14 @@ impl<N: NodeRef> Core<N> {
             claim.prompt_tokens,
             claim.completion_tokens,
             review,
-            AfterSettle::Done {
+            AfterSettle::Done(DoneReport {
                 from,
                 finish_reason: claim.finish_reason,
                 cached_tokens: claim.cached_tokens,
                 unrepresentable,
+                lost_output,
                 stop,
-            },
+            }),
             fx,
         );
     }

@@ -354,6 +354,7 @@ impl<N: NodeRef> Core<N> {
         }
         if seq > self.attempt.next_seq {
             tracing::warn!(request_id = %self.cfg.request_id, expected = self.attempt.next_seq, got = seq, "gap in chunk sequence");
+            self.attempt.gap = true;
         }
         self.prove_started(fx);
         self.attempt.next_seq = seq.saturating_add(1);

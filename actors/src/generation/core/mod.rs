@@ -159,6 +159,8 @@ pub(crate) struct Attempt {
     pub next_seq: u64,
     /// Chunks received (the fallback usage when no `done` comes).
     pub chunks: u64,
+    /// A chunk's `seq` skipped ahead: some output never arrived.
+    pub gap: bool,
 }
 
 /// The client's reader, as far as the sender or the stream's drop guard said.

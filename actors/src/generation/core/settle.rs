@@ -46,23 +46,29 @@ pub(crate) struct Settling<N> {
 #[derive(Debug, Clone)]
 pub(super) enum AfterSettle<N> {
     /// The node's `done` of the current attempt.
-    Done {
-        /// Its sender (acked once the row is final).
-        from: N,
-        /// The engine's finish reason.
-        finish_reason: String,
-        /// Cached prompt tokens, when it said.
-        cached_tokens: Option<u64>,
-        /// The counts could not be true.
-        unrepresentable: bool,
-        /// Why the server was stopping it, if it was.
-        stop: Option<Stop>,
-    },
+    Done(DoneReport<N>),
     /// No `done` came in time: settled from what was received.
     Wait {
         /// Why the server was stopping it, if it was.
         stop: Option<Stop>,
     },
+}
+
+/// What a `done` of the current attempt said, besides its counts.
+#[derive(Debug, Clone)]
+pub(super) struct DoneReport<N> {
+    /// Its sender (acked once the row is final).
+    pub from: N,
+    /// The engine's finish reason.
+    pub finish_reason: String,
+    /// Cached prompt tokens, when it said.
+    pub cached_tokens: Option<u64>,
+    /// The counts could not be true.
+    pub unrepresentable: bool,
+    /// Chunks of the attempt never reached this generation: the client's output has holes.
+    pub lost_output: bool,
+    /// Why the server was stopping it, if it was.
+    pub stop: Option<Stop>,
 }
 
 impl<N: NodeRef> Core<N> {
@@ -195,37 +201,21 @@ impl<N: NodeRef> Core<N> {
             return;
         };
         match s.then {
-            AfterSettle::Done {
-                from,
-                finish_reason,
-                cached_tokens,
-                unrepresentable,
-                stop,
-            } => self.done_settled(
-                settled,
-                from,
-                finish_reason,
-                cached_tokens,
-                unrepresentable,
-                stop,
-                fx,
-            ),
+            AfterSettle::Done(report) => self.done_settled(settled, report, fx),
             AfterSettle::Wait { stop } => self.wait_settled(settled, stop, fx),
         }
     }
 
     /// The rest of a `done`: the client and the record are told what the ledger holds.
-    #[allow(clippy::too_many_arguments)]
-    fn done_settled(
-        &mut self,
-        settled: Settled,
-        from: N,
-        finish_reason: String,
-        cached_tokens: Option<u64>,
-        unrepresentable: bool,
-        stop: Option<Stop>,
-        fx: &mut Fx<N>,
-    ) {
+    fn done_settled(&mut self, settled: Settled, report: DoneReport<N>, fx: &mut Fx<N>) {
+        let DoneReport {
+            from,
+            finish_reason,
+            cached_tokens,
+            unrepresentable,
+            lost_output,
+            stop,
+        } = report;
         let attempt = self.attempt.epoch;
         let (usage, failure) = match settled {
             Settled::Billed(prompt_tokens, completion_tokens) => {
@@ -270,7 +260,7 @@ impl<N: NodeRef> Core<N> {
                     .map_or("model_backend_error", |f| f.code.as_str())
                     .into(),
             ),
-            _ if unrepresentable => Outcome::Failed("model_backend_error".into()),
+            _ if unrepresentable || lost_output => Outcome::Failed("model_backend_error".into()),
             ("abort", Some(Stop::Cancelled)) => Outcome::Cancelled,
             ("abort", Some(Stop::Timeout)) => Outcome::Failed("generation_timeout".into()),
             ("abort" | "error", _) => Outcome::Failed("model_backend_error".into()),
@@ -293,6 +283,15 @@ impl<N: NodeRef> Core<N> {
                 Failure::new(
                     ErrorCode::ModelBackendError,
                     "The node's usage report could not be true; the generation ended and was billed at most what the request allowed.",
+                ),
+                fx,
+            ),
+            // Billed what the engine produced: the work was done; the client is told its
+            // answer is incomplete rather than handed it as whole.
+            Outcome::Failed(_) if lost_output => self.fail_client(
+                Failure::new(
+                    ErrorCode::ModelBackendError,
+                    "Part of the output was lost between the node and the gateway.",
                 ),
                 fx,
             ),

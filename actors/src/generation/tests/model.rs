@@ -329,6 +329,7 @@ impl World {
                         prompt_tokens: p,
                         completion_tokens: c,
                         cached_tokens: Some(p / 2),
+                        chunks: None,
                         finish_reason: reason.into(),
                     },
                     from,

@@ -5,7 +5,7 @@ use proptest::prelude::*;
 
 use super::model::*;
 use crate::error::ErrorCode;
-use crate::generation::core::{Effect, Input, Where};
+use crate::generation::core::{Claim, Effect, Input, Where};
 use crate::generation::msg::{GenEvent, Timer};
 use crate::lifecycle::{AttemptState, Status};
 
@@ -247,4 +247,50 @@ fn a_row_refused_after_the_dispatch_stops_the_node_and_bills_nothing() {
     assert_eq!(rec.attempt_state, AttemptState::Refused);
     world.step(Input::Stopped);
     world.check_end();
+}
+
+/// A `done` that says the attempt sent more chunks than came, or a gap in the chunks' `seq`:
+/// the client is told its answer is incomplete (never handed it as whole), and the engine's
+/// work is billed all the same.
+#[test]
+fn output_lost_on_the_way_fails_the_client_and_bills_the_work() {
+    for (second, sent, whole) in [
+        (1, Some(2), true),
+        (1, None, true),
+        (1, Some(3), false),
+        (2, None, false),
+    ] {
+        let mut world = script(
+            true,
+            &[
+                Op::Dispatch(true),
+                Op::Chunk(Which::Current, Src::Holder, 0),
+                Op::Chunk(Which::Current, Src::Holder, second),
+            ],
+        );
+        let attempt = world.epoch(Which::Current);
+        let from = world.node(attempt, Src::Holder);
+        world.frame(attempt, &from);
+        world.step(Input::Done {
+            attempt,
+            claim: Claim {
+                prompt_tokens: 5,
+                completion_tokens: 3,
+                cached_tokens: None,
+                chunks: sent,
+                finish_reason: "stop".into(),
+            },
+            from,
+        });
+        world.quiesce();
+        match world.terminals.as_slice() {
+            [GenEvent::Finished(usage)] if whole => assert_eq!(usage.completion_tokens, 3),
+            [GenEvent::Failed(failure)] if !whole => {
+                assert_eq!(failure.code, ErrorCode::ModelBackendError);
+            }
+            other => panic!("sent {sent:?}: {other:?}"),
+        }
+        assert_eq!(world.core.settled_tokens, Some(8), "sent {sent:?}");
+        world.check_end();
+    }
 }
