@@ -29,8 +29,12 @@ use crate::store::hash_secret;
 const REGISTER_WITHIN: Duration = Duration::from_secs(5);
 /// Largest frame a node may send.
 const MAX_FRAME_BYTES: usize = 1024 * 1024;
-/// Frames queued for one node's socket before it counts as stuck.
+/// Frames queued for one node's socket before it counts as stuck: at least this many, and
+/// [`FRAMES_PER_SLOT`] for every request it may run at once (an assign, its cancel and its
+/// ack), so a burst of work up to the node's capacity never looks like a stuck node (the
+/// benchmark's 10,000 streams on one node overflowed a fixed 4,096 and lost every stream).
 const OUTBOUND_FRAMES: usize = 4096;
+const FRAMES_PER_SLOT: usize = 4;
 
 pub async fn connect(
     State(state): State<Arc<AppState>>,
@@ -74,7 +78,7 @@ async fn serve_node(state: Arc<AppState>, mut socket: WebSocket) {
             return;
         }
     };
-    let (outbound, mut frames) = mpsc::channel(OUTBOUND_FRAMES);
+    let (outbound, mut frames) = mpsc::channel(outbound_bound(&state, &registered.models));
     let accepted = ServerFrame::Registered {
         protocol: Some(registered.protocol),
     };
@@ -102,6 +106,20 @@ async fn serve_node(state: Arc<AppState>, mut socket: WebSocket) {
     state.view.disconnected(&node);
 }
 
+/// How many frames may wait for `models`' node's socket.
+fn outbound_bound(state: &AppState, models: &[String]) -> usize {
+    let slots: usize = state
+        .config
+        .models
+        .iter()
+        .filter(|m| models.contains(&m.name))
+        .map(|m| m.node_concurrency as usize)
+        .sum();
+    slots
+        .saturating_mul(FRAMES_PER_SLOT)
+        .clamp(OUTBOUND_FRAMES, tokio::sync::Semaphore::MAX_PERMITS)
+}
+
 /// Pumps frames both ways until either side ends. A replica shutting down keeps node sockets
 /// open while its in-flight streams drain; it closes them by stopping the node actors. A node
 /// actor that crashes drops its outbound sender with its state: `frames` ends, the socket is
@@ -112,9 +130,13 @@ async fn relay(socket: WebSocket, node: &NodeHandle, frames: &mut mpsc::Receiver
     loop {
         tokio::select! {
             out = frames.recv() => match out {
+                // Flushed once nothing more is queued: a burst goes out in few writes.
                 Some(frame) => {
                     let Ok(text) = serde_json::to_string(&frame) else { continue };
-                    if sink.send(Message::Text(text.into())).await.is_err() {
+                    if sink.feed(Message::Text(text.into())).await.is_err() {
+                        return;
+                    }
+                    if frames.is_empty() && sink.flush().await.is_err() {
                         return;
                     }
                 }
