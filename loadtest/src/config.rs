@@ -57,6 +57,9 @@ pub struct RunConfig {
     /// Send a fresh `Idempotency-Key` with every request, so each goes through Switchyard's
     /// generation lifecycle (record, message quota, fencing) — to measure what it costs.
     pub idempotency_keys: bool,
+    /// Workers start evenly over this long instead of all at once (clients arrive; they do
+    /// not all press enter in the same millisecond).
+    pub ramp: Duration,
 }
 
 impl RunConfig {
@@ -78,6 +81,7 @@ impl RunConfig {
             tokens_per_word: None,
             progress: false,
             idempotency_keys: false,
+            ramp: Duration::ZERO,
         }
     }
 

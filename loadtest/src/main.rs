@@ -343,6 +343,9 @@ struct RunArgs {
     /// Send a fresh Idempotency-Key with every request (Switchyard's generation lifecycle).
     #[arg(long)]
     idempotency_keys: bool,
+    /// Start the workers evenly over this long rather than all at once (e.g. 30s).
+    #[arg(long, value_parser = parse_duration, default_value = "0s")]
+    ramp: Duration,
 }
 
 /// Wrapper so clap treats a parsed mix as one value, not a repeated option.
@@ -374,6 +377,7 @@ impl RunArgs {
             tokens_per_word: self.tokens_per_word,
             progress: !self.no_progress,
             idempotency_keys: self.idempotency_keys,
+            ramp: self.ramp,
         }
     }
 }

@@ -103,6 +103,10 @@ pub async fn run_calibrated(
         .then(|| spawn_progress(Arc::clone(&shared), cfg.limit, cfg.time_scale));
 
     let mut handles = Vec::with_capacity(cfg.streams);
+    let step = cfg
+        .ramp
+        .checked_div(u32::try_from(cfg.streams).unwrap_or(u32::MAX).max(1));
+    let mut start = Duration::ZERO;
     for cal in &calibration {
         let n = cfg
             .models
@@ -115,9 +119,12 @@ pub async fn run_calibrated(
             let shared = Arc::clone(&shared);
             let model = Arc::clone(&model);
             let words = cal.prompt_words;
-            handles.push(tokio::spawn(
-                async move { worker(&shared, &model, words).await },
-            ));
+            let after = start;
+            start += step.unwrap_or_default();
+            handles.push(tokio::spawn(async move {
+                tokio::time::sleep(after).await;
+                worker(&shared, &model, words).await
+            }));
         }
     }
     let mut records = Vec::new();

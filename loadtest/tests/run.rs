@@ -251,3 +251,24 @@ async fn mix_reports_each_model() {
     report.print(&mut out).unwrap();
     assert!(String::from_utf8(out).unwrap().contains("model missing"));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_ramp_starts_the_workers_evenly_over_it() {
+    let sim = start_sim("small").await;
+    // Each stream outlasts the ramp, so every worker's first request is its only one.
+    let mut cfg = config(&sim, "small", 4, 4);
+    cfg.max_tokens = 1000;
+    cfg.tokens_per_word = Some(1.3);
+    cfg.ramp = Duration::from_millis(800);
+    let report = run(cfg).await.unwrap();
+    sim.shutdown().await;
+    let mut sends: Vec<u64> = report.requests.iter().map(|r| r.send_us).collect();
+    sends.sort_unstable();
+    assert_eq!(sends.len(), 4);
+    // Worker i starts at i × 200 ms: the last no sooner than 600 ms after the first.
+    assert!(sends[0] < 150_000, "{sends:?}");
+    assert!(sends[3] >= 600_000, "{sends:?}");
+    for pair in sends.windows(2) {
+        assert!(pair[1] - pair[0] >= 190_000, "{sends:?}");
+    }
+}

@@ -397,14 +397,16 @@ async fn admission_on(
 /// the replica carried at once, CPU per token.
 pub(super) async fn many_streams(opts: &BenchOptions, found: &mut Found) -> anyhow::Result<()> {
     let max_tokens = if opts.quick { 10 } else { 30 };
+    let ramp = if opts.quick { 5 } else { 30 };
     found.setup = format!(
         "switchyard sim --profile fixed at time scale 0.01: 5 s to the first token, 2 s per token; \
-         {} workers, one request each ({max_tokens} tokens, ~16-token prompts), direct then through \
-         one serve on PostgreSQL + Redis and one agent",
+         {} workers starting evenly over {ramp} s, one request each ({max_tokens} tokens, ~16-token \
+         prompts), direct then through one serve on PostgreSQL + Redis and one agent",
         opts.many
     );
     let stack = Stack::start(&opts.bin, &opts.database, stack_config(1, 0.01)).await?;
-    let outcome = many_on(&stack, opts, max_tokens, found).await;
+    let ramp = Duration::from_secs(ramp);
+    let outcome = many_on(&stack, opts, max_tokens, ramp, found).await;
     finish(stack, outcome.is_err(), found).await;
     outcome
 }
@@ -413,6 +415,7 @@ async fn many_on(
     stack: &Stack,
     opts: &BenchOptions,
     max_tokens: u32,
+    ramp: Duration,
     found: &mut Found,
 ) -> anyhow::Result<()> {
     let (engine, gateway) = urls(stack, 0)?;
@@ -424,6 +427,9 @@ async fn many_on(
         cfg.prompt_tokens = 16;
         // No calibration probes: each would wait the engine's 5 s.
         cfg.tokens_per_word = Some(1.3);
+        // Arriving over a while, as clients do: a stream lasts 5 s + 2 s a token, so all of
+        // them are open at once from the end of the ramp until the first ends.
+        cfg.ramp = ramp;
         cfg.timeout = Duration::from_secs(600);
         cfg
     };
