@@ -95,6 +95,10 @@ async fn fifty_streams_are_as_fast_as_one_with_no_batching_or_queueing() {
     let (ttft_1, itl_1) = timing(&single);
     assert_timing("one stream", ttft_1, itl_1);
 
+    // The engine's own clock is exact; the clients' clock is a debug build on two shared
+    // cores. So the engine's histograms carry the exact claim, and the wall clock only has to
+    // tell fixed timing (about 1.3 s for all fifty) from a queue of eight (over 9 s).
+    let started = std::time::Instant::now();
     let runs: Vec<_> = (0..50)
         .map(|_| {
             let (client, base, body) = (client.clone(), base.clone(), body.clone());
@@ -106,25 +110,20 @@ async fn fifty_streams_are_as_fast_as_one_with_no_batching_or_queueing() {
     })
     .await;
     assert!(all_running.is_some(), "all 50 run at once");
-    let (mut ttfts, mut itls) = (Vec::new(), Vec::new());
     for r in runs {
         let s = r.await.unwrap();
         assert!(s.done && s.completion_tokens == Some(64), "{s:?}");
-        let (ttft, itl) = timing(&s);
-        ttfts.push(ttft);
-        itls.push(itl);
     }
-    let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len() as f64;
-    let (ttft_50, itl_50) = (mean(&ttfts), mean(&itls));
-    assert_timing("fifty streams (mean)", ttft_50, itl_50);
-    assert!(
-        ttfts.iter().all(|t| *t >= TTFT && *t <= TTFT + 0.250),
-        "{ttfts:?}"
+    let elapsed = started.elapsed().as_secs_f64();
+    assert!(elapsed < 5.0, "fifty streams took {elapsed:.2} s");
+    assert_eq!(
+        metric(&client, &base, "vllm:time_to_first_token_seconds_count").await,
+        51.0
     );
-    assert!(
-        itl_50 <= itl_1 * 1.5,
-        "no batching slowdown: {itl_50:.4} vs {itl_1:.4}"
-    );
+    let ttft_sum = metric(&client, &base, "vllm:time_to_first_token_seconds_sum").await;
+    assert!((ttft_sum - 51.0 * TTFT).abs() < 51e-3, "{ttft_sum}");
+    let itl_sum = metric(&client, &base, "vllm:inter_token_latency_seconds_sum").await;
+    assert!((itl_sum - 51.0 * 63.0 * ITL).abs() < 51e-3, "{itl_sum}");
     assert_eq!(
         metric(&client, &base, "vllm:generation_tokens_total").await,
         51.0 * 64.0
