@@ -4,7 +4,10 @@
 //! record only through transitions its state machine allows; settle retries are timers.
 
 use super::settle::DoneReport;
-use super::{AfterSettle, Core, Effect, Fx, Metric, NodeRef, Reader, Row, Stop, Tally, Where};
+use super::{
+    AfterSettle, Core, Effect, Fx, MAX_UNDELIVERED, Metric, NodeRef, Reader, Row, Stop, Tally,
+    Where,
+};
 use crate::error::{ErrorCode, Failure};
 use crate::generation::msg::{GenEvent, Timer, Usage};
 use crate::lifecycle::{Event, Outcome, Refusal};
@@ -210,9 +213,20 @@ impl<N: NodeRef> Core<N> {
                 | "model_not_found"
                 | "not_sent"
         );
-        if retryable && !self.retried && self.reader != Reader::Gone {
-            self.retry(fx);
-            return;
+        if self.reader != Reader::Gone {
+            // Never reached any node (its connection, or the replica that held it, went
+            // away between the queue's choice and the send): no engine refused it, so it
+            // does not spend the one retry. A replica dying takes every node whose socket it
+            // held, so the next choice may be one of those too.
+            if code == "not_sent" && self.undelivered < MAX_UNDELIVERED {
+                self.undelivered += 1;
+                self.requeue(fx);
+                return;
+            }
+            if retryable && !self.retried {
+                self.retry(fx);
+                return;
+            }
         }
         let failure = match code {
             "invalid_request" => Failure::new(
@@ -233,6 +247,11 @@ impl<N: NodeRef> Core<N> {
     /// Retries once on another node; the previous attempt is refused or fenced.
     fn retry(&mut self, fx: &mut Fx<N>) {
         self.retried = true;
+        self.requeue(fx);
+    }
+
+    /// Back to the front of the queue for another node.
+    fn requeue(&mut self, fx: &mut Fx<N>) {
         tracing::info!(request_id = %self.cfg.request_id, attempt = self.attempt.epoch + 1, "retrying on another node");
         // Not back to the node that just failed it, while another one serves the model.
         let avoid = self.holders.get(&self.attempt.epoch).cloned();

@@ -31,6 +31,10 @@ pub(crate) use effects::{Effect, Input, Metric, Tally};
 pub(super) use ending::Claim;
 use settle::AfterSettle;
 
+/// How many times one generation goes back to the queue after an assignment that never
+/// reached a node (beside the one retry after a refusal or a lost node).
+pub(crate) const MAX_UNDELIVERED: u8 = 3;
+
 /// What the core needs of a node connection: who it is. The actor passes `NodeHandle`s; the
 /// property tests pass plain ids.
 pub(crate) trait NodeRef: Clone + std::fmt::Debug {
@@ -217,6 +221,9 @@ pub(crate) struct Core<N> {
     pub holders: BTreeMap<u64, String>,
     /// A lost or refused first attempt is retried once.
     pub retried: bool,
+    /// Attempts that never reached a node (`not_sent`), re-enqueued without spending the
+    /// retry, up to [`MAX_UNDELIVERED`].
+    pub undelivered: u8,
     /// The client's reader.
     pub reader: Reader,
     /// The serial of the cancel grace running now, if any (a `ClientBack` ends it; a timer
@@ -287,6 +294,7 @@ impl<N: NodeRef> Core<N> {
             attempt: Attempt::default(),
             holders: BTreeMap::new(),
             retried: false,
+            undelivered: 0,
             reader: Reader::Reading,
             grace: None,
             graces: 0,
