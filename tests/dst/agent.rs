@@ -6,7 +6,8 @@
 //! a silent server past the attempt's lease and on a lost connection (its `done` says
 //! `abort` with what was produced), keeps every `done` until it is acked and resends them
 //! after reconnecting and, while connected, once they waited too long for their ack, and
-//! heartbeats its load. A crash of the host is the node dying with
+//! heartbeats its load, pinging the server, and ends a connection on which nothing (pongs
+//! included) came for three heartbeats. A crash of the host is the node dying with
 //! its engine: its work and unacked `done`s are gone.
 
 use std::collections::BTreeMap;
@@ -21,7 +22,7 @@ use tokio::sync::mpsc;
 use tokio::time::Instant;
 use turmoil::net::TcpStream;
 
-use super::net::{read_frame, write_frame};
+use super::net::{Control, read_frame, write_frame};
 use super::world::World;
 
 /// The port replicas take node connections on.
@@ -33,6 +34,9 @@ const HEARTBEAT: Duration = Duration::from_secs(1);
 /// An unacked `done` goes again on the same connection after this (the agent's
 /// `RESEND_AFTER`, shortened with the simulation's other deadlines).
 const RESEND_AFTER: Duration = Duration::from_secs(10);
+/// Nothing from the server (pongs included) for this long ends the connection, as the
+/// agent's three heartbeat intervals do: a partition can leave TCP half-open.
+const IDLE: Duration = Duration::from_secs(3);
 
 /// One node of the simulation.
 #[derive(Debug, Clone)]
@@ -122,8 +126,17 @@ async fn session(
         _ => return false,
     }
     let (frames_tx, mut frames) = mpsc::unbounded_channel();
+    // A pong is `None`: it only says the server is there.
     let reader = tokio::spawn(async move {
-        while let Ok(frame) = read_frame::<ServerFrame>(&mut read).await {
+        while let Ok(value) = read_frame::<serde_json::Value>(&mut read).await {
+            let frame = if Control::Pong.is(&value) {
+                None
+            } else {
+                match serde_json::from_value::<ServerFrame>(value) {
+                    Ok(frame) => Some(frame),
+                    Err(_) => continue,
+                }
+            };
             if frames_tx.send(frame).is_err() {
                 return;
             }
@@ -135,10 +148,12 @@ async fn session(
     let mut tokens = tokio::time::interval(INTER_TOKEN);
     let mut heartbeat = tokio::time::interval(HEARTBEAT);
     let mut resend = tokio::time::interval_at(Instant::now() + RESEND_AFTER, RESEND_AFTER);
+    let mut ping = false;
     loop {
-        let mut written = true;
+        let mut written =
+            !std::mem::take(&mut ping) || write_frame(&mut write, &Control::Ping).await.is_ok();
         for frame in out.drain(..) {
-            if write_frame(&mut write, &frame).await.is_err() {
+            if !written || write_frame(&mut write, &frame).await.is_err() {
                 written = false;
                 break;
             }
@@ -150,6 +165,7 @@ async fn session(
             frame = frames.recv() => {
                 let Some(frame) = frame else { break };
                 last_heard = Instant::now();
+                let Some(frame) = frame else { continue };
                 match frame {
                     ServerFrame::Assign { request_id, attempt, body, lease_ms, .. } => {
                         let ceiling = body.get("max_tokens").and_then(serde_json::Value::as_u64).unwrap_or(16);
@@ -182,6 +198,9 @@ async fn session(
             }
             _ = tokens.tick() => {
                 let now = Instant::now();
+                if now.duration_since(last_heard) > IDLE {
+                    break;
+                }
                 let keys: Vec<(String, u64)> = work.keys().cloned().collect();
                 for key in keys {
                     let Some(w) = work.get_mut(&key) else { continue };
@@ -219,6 +238,7 @@ async fn session(
                 }
             }
             _ = heartbeat.tick() => {
+                ping = true;
                 out.push(NodeFrame::Heartbeat {
                     queue_depth: 0,
                     running: work.len() as u64,

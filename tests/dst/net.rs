@@ -64,6 +64,23 @@ enum Answer {
     Failed(String),
 }
 
+/// A WebSocket control frame, which the node protocol's transport has beside its text
+/// frames: the agent pings with every heartbeat and the server answers with a pong (the
+/// server's WebSocket library does so for `/v1/nodes/connect`), so an agent whose server has
+/// gone silent ends the connection however TCP sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Control {
+    Ping,
+    Pong,
+}
+
+impl Control {
+    /// `value` if it is this control frame.
+    pub fn is(self, value: &serde_json::Value) -> bool {
+        serde_json::from_value::<Control>(value.clone()).is_ok_and(|c| c == self)
+    }
+}
+
 /// Writes one length-prefixed JSON frame.
 pub async fn write_frame<T: Serialize>(
     s: &mut (impl AsyncWrite + Unpin),

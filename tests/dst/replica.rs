@@ -30,7 +30,7 @@ use tokio_util::sync::CancellationToken;
 use turmoil::net::{TcpListener, TcpStream};
 
 use super::agent::PORT;
-use super::net::{NetCoordinator, read_frame, write_frame};
+use super::net::{Control, NetCoordinator, read_frame, write_frame};
 use super::world::{Outcome, Planned, World};
 
 /// The one model of the simulation.
@@ -131,9 +131,10 @@ async fn node_connection(view: Arc<NodeView>, stream: TcpStream) {
     };
     let (incoming_tx, mut incoming) = mpsc::unbounded_channel();
     let reader = tokio::spawn(async move {
-        // The frame goes through the server's own parser, from its text.
+        // The frame goes through the server's own parser, from its text; a ping is `None`.
         while let Ok(frame) = read_frame::<serde_json::Value>(&mut read).await {
-            if incoming_tx.send(frame.to_string()).is_err() {
+            let text = (!Control::Ping.is(&frame)).then(|| frame.to_string());
+            if incoming_tx.send(text).is_err() {
                 return;
             }
         }
@@ -149,7 +150,12 @@ async fn node_connection(view: Arc<NodeView>, stream: TcpStream) {
                 None => break,
             },
             text = incoming.recv() => match text {
-                Some(text) => match decode_node_frame(&text) {
+                Some(None) => {
+                    if write_frame(&mut write, &Control::Pong).await.is_err() {
+                        break;
+                    }
+                }
+                Some(Some(text)) => match decode_node_frame(&text) {
                     Ok(frame) => {
                         if !node.deliver(frame) {
                             break;
