@@ -213,7 +213,7 @@ fn env_u64(name: &str) -> Option<u64> {
 }
 
 /// Seeds that once broke an invariant (each names what it found), run every time.
-const REGRESSIONS: [u64; 9] = [
+const REGRESSIONS: [u64; 10] = [
     // A resent `done` settled as an orphan while its relayed first copy awaited the ack of
     // a generation that lived on and fenced that attempt.
     217, 711,
@@ -228,8 +228,8 @@ const REGRESSIONS: [u64; 9] = [
     // finished the stream as if whole.
     517, 1093,
     // A partition left a node's connection half-open, and the simulated agent (which did not
-    // ping, unlike the real one) kept its `done` on it forever.
-    1446,
+    // ping, unlike the real one, and could block on a write forever) kept its `done` on it.
+    1446, 523,
 ];
 
 /// The seeds of one half of the run: `DST_SEED` alone (in the first half), or `DST_SEEDS`

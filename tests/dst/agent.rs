@@ -150,15 +150,23 @@ async fn session(
     let mut resend = tokio::time::interval_at(Instant::now() + RESEND_AFTER, RESEND_AFTER);
     let mut ping = false;
     loop {
-        let mut written =
-            !std::mem::take(&mut ping) || write_frame(&mut write, &Control::Ping).await.is_ok();
-        for frame in out.drain(..) {
-            if !written || write_frame(&mut write, &frame).await.is_err() {
-                written = false;
-                break;
+        // A write blocks once the peer stops taking bytes (a partition loses segments for
+        // good): past the idle deadline the connection is dead, as the agent's writer task
+        // stuck behind a full channel is.
+        let ping_now = std::mem::take(&mut ping);
+        let writes = async {
+            if ping_now {
+                write_frame(&mut write, &Control::Ping).await?;
             }
-        }
-        if !written {
+            for frame in out.drain(..) {
+                write_frame(&mut write, &frame).await?;
+            }
+            Ok::<(), std::io::Error>(())
+        };
+        if !matches!(
+            tokio::time::timeout_at(last_heard + IDLE, writes).await,
+            Ok(Ok(()))
+        ) {
             break;
         }
         tokio::select! {
