@@ -197,7 +197,7 @@ fn run_with(seed: u64, resend: bool) -> Result<(Summary, String), String> {
             .map_err(|e| format!("the simulation failed at {now} ms: {e}"))?;
         world
             .check_step()
-            .map_err(|e| format!("at {now} ms: {e}"))?;
+            .map_err(|e| format!("at {now} ms: {e}\nfaults: {:#?}", scenario(seed).faults))?;
         if now >= END_MS || (now >= HEALED_MS && world.at_rest(&plan)) {
             break;
         }
