@@ -278,6 +278,9 @@ impl Server {
             timeouts: config.generation_timeouts(),
             bound: config.stream_bound(),
             retention: Duration::from_millis(u64::try_from(config.retention_ms()).unwrap_or(0)),
+            accounting: Some(Arc::new(crate::store::accounting::StoreAccounting::spawn(
+                store.clone(),
+            ))),
         })
         .await
         .map_err(|e| StartError::Actors(e.to_string()))?;

@@ -43,3 +43,17 @@ pub const LISTENER_REFUSALS_TOTAL: &str = "switchyard_listener_refusals_total";
 pub const ACTOR_RESTARTS_TOTAL: &str = "switchyard_actor_restarts_total";
 /// Counter: messages from a model queue's former owner dropped by their fencing token.
 pub const QUEUE_FENCED_TOTAL: &str = "switchyard_queue_fenced_total";
+/// Counter: tokens billed by successful settles, by `model` and `kind` (`prompt`,
+/// `completion`); its rate against the engines' own token counters shows drift as it happens.
+pub const SETTLED_TOKENS_TOTAL: &str = "switchyard_settled_tokens_total";
+/// Gauge: unix time of a node's last heartbeat on the replica holding its socket, by `node`.
+pub const NODE_LAST_HEARTBEAT_TIMESTAMP_SECONDS: &str =
+    "switchyard_node_last_heartbeat_timestamp_seconds";
+
+/// Adds what one settle billed to [`SETTLED_TOKENS_TOTAL`].
+pub(crate) fn count_settled_tokens(model: String, prompt: u64, completion: u64) {
+    metrics::counter!(SETTLED_TOKENS_TOTAL, "model" => model.clone(), "kind" => "prompt")
+        .increment(prompt);
+    metrics::counter!(SETTLED_TOKENS_TOTAL, "model" => model, "kind" => "completion")
+        .increment(completion);
+}

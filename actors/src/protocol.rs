@@ -163,7 +163,37 @@ pub enum NodeFrame {
         gpu_util: f64,
         /// Models currently served.
         models: Vec<String>,
+        /// The engine's cumulative token counters (protocol 2; absent from older agents and
+        /// from engines without them). A value that is not a `u64` is read as absent.
+        #[serde(
+            default,
+            skip_serializing_if = "Option::is_none",
+            deserialize_with = "lenient_counters"
+        )]
+        engine_counters: Option<EngineCounters>,
     },
+}
+
+/// An engine's own cumulative token counters, as its `/metrics` page reports them (vLLM's
+/// `vllm:prompt_tokens_total` and `vllm:generation_tokens_total`, summed over label sets).
+/// They start at 0 when the engine starts, so a value lower than the previous one means a
+/// restart.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EngineCounters {
+    /// Prefill tokens processed.
+    pub prompt_tokens: u64,
+    /// Generated tokens.
+    pub generation_tokens: u64,
+}
+
+/// `heartbeat.engine_counters`, or `None` when absent or unreadable: the counters only feed
+/// a report, so a bad value costs the node its counters, never its heartbeat.
+fn lenient_counters<'de, D>(deserializer: D) -> Result<Option<EngineCounters>, D::Error>
+where
+    D: serde::Deserializer<'de>,
+{
+    let value = serde_json::Value::deserialize(deserializer)?;
+    Ok(serde_json::from_value(value).ok())
 }
 
 /// Frames the server sends to a node.
@@ -423,6 +453,39 @@ mod tests {
         );
         let registered: ServerFrame = serde_json::from_str(r#"{"type":"registered"}"#).unwrap();
         assert_eq!(registered, ServerFrame::Registered { protocol: None });
+    }
+
+    #[test]
+    fn heartbeat_counters_are_optional_and_bad_ones_are_ignored() {
+        let base = r#"{"type":"heartbeat","queue_depth":1,"running":2,"kv_cache_usage":0.5,"gpu_util":0.0,"models":["m"]"#;
+        let read = |extra: &str| match decode_node_frame(&format!("{base}{extra}}}")) {
+            Ok(NodeFrame::Heartbeat {
+                engine_counters, ..
+            }) => engine_counters,
+            other => panic!("{extra}: not read as a heartbeat: {other:?}"),
+        };
+        // A version 1 agent sends none; the frame it sends is unchanged by the new field.
+        assert_eq!(read(""), None);
+        let v1 = decode_node_frame(&format!("{base}}}")).unwrap();
+        assert_eq!(serde_json::to_string(&v1).unwrap(), format!("{base}}}"));
+        assert_eq!(
+            read(r#","engine_counters":{"prompt_tokens":7,"generation_tokens":9}"#),
+            Some(EngineCounters {
+                prompt_tokens: 7,
+                generation_tokens: 9
+            })
+        );
+        for bad in [
+            r#","engine_counters":{"prompt_tokens":-1,"generation_tokens":9}"#,
+            r#","engine_counters":{"prompt_tokens":1.5,"generation_tokens":9}"#,
+            r#","engine_counters":{"prompt_tokens":18446744073709551616,"generation_tokens":9}"#,
+            r#","engine_counters":{"prompt_tokens":1}"#,
+            r#","engine_counters":"lots""#,
+            r#","engine_counters":[1,2]"#,
+            r#","engine_counters":null"#,
+        ] {
+            assert_eq!(read(bad), None, "{bad}");
+        }
     }
 
     #[test]

@@ -16,7 +16,7 @@ use crate::generation::{Launcher, StreamBound, Timeouts};
 use crate::lifecycle::GenerationStore;
 use crate::model_queue::{QueueArgs, QueueCluster, QueueConfig};
 use crate::node::NodeTrust;
-use crate::ports::{Clock, Coordinator, Ledger};
+use crate::ports::{Clock, Coordinator, Ledger, NodeAccounting};
 use crate::supervision::{RestartPolicy, Spec, Supervision, SupervisionArgs};
 
 /// What a replica's actors are made of.
@@ -48,6 +48,8 @@ pub struct ReplicaArgs {
     pub bound: StreamBound,
     /// How long a finished generation's result (and journal) is kept.
     pub retention: Duration,
+    /// Where node sockets' heartbeats are accounted per node and day (`None`: nowhere).
+    pub accounting: Option<Arc<dyn NodeAccounting>>,
 }
 
 /// A replica's running actors.
@@ -128,6 +130,7 @@ impl ReplicaActors {
                 heartbeat_timeout: args.heartbeat_timeout,
                 clock: args.clock.clone(),
                 trust: args.trust,
+                accounting: args.accounting.clone(),
             },
             supervision.nodes.clone(),
         ));

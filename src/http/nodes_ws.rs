@@ -61,6 +61,8 @@ struct Registered {
     models: Vec<String>,
     /// The version spoken on this connection: the agent's, or ours when it is newer.
     protocol: u32,
+    /// GPUs it registered with.
+    gpus: u32,
 }
 
 async fn serve_node(state: Arc<AppState>, mut socket: WebSocket) {
@@ -91,6 +93,7 @@ async fn serve_node(state: Arc<AppState>, mut socket: WebSocket) {
             &registered.node_id,
             &registered.models,
             registered.protocol,
+            registered.gpus,
             outbound,
         )
         .await
@@ -226,6 +229,7 @@ async fn register(
     if known.is_empty() {
         return Err(("the node serves no model this server knows".into(), None));
     }
+    let gpu_count = u32::try_from(gpus.len()).unwrap_or(u32::MAX);
     let gpus = serde_json::to_value(&gpus).unwrap_or_default();
     let at = state.clock.wall();
     if let Err(e) = state
@@ -240,6 +244,7 @@ async fn register(
         node_id,
         models: known,
         protocol,
+        gpus: gpu_count,
     })
 }
 

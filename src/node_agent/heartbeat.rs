@@ -10,13 +10,22 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use switchyard_actors::protocol::NodeFrame;
+use switchyard_actors::protocol::{EngineCounters, NodeFrame};
 use tokio::sync::mpsc;
 use tokio::time::MissedTickBehavior;
 
 use super::engine::EngineClient;
 use super::stats::AgentStats;
 use super::writer::Outgoing;
+
+/// The protocol version from which a heartbeat carries `engine_counters`.
+const COUNTERS_PROTOCOL: u32 = 2;
+
+/// The counters a heartbeat on a connection of version `protocol` carries: none for a server
+/// that speaks version 1 (it would not read them).
+fn counters_for(protocol: u32, counters: Option<EngineCounters>) -> Option<EngineCounters> {
+    counters.filter(|_| protocol >= COUNTERS_PROTOCOL)
+}
 
 /// Sends a heartbeat at once, then one per `interval`, until the writer is gone.
 pub(crate) async fn heartbeat_loop(
@@ -25,6 +34,7 @@ pub(crate) async fn heartbeat_loop(
     models: Vec<String>,
     interval: Duration,
     stats: Arc<AgentStats>,
+    protocol: u32,
 ) {
     let mut ticker = tokio::time::interval(interval);
     ticker.set_missed_tick_behavior(MissedTickBehavior::Delay);
@@ -58,10 +68,27 @@ pub(crate) async fn heartbeat_loop(
             // Unknown without DCGM; the server routes on KV use and its own in-flight count.
             gpu_util: 0.0,
             models: models.clone(),
+            engine_counters: counters_for(protocol, load.counters),
         };
         if out.send(Outgoing::Frame(frame)).await.is_err() {
             return;
         }
         stats.heartbeat_sent();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn counters_go_only_to_a_server_of_version_two() {
+        let c = Some(EngineCounters {
+            prompt_tokens: 1,
+            generation_tokens: 2,
+        });
+        assert_eq!(counters_for(1, c), None);
+        assert_eq!(counters_for(2, c), c);
+        assert_eq!(counters_for(2, None), None);
     }
 }

@@ -1,6 +1,9 @@
 //! The load figures a heartbeat reports, read from the engine's Prometheus `/metrics` page:
 //! vLLM exports one sample per engine and model (`{engine="0",model_name="x"}`), so samples of
-//! a name are summed across label sets (the KV fraction is averaged instead).
+//! a name are summed across label sets (the KV fraction is averaged instead), and so are the
+//! engine's cumulative token counters that the drift report compares with the ledger.
+
+use switchyard_actors::protocol::EngineCounters;
 
 /// Waiting requests (the queue).
 const WAITING: &str = "vllm:num_requests_waiting";
@@ -10,6 +13,10 @@ const RUNNING: &str = "vllm:num_requests_running";
 const KV_USAGE: &str = "vllm:kv_cache_usage_perc";
 /// The name vLLM used for the same gauge before `kv_cache_usage_perc` (deprecated).
 const KV_USAGE_OLD: &str = "vllm:gpu_cache_usage_perc";
+/// Prefill tokens processed since the engine started (a counter).
+const PROMPT_TOKENS: &str = "vllm:prompt_tokens_total";
+/// Tokens generated since the engine started (a counter).
+const GENERATION_TOKENS: &str = "vllm:generation_tokens_total";
 
 /// What one scrape says about the engine's load.
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
@@ -20,6 +27,9 @@ pub(crate) struct Load {
     pub running: u64,
     /// `vllm:kv_cache_usage_perc`, averaged across engines, clamped to 0–1.
     pub kv_cache_usage: f64,
+    /// `vllm:prompt_tokens_total` and `vllm:generation_tokens_total`, summed; `None` unless
+    /// the page has both.
+    pub counters: Option<EngineCounters>,
 }
 
 /// Reads the load from a Prometheus text page; `None` when it is not a vLLM page (no
@@ -30,6 +40,7 @@ pub(crate) fn parse_load(page: &str) -> Option<Load> {
     let mut saw_running = false;
     let (mut kv_sum, mut kv_n) = (0.0, 0u32);
     let (mut kv_old_sum, mut kv_old_n) = (0.0, 0u32);
+    let (mut prompt, mut generation) = (None::<f64>, None::<f64>);
     for (name, value) in page.lines().filter_map(sample) {
         match name {
             WAITING => waiting += value,
@@ -45,6 +56,8 @@ pub(crate) fn parse_load(page: &str) -> Option<Load> {
                 kv_old_sum += value;
                 kv_old_n += 1;
             }
+            PROMPT_TOKENS => *prompt.get_or_insert(0.0) += value,
+            GENERATION_TOKENS => *generation.get_or_insert(0.0) += value,
             _ => {}
         }
     }
@@ -60,10 +73,14 @@ pub(crate) fn parse_load(page: &str) -> Option<Load> {
         waiting: count(waiting),
         running: count(running),
         kv_cache_usage: kv.clamp(0.0, 1.0),
+        counters: prompt.zip(generation).map(|(p, g)| EngineCounters {
+            prompt_tokens: count(p),
+            generation_tokens: count(g),
+        }),
     })
 }
 
-/// A gauge of requests as an integer (float-to-int `as` saturates; NaN becomes 0).
+/// A gauge or counter as an integer (float-to-int `as` saturates; NaN becomes 0).
 fn count(v: f64) -> u64 {
     v.max(0.0).round() as u64
 }
@@ -149,6 +166,29 @@ garbage
             (load.kv_cache_usage - 1.0).abs() < 1e-12,
             "averaged then clamped"
         );
+    }
+
+    #[test]
+    fn token_counters_are_summed_over_label_sets_and_need_both() {
+        // As vLLM prints them: a `_total` sample per engine, beside a `_created` one.
+        let page = r#"
+vllm:num_requests_running{engine="0"} 0
+vllm:prompt_tokens_total{engine="0",model_name="tiny"} 120.0
+vllm:prompt_tokens_total{engine="1",model_name="tiny"} 3
+vllm:prompt_tokens_created{engine="0",model_name="tiny"} 1.7e9
+vllm:generation_tokens_total{engine="0",model_name="tiny"} 4.0e1
+vllm:generation_tokens_total{engine="1",model_name="tiny"} NaN
+"#;
+        assert_eq!(
+            parse_load(page).unwrap().counters,
+            Some(EngineCounters {
+                prompt_tokens: 123,
+                generation_tokens: 40
+            })
+        );
+        let only_prompt = "vllm:num_requests_running 0\nvllm:prompt_tokens_total 5\n";
+        assert_eq!(parse_load(only_prompt).unwrap().counters, None);
+        assert_eq!(parse_load(BUSY).unwrap().counters, None);
     }
 
     #[test]

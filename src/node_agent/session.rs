@@ -264,6 +264,7 @@ impl<'a> Session<'a> {
             models,
             sh.cfg.heartbeat_interval,
             sh.stats.clone(),
+            protocol,
         ));
         let idle_timeout = sh
             .cfg

@@ -128,6 +128,7 @@ pub fn settlement(request_id: &str, prompt_tokens: u64, completion_tokens: u64) 
         prompt_tokens,
         completion_tokens,
         review: None,
+        node_id: None,
     }
 }
 

@@ -131,6 +131,8 @@ macro_rules! split_sum {
     };
 }
 
+pub(crate) use split_sum;
+
 /// A row under review counted once for its reason.
 macro_rules! count_reason {
     ($reason:literal) => {

@@ -7,9 +7,11 @@
 //! Secrets never reach the store: callers keep the plaintext from [`new_secret`] and store
 //! [`hash_secret`] of it.
 
+pub mod accounting;
 pub mod conformance;
 mod drift;
 pub mod generations_conformance;
+mod node_days;
 pub mod postgres;
 mod sql;
 pub mod sqlite;
@@ -17,7 +19,7 @@ pub mod sqlite;
 use std::sync::Arc;
 
 use async_trait::async_trait;
-use chrono::{DateTime, Utc};
+use chrono::{DateTime, NaiveDate, Utc};
 use rand::TryRngCore;
 use serde::Serialize;
 use sha2::{Digest, Sha256};
@@ -25,6 +27,9 @@ use sha2::{Digest, Sha256};
 pub use drift::{
     DRIFT_REVIEWED_LIMIT, DriftReport, ModelDrift, ReviewCounts, ReviewedRow, TokenCounts,
     TokenTotals,
+};
+pub use node_days::{
+    NodeDay, NodeDayLedger, NodeDayUsage, day_start, days_overlapping, valid_pool,
 };
 pub use postgres::PostgresStore;
 pub use sqlite::SqliteStore;
@@ -380,6 +385,32 @@ pub trait Store: Ledger + GenerationStore {
         from: DateTime<Utc>,
         to: DateTime<Utc>,
     ) -> Result<DriftReport, StoreError>;
+    /// Settled tokens per model over settlements in `[from, to)` (the drift report's
+    /// totals without its list). `Invalid` unless `from < to`.
+    async fn settled_by_model(
+        &self,
+        from: DateTime<Utc>,
+        to: DateTime<Utc>,
+    ) -> Result<std::collections::BTreeMap<String, TokenTotals>, StoreError>;
+
+    /// Adds one heartbeat interval to its node's row of the day, creating the row at zero:
+    /// seconds and counter growth are added (saturating), the GPU count replaced, and the
+    /// row marked as having counters once any interval had them.
+    async fn add_node_day(&self, usage: &NodeDayUsage) -> Result<(), StoreError>;
+    /// The `node_days` rows of days in `[from, to)` with their nodes' pools, by node, day
+    /// and model.
+    async fn node_days(&self, from: NaiveDate, to: NaiveDate) -> Result<Vec<NodeDay>, StoreError>;
+    /// What the ledger billed per node, day and model for settlements in the days
+    /// `[from, to)` (rows that name their node), by node, day and model.
+    async fn node_day_ledger(
+        &self,
+        from: NaiveDate,
+        to: NaiveDate,
+    ) -> Result<Vec<NodeDayLedger>, StoreError>;
+    /// Sets (or with `None` clears) the pool a node's GPU hours are priced in. `NotFound`
+    /// for an unknown node, `Invalid` for a name [`valid_pool`] refuses.
+    async fn set_node_pool(&self, id: &str, pool: Option<&str>) -> Result<(), StoreError>;
+
     /// Succeeds when the database answers (`/readyz`).
     async fn ping(&self) -> Result<(), StoreError>;
 }

@@ -253,6 +253,7 @@ async fn session(
                     kv_cache_usage: 0.1,
                     gpu_util: 0.5,
                     models: vec![spec.model.clone()],
+                    engine_counters: None,
                 });
             }
         }

@@ -90,6 +90,7 @@ pub async fn run(host: String, world: Arc<World>, plan: Arc<Vec<Planned>>) -> tu
         timeouts: timeouts(),
         bound: StreamBound::default(),
         retention: Duration::from_secs(5),
+        accounting: None,
     })
     .await?;
     // The replica's life is the host's: a crash ends it, nothing stops it otherwise.
@@ -126,7 +127,10 @@ async fn node_connection(view: Arc<NodeView>, stream: TcpStream) {
         return;
     }
     let (outbound, mut frames) = mpsc::channel(256);
-    let Ok(node) = view.connected(&node_id, &models, protocol, outbound).await else {
+    let Ok(node) = view
+        .connected(&node_id, &models, protocol, 1, outbound)
+        .await
+    else {
         return;
     };
     let (incoming_tx, mut incoming) = mpsc::unbounded_channel();

@@ -212,6 +212,7 @@ async fn the_sweeper_cancels_reservations_that_outlived_every_deadline_and_nothi
         prompt_tokens: 10,
         completion_tokens: 10,
         review: None,
+        node_id: None,
     };
     fleet.store.settle(&done).await.unwrap();
     let before_cutoff = chrono::Utc::now() - chrono::Duration::seconds(60);

@@ -93,6 +93,7 @@ async fn streaming_has_openai_shapes_exact_usage_and_one_settled_row() {
         prompt_tokens: 1,
         completion_tokens: 1,
         review: None,
+        node_id: None,
     };
     let outcome = fleet.store.settle(&again).await.unwrap();
     assert_eq!(outcome, switchyard::store::SettleOutcome::AlreadyFinal);

@@ -248,6 +248,7 @@ async fn the_drift_report_shows_reviewed_rows_to_admins_only() {
             prompt_tokens: 10,
             completion_tokens: completion,
             review: None,
+            node_id: None,
         };
         fleet.store.settle(&s).await.unwrap();
     }

@@ -51,6 +51,7 @@ async fn rows_admitted_before_bounds_survive_the_upgrade(backend: Backend) {
         prompt_tokens: 10,
         completion_tokens: 20,
         review: None,
+        node_id: None,
     };
     assert_eq!(store.settle(&settle).await.unwrap(), SettleOutcome::Applied);
     let row = store.ledger_row("old-1").await.unwrap().unwrap();

@@ -311,6 +311,7 @@ async fn settles_and_reads_go_to_the_inner_ledger() {
         prompt_tokens: 1,
         completion_tokens: 1,
         review: None,
+        node_id: None,
     };
     assert_eq!(
         budgets.settle(&settlement).await,

@@ -16,7 +16,7 @@ use crate::generation::Directory;
 use crate::lifecycle::GenerationStore;
 use crate::model_queue::ModelQueueHandle;
 use crate::node::{Link, NodeArgs, NodeHandle, NodeMsg, NodeTrust};
-use crate::ports::{Clock, CoordError, Coordinator, Ledger};
+use crate::ports::{Clock, CoordError, Coordinator, Ledger, NodeAccounting};
 use crate::supervision::Nodes;
 use crate::tasks::TaskGuard;
 
@@ -41,6 +41,8 @@ pub struct NodeShared {
     pub clock: Arc<dyn Clock>,
     /// How many protocol violations a node may commit.
     pub trust: NodeTrust,
+    /// Where node sockets' heartbeats are accounted per node and day.
+    pub accounting: Option<Arc<dyn NodeAccounting>>,
 }
 
 impl NodeShared {
@@ -63,6 +65,8 @@ impl NodeShared {
             clock: self.clock.clone(),
             trust: self.trust,
             protocol,
+            gpus: 0,
+            accounting: self.accounting.clone(),
         }
     }
 }
@@ -96,19 +100,21 @@ impl NodeView {
         self.local.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// A node registered on this replica: starts its actor, linked to its socket's
-    /// `outbound` frames. A node that reconnects replaces its old connection here, whose
-    /// work counts as lost.
+    /// A node registered on this replica with `gpus` GPUs: starts its actor, linked to its
+    /// socket's `outbound` frames. A node that reconnects replaces its old connection here,
+    /// whose work counts as lost.
     pub async fn connected(
         &self,
         node_id: &str,
         models: &[String],
         protocol: u32,
+        gpus: u32,
         outbound: tokio::sync::mpsc::Sender<crate::protocol::ServerFrame>,
     ) -> Result<NodeHandle, crate::supervision::NodeStartError> {
-        let args = self
+        let mut args = self
             .shared
             .args(node_id, models, protocol, Link::Socket(outbound));
+        args.gpus = gpus;
         let node = self.supervisor.start(args).await?;
         let previous = self.local().insert(node_id.to_owned(), node.clone());
         if let Some(old) = previous {

@@ -279,12 +279,14 @@ impl GenerationState {
                 prompt_tokens,
                 completion_tokens,
                 review,
+                node_id,
             } => {
                 let settlement = Settlement {
                     request_id: self.args.reservation.request_id.clone(),
                     prompt_tokens,
                     completion_tokens,
                     review,
+                    node_id,
                 };
                 Some(Input::Settled(self.args.ledger.settle(&settlement).await))
             }
@@ -348,6 +350,9 @@ impl GenerationState {
             }
             Metric::UsageClamped => {
                 metrics::counter!(USAGE_CLAMPED_TOTAL, "model" => model).increment(1)
+            }
+            Metric::SettledTokens { prompt, completion } => {
+                crate::metric_names::count_settled_tokens(model, prompt, completion);
             }
             Metric::ActiveStreams(true) => metrics::gauge!(ACTIVE_STREAMS).increment(1.0),
             Metric::ActiveStreams(false) => metrics::gauge!(ACTIVE_STREAMS).decrement(1.0),

@@ -87,6 +87,8 @@ async fn connect_speaking(
         clock: Arc::new(SystemClock),
         trust: crate::node::NodeTrust::default(),
         protocol,
+        gpus: 0,
+        accounting: None,
     };
     let node = NodeActor::start(args).await.unwrap();
     tokio::time::sleep(Duration::from_millis(1)).await; // let the queue see it
@@ -521,6 +523,7 @@ async fn heartbeats_go_to_the_coordinator_and_a_silent_node_is_dropped() {
         kv_cache_usage: 0.25,
         gpu_util: 0.0,
         models: vec![MODEL.into()],
+        engine_counters: None,
     });
     settle_a_moment().await;
     let hb = h.coord.get_hash("node:n1").await.unwrap().unwrap();
@@ -547,6 +550,7 @@ async fn no_first_token_in_time_is_a_generation_timeout_and_cancels_on_the_node(
                 kv_cache_usage: 0.1,
                 gpu_util: 0.0,
                 models: vec![MODEL.into()],
+                engine_counters: None,
             });
         }
     });

@@ -7,16 +7,18 @@ use std::time::Duration;
 use ractor::{Actor, ActorCell, ActorProcessingErr, ActorRef};
 
 use super::link::{self, Dest, Link, Transport};
+use super::meter::UptimeMeter;
 use super::msg::{NodeHandle, NodeLoad, NodeMsg, Violation, Work};
 use super::orphan::{Forward, settle_orphan};
 use crate::generation::{Directory, GenerationMsg};
 use crate::lifecycle::GenerationStore;
 use crate::metric_names::{
-    NODE_KV_CACHE_USAGE, NODE_PROTOCOL_VIOLATIONS_TOTAL, STALE_FRAMES_TOTAL,
+    NODE_KV_CACHE_USAGE, NODE_LAST_HEARTBEAT_TIMESTAMP_SECONDS, NODE_PROTOCOL_VIOLATIONS_TOTAL,
+    STALE_FRAMES_TOTAL,
 };
 use crate::model_queue::{ModelQueueHandle, NodeReport};
 use crate::output::Piece;
-use crate::ports::{Clock, Coordinator, Ledger};
+use crate::ports::{Clock, Coordinator, Ledger, NodeAccounting, NodeDayUsage};
 use crate::protocol::{NodeFrame, ServerFrame, is_finish_reason};
 use crate::tasks::TaskGuard;
 
@@ -74,6 +76,10 @@ pub struct NodeArgs {
     pub trust: NodeTrust,
     /// The protocol version agreed at registration.
     pub protocol: u32,
+    /// GPUs the node registered with (its GPU hours are connected time times these).
+    pub gpus: u32,
+    /// Where the socket's heartbeats are accounted per node and day; `None`: not accounted.
+    pub accounting: Option<Arc<dyn NodeAccounting>>,
 }
 
 /// One assignment the node is carrying.
@@ -113,6 +119,8 @@ pub struct NodeState {
     refusals_in_a_row: u32,
     /// Out of routing after repeated refusals, until its next heartbeat.
     suspended: bool,
+    /// Uptime and engine counters between this connection's heartbeats.
+    meter: UptimeMeter,
     checker: Option<ractor::concurrency::JoinHandle<()>>,
     _guard: TaskGuard,
 }
@@ -187,6 +195,7 @@ impl Actor for NodeActor {
             violations_total: 0,
             refusals_in_a_row: 0,
             suspended: false,
+            meter: UptimeMeter::default(),
             checker: Some(checker),
             _guard: TaskGuard::new("node"),
         };
@@ -379,6 +388,35 @@ pub(super) async fn assign(
     );
 }
 
+/// The socket's replica adds the heartbeat's interval to the node's day (a proxy's heartbeat
+/// is its owner's, accounted there). The write is queued, never awaited here.
+fn account(state: &mut NodeState, counters: Option<crate::protocol::EngineCounters>) {
+    if !matches!(state.transport, Transport::Socket { .. }) {
+        return;
+    }
+    let wall = state.args.clock.wall();
+    let node = state.args.node_id.clone();
+    metrics::gauge!(NODE_LAST_HEARTBEAT_TIMESTAMP_SECONDS, "node" => node.clone())
+        .set(wall.timestamp_millis() as f64 / 1000.0);
+    let Some(interval) = state.meter.beat(state.last_heartbeat, counters) else {
+        return;
+    };
+    let Some(accounting) = &state.args.accounting else {
+        return;
+    };
+    accounting.record(NodeDayUsage {
+        node_id: node,
+        day: wall.date_naive(),
+        // One engine per node: its first model names the row (the cost report's model).
+        model: state.args.models.first().cloned().unwrap_or_default(),
+        connected_seconds: interval.connected_seconds,
+        gpus: state.args.gpus,
+        engine_prompt_tokens: interval.prompt_tokens,
+        engine_generation_tokens: interval.generation_tokens,
+        engine_counters: interval.counters,
+    });
+}
+
 pub(super) async fn on_frame(state: &mut NodeState, myself: &ActorRef<NodeMsg>, frame: NodeFrame) {
     match frame {
         NodeFrame::Register { .. } => {
@@ -390,8 +428,10 @@ pub(super) async fn on_frame(state: &mut NodeState, myself: &ActorRef<NodeMsg>, 
             kv_cache_usage,
             gpu_util,
             models,
+            engine_counters,
         } => {
             state.last_heartbeat = state.args.clock.now();
+            account(state, engine_counters);
             // A heartbeat means the engine's metrics answered: a node suspended for refusing
             // work gets another chance.
             state.refusals_in_a_row = 0;

@@ -329,6 +329,7 @@ pub(super) async fn news(state: &mut NodeState, myself: &ActorRef<NodeMsg>, news
         kv_cache_usage: news.kv_cache_usage,
         gpu_util: 0.0,
         models: news.models,
+        engine_counters: None,
     };
     on_frame(state, myself, heartbeat).await;
 }

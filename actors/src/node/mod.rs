@@ -7,6 +7,7 @@
 
 mod actor;
 mod link;
+pub mod meter;
 mod msg;
 mod orphan;
 

@@ -124,6 +124,7 @@ pub(super) async fn settle_orphan(
         prompt_tokens,
         completion_tokens,
         review,
+        node_id: Some(state.args.node_id.clone()),
     };
     let outcome = match state.args.ledger.settle(&settlement).await {
         // No record of the attempt and no row: a request this server never admitted.

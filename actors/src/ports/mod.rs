@@ -158,6 +158,40 @@ pub struct Settlement {
     pub completion_tokens: u64,
     /// Marks the row for review whatever the counts (a clamped report is marked anyway).
     pub review: Option<ReviewReason>,
+    /// The node whose attempt did the work (`usage_ledger.node_id`, for the per-node drift
+    /// report); `None` when no node is known (the sweeper).
+    #[serde(default)]
+    pub node_id: Option<String>,
+}
+
+/// One heartbeat interval of a node, added to its row of the day in `node_days` (the cost
+/// and drift reports).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NodeDayUsage {
+    /// The node.
+    pub node_id: String,
+    /// The UTC day the interval ended on.
+    pub day: chrono::NaiveDate,
+    /// The model the node serves (its first, when it serves several).
+    pub model: String,
+    /// Whole seconds connected in the interval.
+    pub connected_seconds: u64,
+    /// GPUs the node registered with.
+    pub gpus: u32,
+    /// What the engine's prompt-token counter grew by.
+    pub engine_prompt_tokens: u64,
+    /// What the engine's generation-token counter grew by.
+    pub engine_generation_tokens: u64,
+    /// Whether the heartbeat carried the engine's counters.
+    pub engine_counters: bool,
+}
+
+/// Where node actors send their [`NodeDayUsage`]. `record` must return at once (queue the
+/// write, never wait for it): it is called on the node actor's path, and a lost interval
+/// only costs a report some seconds.
+pub trait NodeAccounting: Send + Sync + Debug + 'static {
+    /// Queues `usage` to be added to its node's row of the day.
+    fn record(&self, usage: NodeDayUsage);
 }
 
 /// What a settle or cancel did.

@@ -134,6 +134,8 @@ async fn connect(h: &Harness, id: &str) -> (NodeHandle, mpsc::Receiver<ServerFra
         clock: Arc::new(SystemClock),
         trust: crate::node::NodeTrust::default(),
         protocol: crate::protocol::PROTOCOL_VERSION,
+        gpus: 0,
+        accounting: None,
     };
     let node = h.sup.nodes.start(args).await.unwrap();
     settle().await;

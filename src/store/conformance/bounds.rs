@@ -217,6 +217,7 @@ pub async fn over_bound_claims_bill_the_bound<L: LedgerProbe + ?Sized>(
         prompt_tokens: 30,
         completion_tokens: 100_000,
         review: None,
+        node_id: None,
     };
     let row = settle_and_check(l, CHECK, &r, &s).await?;
     expect_eq(
@@ -233,6 +234,7 @@ pub async fn over_bound_claims_bill_the_bound<L: LedgerProbe + ?Sized>(
         prompt_tokens: 101,
         completion_tokens: 0,
         review: None,
+        node_id: None,
     };
     let row = settle_and_check(l, CHECK, &r, &s).await?;
     expect_eq(
@@ -264,6 +266,7 @@ pub async fn huge_claims_settle_at_the_bounds<L: LedgerProbe + ?Sized>(
             prompt_tokens: prompt,
             completion_tokens: completion,
             review: None,
+            node_id: None,
         };
         let row = settle_and_check(l, CHECK, &r, &s).await?;
         expect_eq(CHECK, row.status, LedgerStatus::Settled)?;
@@ -306,6 +309,7 @@ pub async fn in_bound_claims_mark_nothing<L: LedgerProbe + ?Sized>(
             prompt_tokens: prompt,
             completion_tokens: completion,
             review: None,
+            node_id: None,
         };
         let row = settle_and_check(l, CHECK, &r, &s).await?;
         expect_eq(
@@ -334,6 +338,7 @@ pub async fn requested_reviews_are_stored<L: LedgerProbe + ?Sized>(
             prompt_tokens: 10,
             completion_tokens: completion,
             review: Some(ReviewReason::UnverifiedNode),
+            node_id: None,
         };
         let row = settle_and_check(l, CHECK, &r, &s).await?;
         expect_eq(CHECK, row.review, Some(ReviewReason::UnverifiedNode))?;
@@ -346,6 +351,7 @@ pub async fn requested_reviews_are_stored<L: LedgerProbe + ?Sized>(
         prompt_tokens: u64::MAX,
         completion_tokens: 1,
         review: Some(ReviewReason::UsageUnrepresentable),
+        node_id: None,
     };
     let row = settle_and_check(l, CHECK, &r, &s).await?;
     expect_eq(CHECK, row.review, Some(ReviewReason::UsageUnrepresentable))

@@ -82,6 +82,7 @@ async fn settled(
         prompt_tokens: claim.0,
         completion_tokens: claim.1,
         review,
+        node_id: None,
     })
     .await?;
     Ok(())
@@ -283,6 +284,7 @@ pub async fn drift_reviewed_rows_are_capped(s: &dyn Store, prefix: &str) -> Outc
             prompt_tokens: 1,
             completion_tokens: 1,
             review: Some(ReviewReason::UnverifiedNode),
+            node_id: None,
         })
         .await?;
     }

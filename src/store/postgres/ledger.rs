@@ -156,6 +156,7 @@ impl Ledger for PostgresStore {
             .bind(beyond)
             .bind(s.review.map(|r| r.as_str()))
             .bind(now)
+            .bind(s.node_id.as_deref())
             .fetch_optional(&mut *tx)
             .await
             .map_err(ledger_unavailable)?;

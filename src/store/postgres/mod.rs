@@ -31,6 +31,7 @@ use super::{
 
 mod generations;
 mod ledger;
+mod node_days;
 mod rows;
 #[allow(unused_imports)]
 use rows::*;
@@ -104,7 +105,7 @@ const SETTLE: &str = concat!(
     "::NUMERIC * price_input_per_mtok + ",
     billed_completion!(),
     "::NUMERIC * price_output_per_mtok + 999999, 1000000), 9223372036854775807)::BIGINT, \
-     settled_at = $6 WHERE request_id = $1 AND status = 'reserved' \
+     settled_at = $6, node_id = $7 WHERE request_id = $1 AND status = 'reserved' \
      RETURNING team_id, prompt_tokens, completion_tokens, claimed_prompt_tokens, \
      claimed_completion_tokens, review, cost_microcredits, price_input_per_mtok, \
      price_output_per_mtok, prompt_token_bound, completion_token_bound"
@@ -611,6 +612,38 @@ impl Store for PostgresStore {
             .collect::<Result<Vec<_>, _>>()?;
         tx.commit().await.map_err(unavailable)?;
         Ok(assemble(from, to, models, reviewed))
+    }
+
+    async fn settled_by_model(
+        &self,
+        from: DateTime<Utc>,
+        to: DateTime<Utc>,
+    ) -> Result<std::collections::BTreeMap<String, super::TokenTotals>, StoreError> {
+        self.settled_by_model_impl(from, to).await
+    }
+
+    async fn add_node_day(&self, usage: &super::NodeDayUsage) -> Result<(), StoreError> {
+        self.add_node_day_impl(usage).await
+    }
+
+    async fn node_days(
+        &self,
+        from: chrono::NaiveDate,
+        to: chrono::NaiveDate,
+    ) -> Result<Vec<super::NodeDay>, StoreError> {
+        self.node_days_impl(from, to).await
+    }
+
+    async fn node_day_ledger(
+        &self,
+        from: chrono::NaiveDate,
+        to: chrono::NaiveDate,
+    ) -> Result<Vec<super::NodeDayLedger>, StoreError> {
+        self.node_day_ledger_impl(from, to).await
+    }
+
+    async fn set_node_pool(&self, id: &str, pool: Option<&str>) -> Result<(), StoreError> {
+        self.set_node_pool_impl(id, pool).await
     }
 
     async fn ping(&self) -> Result<(), StoreError> {

@@ -33,6 +33,7 @@ use super::{
 
 mod generations;
 mod ledger;
+mod node_days;
 mod rows;
 #[allow(unused_imports)]
 use rows::*;
@@ -83,7 +84,7 @@ const SETTLE: &str = concat!(
     clamped!(),
     " THEN $3 END, review = COALESCE($5, CASE WHEN ",
     clamped!(),
-    " THEN 'usage_over_bound' END), cost_microcredits = $6, settled_at = $7 \
+    " THEN 'usage_over_bound' END), cost_microcredits = $6, settled_at = $7, node_id = $8 \
      WHERE request_id = $1 AND status = 'reserved' \
      RETURNING prompt_tokens, completion_tokens, claimed_prompt_tokens, \
      claimed_completion_tokens, review, cost_microcredits"
@@ -273,6 +274,7 @@ impl SqliteStore {
             .bind(s.review.map(|r| r.as_str()))
             .bind(expected.cost)
             .bind(now)
+            .bind(s.node_id.as_deref())
             .fetch_optional(&mut *w.tx)
             .await
             .map_err(ledger_unavailable)?
@@ -714,6 +716,38 @@ impl Store for SqliteStore {
             .collect::<Result<Vec<_>, _>>()?;
         tx.commit().await.map_err(unavailable)?;
         Ok(assemble(from, to, models, reviewed))
+    }
+
+    async fn settled_by_model(
+        &self,
+        from: DateTime<Utc>,
+        to: DateTime<Utc>,
+    ) -> Result<std::collections::BTreeMap<String, super::TokenTotals>, StoreError> {
+        self.settled_by_model_impl(from, to).await
+    }
+
+    async fn add_node_day(&self, usage: &super::NodeDayUsage) -> Result<(), StoreError> {
+        self.add_node_day_impl(usage).await
+    }
+
+    async fn node_days(
+        &self,
+        from: chrono::NaiveDate,
+        to: chrono::NaiveDate,
+    ) -> Result<Vec<super::NodeDay>, StoreError> {
+        self.node_days_impl(from, to).await
+    }
+
+    async fn node_day_ledger(
+        &self,
+        from: chrono::NaiveDate,
+        to: chrono::NaiveDate,
+    ) -> Result<Vec<super::NodeDayLedger>, StoreError> {
+        self.node_day_ledger_impl(from, to).await
+    }
+
+    async fn set_node_pool(&self, id: &str, pool: Option<&str>) -> Result<(), StoreError> {
+        self.set_node_pool_impl(id, pool).await
     }
 
     async fn ping(&self) -> Result<(), StoreError> {

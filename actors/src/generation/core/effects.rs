@@ -174,6 +174,8 @@ pub(crate) enum Effect<N> {
         completion_tokens: u64,
         /// Mark the row for review.
         review: Option<ReviewReason>,
+        /// The node that held the settled attempt (the per-node drift report).
+        node_id: Option<String>,
     },
     /// Read where the row stands.
     LookUpRow,
@@ -213,6 +215,13 @@ pub(crate) enum Metric {
     UsageClamped,
     /// `ACTIVE_STREAMS` up (admitted) or down (ended).
     ActiveStreams(bool),
+    /// `SETTLED_TOKENS_TOTAL`: what a settle of this generation billed.
+    SettledTokens {
+        /// Prompt tokens billed.
+        prompt: u64,
+        /// Completion tokens billed.
+        completion: u64,
+    },
 }
 
 /// How a generation's outcome is counted in `switchyard_requests_total`'s `code` label.

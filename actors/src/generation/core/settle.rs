@@ -33,6 +33,8 @@ pub(crate) struct Settling<N> {
     completion_tokens: u64,
     /// Review mark for the row.
     review: Option<ReviewReason>,
+    /// The node that held the settled attempt.
+    node_id: Option<String>,
     /// Settle tries that failed so far.
     failed: usize,
     /// Whether the settle is done and the row's standing is being read; `Some(answered)`
@@ -83,10 +85,13 @@ impl<N: NodeRef> Core<N> {
         fx: &mut Fx<N>,
     ) {
         let held = self.row == Row::Reserved;
+        // The settle is always of the current attempt: its holder did (or claims) the work.
+        let node_id = self.holders.get(&self.attempt.epoch).cloned();
         self.at = Where::Settling(Settling {
             prompt_tokens,
             completion_tokens,
             review,
+            node_id: node_id.clone(),
             failed: 0,
             looking_up: (!held).then_some(false),
             then,
@@ -99,6 +104,7 @@ impl<N: NodeRef> Core<N> {
                 prompt_tokens,
                 completion_tokens,
                 review,
+                node_id,
             }
         } else {
             Effect::LookUpRow
@@ -113,6 +119,7 @@ impl<N: NodeRef> Core<N> {
                 prompt_tokens: s.prompt_tokens,
                 completion_tokens: s.completion_tokens,
                 review: s.review,
+                node_id: s.node_id.clone(),
             });
         }
     }
@@ -132,6 +139,10 @@ impl<N: NodeRef> Core<N> {
                         .prompt_tokens
                         .saturating_add(billed.completion_tokens),
                 );
+                fx.push(Effect::Metric(super::Metric::SettledTokens {
+                    prompt: billed.prompt_tokens,
+                    completion: billed.completion_tokens,
+                }));
                 self.after_settle(
                     Settled::Billed(billed.prompt_tokens, billed.completion_tokens),
                     fx,

@@ -159,6 +159,8 @@ async fn run(ops: Vec<Op>) {
         clock: Arc::new(SystemClock),
         trust: crate::node::NodeTrust::default(),
         protocol: crate::protocol::PROTOCOL_VERSION,
+        gpus: 0,
+        accounting: None,
     })
     .await
     .unwrap();

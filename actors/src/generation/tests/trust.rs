@@ -35,6 +35,7 @@ fn heartbeat() -> NodeFrame {
         kv_cache_usage: 0.0,
         gpu_util: 0.0,
         models: vec![MODEL.into()],
+        engine_counters: None,
     }
 }
 
