@@ -272,6 +272,60 @@ pub struct TelemetrySettings {
     pub otlp_endpoint: Option<String>,
 }
 
+/// What GPU time costs, for `GET /admin/reports/cost`. Report figures only: nothing here
+/// touches billing, which is in microcredits.
+#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct CostSettings {
+    /// The month's budget for GPU time, USD; absent: no budget to report against.
+    pub monthly_budget_usd: Option<f64>,
+    /// USD per GPU-hour by node pool (`PUT /admin/nodes/{id}/pool`; a node without one is
+    /// in `unassigned`, which may be priced too). A pool not listed costs nothing.
+    pub pools: BTreeMap<String, f64>,
+}
+
+/// The most a GPU-hour may be priced at, USD (a typo's guard, far above any real price).
+pub const MAX_USD_PER_GPU_HOUR: f64 = 1_000_000.0;
+
+impl CostSettings {
+    /// Checks the amounts and the pool names.
+    fn validate(&self) -> Result<(), ConfigError> {
+        let invalid = |m: String| Err(ConfigError::Invalid(m));
+        if let Some(b) = self.monthly_budget_usd
+            && !(b.is_finite() && (0.0..=1e15).contains(&b))
+        {
+            return invalid("costs.monthly_budget_usd must be a number from 0 to 1e15".into());
+        }
+        for (pool, price) in &self.pools {
+            if !crate::store::valid_pool(pool) {
+                return invalid(format!(
+                    "costs.pools: {pool:?} is not a pool name (1 to 63 of a-z, 0-9 and -)"
+                ));
+            }
+            if !(price.is_finite() && (0.0..=MAX_USD_PER_GPU_HOUR).contains(price)) {
+                return invalid(format!(
+                    "costs.pools.{pool} must be USD per GPU-hour from 0 to {MAX_USD_PER_GPU_HOUR}"
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Micro-USD per GPU-hour of `pool` (0 when unpriced), an integer so sums are exact.
+    pub fn micro_usd_per_gpu_hour(&self, pool: &str) -> i64 {
+        self.pools
+            .get(pool)
+            // Validated to at most 1e12 micro-USD: the cast neither saturates nor wraps.
+            .map_or(0, |usd| (usd * 1e6).round() as i64)
+    }
+
+    /// The budget in micro-USD.
+    pub fn monthly_budget_micro_usd(&self) -> Option<i64> {
+        self.monthly_budget_usd
+            .map(|usd| (usd * 1e6).round() as i64)
+    }
+}
+
 /// Everything the server is told.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -325,6 +379,8 @@ pub struct Config {
     pub trust: TrustSettings,
     /// Trace export.
     pub telemetry: TelemetrySettings,
+    /// GPU prices and the monthly budget of the cost report.
+    pub costs: CostSettings,
     /// The models.
     pub models: Vec<ModelConfig>,
 }
@@ -355,6 +411,7 @@ impl Default for Config {
             listener: ListenerSettings::default(),
             trust: TrustSettings::default(),
             telemetry: TelemetrySettings::default(),
+            costs: CostSettings::default(),
             models: default_models(),
         }
     }
@@ -550,7 +607,7 @@ impl Config {
         if self.nodes.registrations_per_second == 0 {
             return invalid("nodes.registrations_per_second must be > 0".into());
         }
-        Ok(())
+        self.costs.validate()
     }
 
     /// Deadlines for the actors.
@@ -650,5 +707,32 @@ mod tests {
         let mut c = Config::default();
         c.models[1].aliases.push("small".into());
         assert!(c.validate().is_err());
+    }
+
+    #[test]
+    fn costs_are_parsed_and_checked() {
+        let c: Config = toml::from_str(
+            "[costs]\nmonthly_budget_usd = 25000\n[costs.pools]\ngpu-l40s = 1.85\nunassigned = 2\n",
+        )
+        .unwrap();
+        c.validate().unwrap();
+        assert_eq!(c.costs.micro_usd_per_gpu_hour("gpu-l40s"), 1_850_000);
+        assert_eq!(c.costs.micro_usd_per_gpu_hour("unassigned"), 2_000_000);
+        assert_eq!(c.costs.micro_usd_per_gpu_hour("other"), 0);
+        assert_eq!(c.costs.monthly_budget_micro_usd(), Some(25_000_000_000));
+        assert!(Config::default().validate().is_ok(), "no [costs] is fine");
+        for bad in [
+            "[costs.pools]\nGPU = 1.0\n",
+            "[costs.pools]\ngpu_a = 1.0\n",
+            "[costs.pools]\ngpu = -1.0\n",
+            "[costs.pools]\ngpu = nan\n",
+            "[costs.pools]\ngpu = 1e9\n",
+            "[costs]\nmonthly_budget_usd = -5\n",
+            "[costs]\nmonthly_budget_usd = inf\n",
+        ] {
+            let c: Config = toml::from_str(bad).unwrap();
+            assert!(c.validate().is_err(), "{bad}");
+        }
+        assert!(toml::from_str::<Config>("[costs]\nbudget = 1\n").is_err());
     }
 }

@@ -193,6 +193,10 @@ where
     D: serde::Deserializer<'de>,
 {
     let value = serde_json::Value::deserialize(deserializer)?;
+    // An object only: serde would read a struct from an array of its fields too.
+    if !value.is_object() {
+        return Ok(None);
+    }
     Ok(serde_json::from_value(value).ok())
 }
 

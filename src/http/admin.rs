@@ -144,7 +144,7 @@ fn check_team_name(name: &str, param: &str) -> Result<(), ApiError> {
 
 /// A node id: 1 to [`MAX_NODE_ID_CHARS`] characters of `A-Z a-z 0-9 . _ -`, so it is safe in
 /// a URL path, a metric label, a Redis key and a log line.
-fn check_node_id(id: &str, param: &str) -> Result<(), ApiError> {
+pub(super) fn check_node_id(id: &str, param: &str) -> Result<(), ApiError> {
     let valid = !id.is_empty()
         && id.len() <= MAX_NODE_ID_CHARS
         && id

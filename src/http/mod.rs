@@ -8,6 +8,7 @@ mod completions;
 mod embeddings;
 mod generations;
 pub use generations::{CANCEL_CHANNEL, CLIENT_BACK_CHANNEL, client_back};
+mod costs;
 pub mod error;
 mod health;
 mod lifecycle;
@@ -15,6 +16,7 @@ pub mod listener;
 mod nodes_ws;
 mod openai;
 mod reports;
+
 pub mod request_id;
 pub mod sse;
 pub mod ssrf;
@@ -24,7 +26,7 @@ use std::sync::Arc;
 
 use axum::Router;
 use axum::extract::DefaultBodyLimit;
-use axum::routing::{delete, get, post};
+use axum::routing::{delete, get, post, put};
 use switchyard_actors::error::ErrorCode;
 
 use crate::server::AppState;
@@ -57,7 +59,9 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/admin/nodes/{id}/token", delete(admin::revoke_node_token))
         .route("/admin/nodes/{id}/drain", post(admin::drain_node))
         .route("/admin/nodes/{id}/load_model", post(admin::load_model))
+        .route("/admin/nodes/{id}/pool", put(costs::set_pool))
         .route("/admin/reports/drift", get(reports::drift))
+        .route("/admin/reports/cost", get(costs::cost))
         .route("/healthz", get(health::healthz))
         .route("/readyz", get(health::readyz))
         .route("/metrics", get(health::metrics))
