@@ -24,6 +24,7 @@ use super::{LedgerStatus, Store, StoreError};
 mod batch;
 mod bounds;
 mod drift;
+mod node_days;
 
 pub use batch::{
     BATCH, batch_balance_suite, batch_duplicates_are_refused_in_place, batch_ledger_suite,
@@ -37,6 +38,10 @@ pub use bounds::{
 };
 pub use drift::{
     drift_conformance_suite, drift_reviewed_rows_are_capped, drift_totals_and_reviewed_rows,
+};
+pub use node_days::{
+    node_day_ledger_sums_settles_by_node, node_days_add_up_per_node_day_and_model,
+    node_days_conformance_suite, node_pools_are_checked,
 };
 
 /// How a ledger conformance check failed.

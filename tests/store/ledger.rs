@@ -13,6 +13,7 @@ on_both!(store:
     balance_conformance,
     bounded_billing_conformance,
     drift_conformance,
+    node_days_conformance,
     bounds_and_claims_round_trip_through_ledger_row,
     two_hundred_spawned_reserves_admit_exactly_ten,
     fifty_concurrent_settles_of_one_row_debit_once,
@@ -176,6 +177,12 @@ async fn balance_conformance(store: Arc<dyn Store>) {
 async fn bounded_billing_conformance(store: Arc<dyn Store>) {
     let team = funded(store.as_ref(), "bounded", conformance::SUITE_BALANCE).await;
     conformance::bounded_billing_suite(store.as_ref(), team, "bb:")
+        .await
+        .unwrap();
+}
+
+async fn node_days_conformance(store: Arc<dyn Store>) {
+    conformance::node_days_conformance_suite(store.as_ref(), "nd:")
         .await
         .unwrap();
 }
