@@ -225,6 +225,32 @@ async fn a_refused_attempt_is_retried_on_the_other_node() {
     assert!(matches!(stream.next().await, Some(GenEvent::Finished(_))));
 }
 
+/// Assignments that never reached a node (its connection gone between the queue's choice and
+/// the send, as when the replica holding several nodes' sockets dies) do not spend the one
+/// retry: the request runs on the next node that takes it.
+#[tokio::test(start_paused = true)]
+async fn assignments_that_never_reached_a_node_do_not_spend_the_retry() {
+    let h = harness(8, 1).await;
+    // The live node is busy; the two free ones have lost their connections.
+    let (live, mut out) = connect(&h, "n3").await;
+    let _busy = start(&h, "r0").await.unwrap();
+    assert_eq!(expect_assign(&mut out).await, ("r0".into(), 1));
+    let (_n1, gone1) = connect(&h, "n1").await;
+    let (_n2, gone2) = connect(&h, "n2").await;
+    drop((gone1, gone2));
+    let mut stream = start(&h, "r1").await.unwrap();
+    settle_a_moment().await;
+    // Both free nodes were tried and could not be sent to; the request waits for n3.
+    live.deliver(done("r0", 1, 3, 0, "stop"));
+    assert!(matches!(out.recv().await, Some(ServerFrame::Ack { .. })));
+    assert_eq!(expect_assign(&mut out).await, ("r1".into(), 3));
+    live.deliver(chunk("r1", 3, 0, "ok"));
+    live.deliver(done("r1", 3, 12, 1, "stop"));
+    assert_eq!(stream.next().await, Some(GenEvent::Delta("ok".into())));
+    assert!(matches!(stream.next().await, Some(GenEvent::Finished(_))));
+    assert_eq!(h.ledger.row("r1").unwrap().status, RowStatus::Settled);
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_node_refusing_twice_in_a_row_leaves_routing_until_its_next_heartbeat() {
     let h = harness(8, 4).await;
