@@ -211,7 +211,7 @@ pub(super) fn check_range(from: DateTime<Utc>, to: DateTime<Utc>) -> Result<(), 
 }
 
 /// Reads a column; a decode failure (a corrupt or foreign row) is `Invalid`.
-fn get<'r, R, T>(row: &'r R, name: &str) -> Result<T, StoreError>
+pub(super) fn get<'r, R, T>(row: &'r R, name: &str) -> Result<T, StoreError>
 where
     R: Row,
     for<'n> &'n str: ColumnIndex<R>,

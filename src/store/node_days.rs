@@ -11,7 +11,7 @@ use serde::Serialize;
 use sqlx::{ColumnIndex, Decode, Row, Type};
 
 use super::StoreError;
-use super::drift::TokenTotals;
+use super::drift::{TokenTotals, get};
 
 pub use switchyard_actors::ports::NodeDayUsage;
 
@@ -135,17 +135,6 @@ pub fn days_overlapping(from: DateTime<Utc>, to: DateTime<Utc>) -> (NaiveDate, N
 /// Midnight UTC starting `day`.
 pub fn day_start(day: NaiveDate) -> DateTime<Utc> {
     day.and_time(chrono::NaiveTime::MIN).and_utc()
-}
-
-/// Reads a column; a decode failure (a corrupt or foreign row) is `Invalid`.
-fn get<'r, R, T>(row: &'r R, name: &str) -> Result<T, StoreError>
-where
-    R: Row,
-    for<'n> &'n str: ColumnIndex<R>,
-    T: Decode<'r, R::Database> + Type<R::Database>,
-{
-    row.try_get(name)
-        .map_err(|e| StoreError::Invalid(format!("column {name}: {e}")))
 }
 
 /// A non-negative integer column into `T`.
