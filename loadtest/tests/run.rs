@@ -265,10 +265,11 @@ async fn a_ramp_starts_the_workers_evenly_over_it() {
     let mut sends: Vec<u64> = report.requests.iter().map(|r| r.send_us).collect();
     sends.sort_unstable();
     assert_eq!(sends.len(), 4);
-    // Worker i starts at i × 200 ms: the last no sooner than 600 ms after the first.
-    assert!(sends[0] < 150_000, "{sends:?}");
-    assert!(sends[3] >= 600_000, "{sends:?}");
-    for pair in sends.windows(2) {
-        assert!(pair[1] - pair[0] >= 190_000, "{sends:?}");
+    // Worker i sleeps i × 200 ms before its first send: no send comes before its
+    // slot, and the first comes before the second slot (a late one may close the gap
+    // to the next, so gaps between neighbours are not asserted).
+    assert!(sends[0] < 200_000, "{sends:?}");
+    for (i, &send) in sends.iter().enumerate() {
+        assert!(send >= i as u64 * 200_000, "{sends:?}");
     }
 }
