@@ -72,6 +72,13 @@ pub async fn run(spec: AgentSpec, world: Arc<World>) -> turmoil::Result {
         let replica = spec.replicas[next % spec.replicas.len()].clone();
         next += 1;
         let registered = session(&spec, &world, &replica, &mut rng, &mut unacked).await;
+        if std::env::var("DST_NODE").is_ok_and(|d| d == spec.node_id) {
+            eprintln!(
+                "{:?} {} SESSION with {replica} ended (registered {registered})",
+                turmoil::elapsed(),
+                spec.node_id
+            );
+        }
         if registered {
             pause = Duration::from_millis(100);
         } else {
@@ -179,6 +186,9 @@ async fn session(
                         let ceiling = body.get("max_tokens").and_then(serde_json::Value::as_u64).unwrap_or(16);
                         let target = rng.random_range(1..=ceiling.max(1));
                         world.start_work(&spec.node_id, &request_id, attempt);
+                        if std::env::var("DST_NODE").is_ok_and(|d| d == spec.node_id) {
+                            eprintln!("{:?} {} START {request_id} #{attempt} lease {lease_ms:?} running {}", turmoil::elapsed(), spec.node_id, work.len() + 1);
+                        }
                         if std::env::var("DST_DEBUG").is_ok_and(|d| d == request_id) {
                             eprintln!("{:?} {} assign {request_id} #{attempt} target {target}", turmoil::elapsed(), spec.node_id);
                         }
@@ -192,6 +202,9 @@ async fn session(
                     ServerFrame::Cancel { request_id, attempt } => {
                         let key = (request_id, attempt);
                         if let Some(w) = work.remove(&key) {
+                            if std::env::var("DST_NODE").is_ok_and(|d| d == spec.node_id) {
+                                eprintln!("{:?} {} END {} #{}", turmoil::elapsed(), spec.node_id, key.0, key.1);
+                            }
                             world.end_work(&spec.node_id);
                             let d = done(&key.0, key.1, &w, "abort");
                             unacked.insert(key, d.clone());
@@ -232,6 +245,9 @@ async fn session(
                     if expired || w.produced >= w.target {
                         let reason = if expired { "abort" } else { "stop" };
                         if let Some(w) = work.remove(&key) {
+                            if std::env::var("DST_NODE").is_ok_and(|d| d == spec.node_id) {
+                                eprintln!("{:?} {} END {} #{}", turmoil::elapsed(), spec.node_id, key.0, key.1);
+                            }
                             world.end_work(&spec.node_id);
                             let d = done(&key.0, key.1, &w, reason);
                             unacked.insert(key, d.clone());
@@ -261,6 +277,15 @@ async fn session(
     reader.abort();
     // A lost connection ends every assignment: their `done`s wait for the next one.
     for (key, w) in std::mem::take(&mut work) {
+        if std::env::var("DST_NODE").is_ok_and(|d| d == spec.node_id) {
+            eprintln!(
+                "{:?} {} LOST {} #{}",
+                turmoil::elapsed(),
+                spec.node_id,
+                key.0,
+                key.1
+            );
+        }
         world.end_work(&spec.node_id);
         let d = done(&key.0, key.1, &w, "abort");
         unacked.insert(key, d);

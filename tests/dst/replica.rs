@@ -263,6 +263,14 @@ async fn clients(
         if !world.issue(&p.id, &replica_id) {
             continue;
         }
+        if std::env::var("DST_NODE").is_ok() {
+            eprintln!(
+                "{:?} ISSUE {} at {replica_id} max_tokens {}",
+                turmoil::elapsed(),
+                p.id,
+                p.max_tokens
+            );
+        }
         let job = Box::new(Job {
             planned: p.clone(),
             queue: queue.clone(),

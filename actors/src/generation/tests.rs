@@ -19,6 +19,7 @@ use crate::ports::memory::{MapCoordinator, MemoryLedger, RowStatus, reservation}
 use crate::ports::{Coordinator, Reservation, SystemClock};
 use crate::protocol::{NodeFrame, ServerFrame};
 
+mod departed;
 mod fuzz;
 mod leaving;
 mod model;

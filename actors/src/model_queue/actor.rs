@@ -164,6 +164,8 @@ pub struct QueueState {
     pub(super) me: String,
     /// In a cluster: the lease, the owner, what was forwarded to it.
     pub(super) cluster: Option<super::follow::Membership>,
+    /// Work still counted on nodes that left (see [`super::departed`]).
+    pub(super) departed: super::departed::Departed,
     _guard: TaskGuard,
 }
 
@@ -223,6 +225,7 @@ impl Actor for ModelQueueActor {
             nodes_seen: None,
             me,
             cluster,
+            departed: super::departed::Departed::default(),
             _guard: TaskGuard::new("model_queue"),
         })
     }
@@ -293,7 +296,9 @@ impl Actor for ModelQueueActor {
                     .get(node.node_id())
                     .is_some_and(|n| n.handle.same_actor(&node))
                 {
-                    state.nodes.remove(node.node_id());
+                    if let Some(old) = state.nodes.remove(node.node_id()) {
+                        state.departed.keep(node.node_id(), &old);
+                    }
                     state.node_left(node.node_id());
                 }
             }
@@ -303,9 +308,8 @@ impl Actor for ModelQueueActor {
                 }
             }
             QueueMsg::Released(id) => {
-                if let Some(n) = state.nodes.get_mut(&id) {
-                    n.give_back(&state.me);
-                }
+                let me = state.me.clone();
+                state.give_back(&id, &me);
                 if state.follows() {
                     if !state.release_granted(&id) {
                         state.tell_owner(crate::cluster::QueueItem::Released { node_id: id });
@@ -383,12 +387,15 @@ impl Actor for ModelQueueActor {
 
 impl QueueState {
     /// A node (re)joins: a new actor for a node already here keeps the slots lent of it
-    /// (the followers still hold them).
+    /// (the followers still hold them), and whatever still runs there from before, here or
+    /// away, stays counted until it ends.
     fn replace_node(&mut self, id: String, mut entry: NodeEntry) {
         if let Some(old) = self.nodes.remove(&id) {
-            entry.granted = old.granted;
+            entry.granted.clone_from(&old.granted);
             entry.recalled = old.recalled;
+            self.departed.keep(&id, &old);
         }
+        self.departed.restore(&id, &mut entry);
         self.nodes.insert(id, entry);
     }
 

@@ -694,6 +694,7 @@ impl QueueState {
         if let Some(m) = self.cluster.as_mut() {
             m.followers.remove(replica);
         }
+        self.departed.forget(replica);
         self.waiting
             .retain(|w| !matches!(&w.waiter, Waiter::Remote(r) if r == replica));
         for n in self.nodes.values_mut() {

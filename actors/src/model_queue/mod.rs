@@ -6,6 +6,7 @@
 
 mod actor;
 pub mod cluster;
+mod departed;
 mod follow;
 mod grant;
 mod msg;

@@ -77,11 +77,7 @@ impl QueueState {
                     w.request_id != request_id
                         || !matches!(&w.waiter, Waiter::Remote(r) if *r == from)
                 }),
-                QueueItem::Released { node_id } => {
-                    if let Some(n) = self.nodes.get_mut(&node_id) {
-                        n.give_back(&from);
-                    }
-                }
+                QueueItem::Released { node_id } => self.give_back(&node_id, &from),
                 QueueItem::Return { node_id, slots } => self.returned(&from, &node_id, slots),
                 QueueItem::Report {
                     fence: f,
