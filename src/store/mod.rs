@@ -217,6 +217,7 @@ impl LedgerRow {
     pub fn entry(&self) -> LedgerEntry {
         let count = |v: i64| u64::try_from(v).unwrap_or(0);
         LedgerEntry {
+            model: self.model.clone(),
             bounds: self.usage_bounds(),
             status: match self.status {
                 LedgerStatus::Reserved => EntryStatus::Reserved,

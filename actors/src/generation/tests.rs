@@ -25,6 +25,7 @@ mod leaving;
 mod model;
 mod overlap;
 mod properties;
+mod settled_metric;
 mod trust;
 
 const MODEL: &str = "llama-3.1-8b-instruct";

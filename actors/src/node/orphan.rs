@@ -5,7 +5,7 @@ use super::link;
 use super::msg::{NodeMsg, Violation};
 use crate::attempts::{self, Holder};
 use crate::lifecycle::{AttemptState, Event, Outcome};
-use crate::metric_names::STALE_FRAMES_TOTAL;
+use crate::metric_names::{STALE_FRAMES_TOTAL, count_settled_tokens};
 use crate::ports::{
     EntryStatus, LedgerEntry, MAX_TOKEN_COUNT, ReviewReason, SettleOutcome, Settlement,
 };
@@ -119,6 +119,17 @@ pub(super) async fn settle_orphan(
             }
         }
     }
+    // The row's model and bounds, read before it settles: a settle applied here is counted in
+    // `switchyard_settled_tokens_total` as the generation counts its own (what the bounds
+    // bill), and a read after the settle could fail and lose that count for good (the
+    // node's next copy finds the row final).
+    let row = match state.args.ledger.entry(&ledger_id).await {
+        Ok(row) => row,
+        Err(e) => {
+            tracing::warn!(%request_id, error = %e, "could not read an orphan done's row; left unacked");
+            return;
+        }
+    };
     let settlement = Settlement {
         request_id: ledger_id.clone(),
         prompt_tokens,
@@ -139,6 +150,12 @@ pub(super) async fn settle_orphan(
         }
     };
     tracing::info!(%request_id, attempt, ?outcome, "settled a done without a live generation");
+    if outcome == SettleOutcome::Applied
+        && let Some(row) = row
+    {
+        let billed = row.bounds.bill(prompt_tokens, completion_tokens);
+        count_settled_tokens(row.model, billed.prompt_tokens, billed.completion_tokens);
+    }
     // The record shows what the ledger holds, never the claim.
     if let (Some(store), Some(rec)) = (&state.args.lifecycle, record)
         && !rec.status.is_terminal()

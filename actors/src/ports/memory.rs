@@ -253,6 +253,7 @@ impl Ledger for MemoryLedger {
     async fn entry(&self, request_id: &str) -> Result<Option<super::LedgerEntry>, LedgerError> {
         self.check()?;
         Ok(self.row(request_id).map(|r| super::LedgerEntry {
+            model: r.reservation.model.clone(),
             bounds: r.reservation.bounds,
             status: match r.status {
                 RowStatus::Reserved => super::EntryStatus::Reserved,

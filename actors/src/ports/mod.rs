@@ -271,8 +271,11 @@ pub struct BatchReport {
 }
 
 /// A ledger row as far as the actors need it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LedgerEntry {
+    /// The model version it was admitted for (the `model` label of what its settle billed,
+    /// for a settle that has nothing else to read it from: an orphan `done`).
+    pub model: String,
     /// The bounds it was reserved with ([`UsageBounds::UNBOUNDED`] for a row admitted before
     /// bounds existed).
     pub bounds: UsageBounds,

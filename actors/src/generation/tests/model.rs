@@ -594,6 +594,7 @@ impl World {
                     Ledger::Cancelled => Some(EntryStatus::Cancelled),
                 };
                 Some(Input::RowLookedUp(Ok(status.map(|status| LedgerEntry {
+                    model: "m".into(),
                     bounds: self.bounds,
                     status,
                 }))))

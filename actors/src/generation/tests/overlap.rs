@@ -12,9 +12,9 @@ use crate::ports::{Ledger, LedgerEntry, LedgerError, SettleOutcome, Settlement};
 /// A ledger whose reservations wait for a permit, then go to the memory ledger (or are
 /// refused for the balance).
 #[derive(Debug)]
-struct GatedLedger {
+pub(super) struct GatedLedger {
     inner: Arc<MemoryLedger>,
-    gate: Semaphore,
+    pub(super) gate: Semaphore,
     refuse: bool,
 }
 
@@ -40,7 +40,7 @@ impl Ledger for GatedLedger {
 
 /// Starts `id` through `ledger` in the background (its admission answers only once the row
 /// has committed).
-fn start_gated(
+pub(super) fn start_gated(
     h: &Harness,
     id: &str,
     ledger: Arc<GatedLedger>,
@@ -50,7 +50,7 @@ fn start_gated(
     tokio::spawn(async move { gens.start_generation(args, rx).await })
 }
 
-fn gated(h: &Harness, refuse: bool) -> Arc<GatedLedger> {
+pub(super) fn gated(h: &Harness, refuse: bool) -> Arc<GatedLedger> {
     Arc::new(GatedLedger {
         inner: h.ledger.clone(),
         gate: Semaphore::new(0),
