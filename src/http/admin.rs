@@ -680,6 +680,7 @@ pub async fn list_nodes(
                 "location": node.location,
                 "models": node.models,
                 "gpus": node.gpus,
+                "pool": node.pool.as_deref().unwrap_or(super::costs::UNASSIGNED),
                 "health": health,
                 "queue_depth": hb("queue_depth").and_then(|v| v.parse::<u64>().ok()),
                 "running": hb("running").and_then(|v| v.parse::<u64>().ok()),

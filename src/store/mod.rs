@@ -172,6 +172,8 @@ pub struct NodeRecord {
     pub orchestrator_id: Option<String>,
     /// Set when an admin drained the node.
     pub drained_at: Option<DateTime<Utc>>,
+    /// The pool its GPU hours are priced in (`PUT /admin/nodes/{id}/pool`); `None`: unassigned.
+    pub pool: Option<String>,
     /// When the node was first created.
     pub created_at: DateTime<Utc>,
 }

@@ -10,7 +10,7 @@ use switchyard_actors::ports::{NodeDayUsage, Reservation, Settlement, UsageBound
 
 use super::bounds::bounded;
 use super::{LedgerConformanceError, Outcome, funded_team};
-use crate::store::{Store, StoreError};
+use crate::store::{NodeRecord, Store, StoreError};
 
 /// Runs every check in turn.
 pub async fn node_days_conformance_suite(s: &dyn Store, prefix: &str) -> Outcome {
@@ -199,7 +199,8 @@ pub async fn node_day_ledger_sums_settles_by_node(s: &dyn Store, prefix: &str) -
     Ok(())
 }
 
-/// A pool is set on a known node only, with a valid name, and can be cleared.
+/// A pool is set on a known node only, with a valid name, shows in the node's record, and
+/// can be cleared.
 pub async fn node_pools_are_checked(s: &dyn Store, prefix: &str) -> Outcome {
     const CHECK: &str = "node_pools_are_checked";
     let node = format!("{prefix}np-a");
@@ -218,6 +219,18 @@ pub async fn node_pools_are_checked(s: &dyn Store, prefix: &str) -> Outcome {
         }
     }
     s.set_node_pool(&node, Some("gpu-h100")).await?;
+    let pool = |n: Option<NodeRecord>| n.and_then(|n| n.pool);
+    let set = pool(s.node(&node).await?);
+    if set.as_deref() != Some("gpu-h100") {
+        return Err(violated(
+            CHECK,
+            format!("the node's record shows pool {set:?}"),
+        ));
+    }
     s.set_node_pool(&node, None).await?;
+    let cleared = pool(s.node(&node).await?);
+    if cleared.is_some() {
+        return Err(violated(CHECK, format!("a cleared pool reads {cleared:?}")));
+    }
     Ok(())
 }

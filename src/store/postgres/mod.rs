@@ -66,7 +66,7 @@ macro_rules! key_columns {
 macro_rules! node_columns {
     () => {
         "id, location, token_hash, gpus::text AS gpus, models, last_seen, orchestrator_id, \
-         drained_at, created_at"
+         drained_at, pool, created_at"
     };
 }
 

@@ -93,6 +93,7 @@ pub(super) fn node_from_row(row: &PgRow) -> Result<NodeRecord, StoreError> {
         last_seen: col(row, "last_seen")?,
         orchestrator_id: col(row, "orchestrator_id")?,
         drained_at: col(row, "drained_at")?,
+        pool: col(row, "pool")?,
         created_at: col(row, "created_at")?,
     })
 }

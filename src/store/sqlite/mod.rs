@@ -61,7 +61,7 @@ macro_rules! key_columns {
 macro_rules! node_columns {
     () => {
         "id, location, token_hash, gpus, models, last_seen, orchestrator_id, drained_at, \
-         created_at"
+         pool, created_at"
     };
 }
 

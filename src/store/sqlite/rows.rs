@@ -96,6 +96,7 @@ pub(super) fn node_from_row(row: &SqliteRow) -> Result<NodeRecord, StoreError> {
         last_seen: opt_time(col(row, "last_seen")?)?,
         orchestrator_id: col(row, "orchestrator_id")?,
         drained_at: opt_time(col(row, "drained_at")?)?,
+        pool: col(row, "pool")?,
         created_at: time(col(row, "created_at")?)?,
     })
 }
