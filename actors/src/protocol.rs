@@ -172,6 +172,11 @@ pub enum NodeFrame {
         )]
         engine_counters: Option<EngineCounters>,
     },
+    /// The node is going away (its agent got SIGTERM: a pod deleted, a spot reclaim, a
+    /// host shutdown): give it no new work; what it runs finishes, then it disconnects. The
+    /// node's side of `drain`; a server that predates it counts it as a malformed frame and
+    /// learns of the drain from the node's `error {code: "draining"}` refusals instead.
+    Draining {},
 }
 
 /// An engine's own cumulative token counters, as its `/metrics` page reports them (vLLM's
@@ -490,6 +495,16 @@ mod tests {
         ] {
             assert_eq!(read(bad), None, "{bad}");
         }
+    }
+
+    #[test]
+    fn a_draining_frame_is_its_type_alone() {
+        let text = r#"{"type":"draining"}"#;
+        assert_eq!(decode_node_frame(text), Ok(NodeFrame::Draining {}));
+        assert_eq!(
+            serde_json::to_string(&NodeFrame::Draining {}).unwrap(),
+            text
+        );
     }
 
     #[test]

@@ -668,7 +668,10 @@ pub async fn list_nodes(
                 )
                 .await
                 .ok();
-            let health = match (connected, node.drained_at.is_some()) {
+            // Drained by an operator (recorded), or draining itself (a SIGTERM; its owner's
+            // heartbeat record says so).
+            let draining = node.drained_at.is_some() || hb("draining").is_some_and(|d| d == "true");
+            let health = match (connected, draining) {
                 (true, true) => "draining",
                 (true, false) => "ready",
                 // A drained agent finishes its work, then disconnects and exits.

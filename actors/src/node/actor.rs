@@ -109,7 +109,7 @@ pub struct NodeState {
     last_heartbeat: tokio::time::Instant,
     /// The last heartbeat's load.
     pub(super) load: NodeLoad,
-    /// Set by an operator drain: no new work.
+    /// Set by an operator's drain or the node's own (`draining`): no new work.
     pub(super) draining: bool,
     /// Times of this node's protocol violations within the trust window.
     violations: VecDeque<tokio::time::Instant>,
@@ -264,12 +264,8 @@ impl Actor for NodeActor {
             }
             NodeMsg::Frame(frame) => on_frame(state, &myself, frame).await,
             NodeMsg::Drain => {
-                state.draining = true;
                 send(state, &myself, ServerFrame::Drain {});
-                for queue in state.args.queues.values() {
-                    queue.node_draining(&state.args.node_id);
-                }
-                link::announce(state).await;
+                start_draining(state).await;
             }
             NodeMsg::LoadModel(name) => send(state, &myself, ServerFrame::LoadModel { name }),
             NodeMsg::ConnectionLost => myself.stop(Some("connection lost".into())),
@@ -458,6 +454,12 @@ pub(super) async fn on_frame(state: &mut NodeState, myself: &ActorRef<NodeMsg>, 
             }
             link::heartbeat(state, myself, gpu_util, &models).await;
         }
+        NodeFrame::Draining {} => {
+            if !state.draining {
+                tracing::info!(node_id = %state.args.node_id, in_flight = state.in_flight.len(), "the node is draining itself: no new work");
+            }
+            start_draining(state).await;
+        }
         NodeFrame::Accepted {
             request_id,
             attempt,
@@ -642,6 +644,16 @@ pub(super) async fn on_frame(state: &mut NodeState, myself: &ActorRef<NodeMsg>, 
             }
         }
     }
+}
+
+/// No new work for this node, here and (through the announcement) on every replica; what
+/// it runs finishes. An operator's drain and the node's own (`draining`, on SIGTERM) alike.
+async fn start_draining(state: &mut NodeState) {
+    state.draining = true;
+    for queue in state.args.queues.values() {
+        queue.node_draining(&state.args.node_id);
+    }
+    link::announce(state).await;
 }
 
 /// Codes that say the node's engine cannot take work at all: unreachable, or loading. An
