@@ -38,3 +38,9 @@ pub const REDIS_PREFIX: &str = "SWITCHYARD_REDIS_PREFIX";
 pub const REDIS_CA_FILE: &str = "SWITCHYARD_REDIS_CA_FILE";
 /// `switchyard node --ca-file`: extra CAs the agent trusts for a `wss://` server.
 pub const NODE_CA_FILE: &str = "SWITCHYARD_NODE_CA_FILE";
+/// `switchyard node --token`: the node's token.
+pub const NODE_TOKEN: &str = "SWITCHYARD_NODE_TOKEN";
+/// `switchyard node --token-file`: the file the node's token is read from.
+pub const NODE_TOKEN_FILE: &str = "SWITCHYARD_NODE_TOKEN_FILE";
+/// `switchyard node --gpus`: GPUs the node registers.
+pub const NODE_GPUS: &str = "SWITCHYARD_NODE_GPUS";

@@ -11,7 +11,7 @@ use clap::{Args, Parser, Subcommand};
 use switchyard::config::Config;
 use switchyard::coord::{Coordinator, RedisCoordinator, RedisCoordinatorOptions};
 use switchyard::demo::{self, Fleet, FleetConfig};
-use switchyard::node_agent::{self, AgentConfig};
+use switchyard::node_agent::{self, AgentConfig, NodeToken};
 use switchyard::server::Server;
 use switchyard::sim::{ExitMode, FaultSpec, Profile, ProfileArg, SimConfig, SimServer, Timing};
 use switchyard::{coord, store};
@@ -72,9 +72,27 @@ struct NodeArgs {
     /// This node's id, as issued with its token.
     #[arg(long)]
     node_id: String,
-    /// The per-node token (or SWITCHYARD_NODE_TOKEN).
-    #[arg(long, env = "SWITCHYARD_NODE_TOKEN", hide_env_values = true)]
-    token: String,
+    /// The per-node token (or SWITCHYARD_NODE_TOKEN); give this or --token-file.
+    #[arg(long, env = switchyard::env_names::NODE_TOKEN, hide_env_values = true)]
+    token: Option<String>,
+    /// File holding the per-node token (a mounted Kubernetes Secret), trimmed; read again
+    /// before every reconnect, so a rotated Secret takes effect without a restart.
+    #[arg(long, env = switchyard::env_names::NODE_TOKEN_FILE)]
+    token_file: Option<PathBuf>,
+    /// GPUs on this node, registered with the server: the cost report's GPU hours are the
+    /// node's connected hours times this.
+    #[arg(long, env = switchyard::env_names::NODE_GPUS, default_value_t = 0)]
+    gpus: u32,
+    /// Model name of those GPUs, as registered (e.g. "NVIDIA L40S").
+    #[arg(long, default_value = "unknown")]
+    gpu_name: String,
+    /// Memory of one of those GPUs, MiB, as registered.
+    #[arg(long, default_value_t = 0)]
+    gpu_memory_mib: u64,
+    /// On SIGTERM or SIGINT, how long in-flight work may run on before it is stopped and the
+    /// agent exits (a second signal stops at once): 110s, 2m, 500ms, 1m30s.
+    #[arg(long, default_value = "110s", value_parser = parse_duration)]
+    drain_timeout: Duration,
     /// The local engine's base URL.
     #[arg(long, default_value = "http://127.0.0.1:8000")]
     engine: String,
@@ -84,6 +102,37 @@ struct NodeArgs {
     /// PEM file of CAs trusted for an https:// server besides the web PKI roots.
     #[arg(long, env = switchyard::env_names::NODE_CA_FILE)]
     ca_file: Option<PathBuf>,
+}
+
+/// `110s`, `2m`, `500ms`, `1h`, `1m30s` or plain seconds (`110`).
+fn parse_duration(s: &str) -> Result<Duration, String> {
+    let bad = || format!("`{s}`: expected a duration such as 110s, 2m, 500ms or 1m30s");
+    let mut rest = s.trim();
+    if !rest.is_empty() && rest.bytes().all(|b| b.is_ascii_digit()) {
+        return rest.parse().map(Duration::from_secs).map_err(|_| bad());
+    }
+    let mut total = Duration::ZERO;
+    while !rest.is_empty() {
+        let digits = rest.find(|c: char| !c.is_ascii_digit()).ok_or_else(bad)?;
+        let value: u64 = rest[..digits].parse().map_err(|_| bad())?;
+        rest = &rest[digits..];
+        let unit_len = rest
+            .find(|c: char| c.is_ascii_digit())
+            .unwrap_or(rest.len());
+        let part = match &rest[..unit_len] {
+            "ms" => Duration::from_millis(value),
+            "s" => Duration::from_secs(value),
+            "m" => Duration::from_secs(value.saturating_mul(60)),
+            "h" => Duration::from_secs(value.saturating_mul(3_600)),
+            _ => return Err(bad()),
+        };
+        total = total.saturating_add(part);
+        rest = &rest[unit_len..];
+    }
+    if total.is_zero() {
+        return Err(bad());
+    }
+    Ok(total)
 }
 
 fn parse_location(s: &str) -> Result<Location, String> {
@@ -298,19 +347,99 @@ async fn migrate(args: MigrateArgs) -> anyhow::Result<()> {
 }
 
 async fn node(args: NodeArgs) -> anyhow::Result<()> {
-    let mut config = AgentConfig::new(args.server, args.node_id, args.token, args.engine);
+    let token = match (args.token, args.token_file) {
+        (Some(_), Some(_)) => anyhow::bail!(
+            "both a node token (--token or SWITCHYARD_NODE_TOKEN) and --token-file are given; \
+             give one"
+        ),
+        (None, None) => anyhow::bail!(
+            "no node token: give --token-file PATH, --token TOKEN or SWITCHYARD_NODE_TOKEN"
+        ),
+        (Some(token), None) => NodeToken::Value(token),
+        (None, Some(path)) => NodeToken::File(path),
+    };
+    let mut config = AgentConfig::new(args.server, args.node_id, String::new(), args.engine);
+    config.token = token;
     config.location = args.location;
     config.ca_file = args.ca_file;
+    config.gpus = node_agent::gpus(args.gpus, &args.gpu_name, args.gpu_memory_mib);
+    config.drain_timeout = args.drain_timeout;
+    if args.gpus == 0 {
+        tracing::warn!(
+            "no --gpus: the node registers no GPUs and the cost report counts no GPU hours for it"
+        );
+    }
+    let drain = config.drain.clone();
     let stop = CancellationToken::new();
     let mut agent = tokio::spawn(node_agent::run(config, stop.clone()));
+    let mut signals = Signals::new();
     tokio::select! {
-        () = shutdown_signal() => {
+        ended = &mut agent => return Ok(ended??),
+        () = signals.next() => {}
+    }
+    // The first signal drains: the server gives the node no new work, what runs may finish
+    // within --drain-timeout, then the agent closes and exits 0.
+    tracing::info!("signal received: draining (a second signal stops at once)");
+    drain.cancel();
+    tokio::select! {
+        ended = &mut agent => ended??,
+        () = signals.next() => {
+            tracing::warn!("second signal: stopping now");
             stop.cancel();
             agent.await??;
+            anyhow::bail!("stopped by a second signal before the drain finished");
         }
-        ended = &mut agent => ended??,
     }
     Ok(())
+}
+
+/// SIGTERM and SIGINT, each delivered once per signal, for as long as it lives (a listener
+/// made anew for every wait could miss a signal between two waits).
+struct Signals {
+    #[cfg(unix)]
+    term: Option<tokio::signal::unix::Signal>,
+    #[cfg(unix)]
+    int: Option<tokio::signal::unix::Signal>,
+}
+
+impl Signals {
+    fn new() -> Self {
+        #[cfg(unix)]
+        {
+            use tokio::signal::unix::{SignalKind, signal};
+            Self {
+                term: signal(SignalKind::terminate()).ok(),
+                int: signal(SignalKind::interrupt()).ok(),
+            }
+        }
+        #[cfg(not(unix))]
+        Self {}
+    }
+
+    /// The next SIGTERM or SIGINT (Ctrl-C elsewhere).
+    async fn next(&mut self) {
+        #[cfg(unix)]
+        {
+            async fn recv(s: &mut Option<tokio::signal::unix::Signal>) {
+                match s {
+                    Some(s) => {
+                        if s.recv().await.is_none() {
+                            std::future::pending::<()>().await;
+                        }
+                    }
+                    None => std::future::pending::<()>().await,
+                }
+            }
+            tokio::select! {
+                () = recv(&mut self.term) => {}
+                () = recv(&mut self.int) => {}
+            }
+        }
+        #[cfg(not(unix))]
+        {
+            let _ = tokio::signal::ctrl_c().await;
+        }
+    }
 }
 
 async fn sim(args: SimArgs) -> anyhow::Result<()> {

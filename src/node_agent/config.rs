@@ -2,10 +2,11 @@
 //! only errors that make [`super::run`] give up (everything else is retried).
 
 use std::fmt;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use switchyard_actors::protocol::{Gpu, Location, PROTOCOL_VERSION};
+use tokio_util::sync::CancellationToken;
 
 use super::faults::AgentFaults;
 
@@ -19,8 +20,9 @@ pub struct AgentConfig {
     pub server: String,
     /// The node's id, as issued with its token.
     pub node_id: String,
-    /// The per-node secret; never logged (the `Debug` output redacts it).
-    pub token: String,
+    /// The per-node secret, or the file it is read from; never logged (the `Debug` output
+    /// redacts it).
+    pub token: NodeToken,
     /// PEM file of CAs trusted for a `wss://` server besides the web PKI roots (`--ca-file`):
     /// an on-premises server's own CA.
     pub ca_file: Option<PathBuf>,
@@ -48,6 +50,74 @@ pub struct AgentConfig {
     /// Injected faults, none armed by default; keep a clone to arm them while the agent runs
     /// (tests and drills only).
     pub faults: AgentFaults,
+    /// Cancel it (keep a clone) to drain the node as on SIGTERM: the agent tells the server,
+    /// refuses new assignments, lets in-flight work finish for at most [`Self::drain_timeout`],
+    /// delivers its dones and stops.
+    pub drain: CancellationToken,
+    /// How long a drain started by [`Self::drain`] waits for in-flight work and the last acks
+    /// before it cancels what still runs and closes (`--drain-timeout`, 110 s: inside
+    /// Kubernetes' 120 s grace period).
+    pub drain_timeout: Duration,
+}
+
+/// Where the agent's node token comes from.
+#[derive(Clone, PartialEq, Eq)]
+pub enum NodeToken {
+    /// Given on the command line or in `SWITCHYARD_NODE_TOKEN`.
+    Value(String),
+    /// Read from this file (a mounted Kubernetes Secret), trimmed, again before every
+    /// connection, so a rotated Secret takes effect at the next reconnect.
+    File(PathBuf),
+}
+
+impl NodeToken {
+    /// The token to register with now.
+    pub(crate) fn read(&self) -> Result<String, AgentError> {
+        match self {
+            NodeToken::Value(v) => non_empty(v.trim(), None),
+            NodeToken::File(path) => {
+                let text = std::fs::read_to_string(path).map_err(|e| AgentError::TokenFile {
+                    path: path.clone(),
+                    reason: e.to_string(),
+                })?;
+                non_empty(text.trim(), Some(path))
+            }
+        }
+    }
+}
+
+fn non_empty(token: &str, file: Option<&Path>) -> Result<String, AgentError> {
+    if !token.is_empty() {
+        return Ok(token.to_owned());
+    }
+    Err(match file {
+        Some(path) => AgentError::TokenFile {
+            path: path.to_owned(),
+            reason: "the file is empty".into(),
+        },
+        None => AgentError::Config("the node token is empty".into()),
+    })
+}
+
+impl fmt::Debug for NodeToken {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            NodeToken::Value(_) => f.write_str("Value(<redacted>)"),
+            NodeToken::File(path) => f.debug_tuple("File").field(path).finish(),
+        }
+    }
+}
+
+/// `count` GPUs named `name` with `memory_mib` each, indexed from 0: what `--gpus` registers
+/// where no driver is queried.
+pub fn gpus(count: u32, name: &str, memory_mib: u64) -> Vec<Gpu> {
+    (0..count)
+        .map(|index| Gpu {
+            index,
+            name: name.to_owned(),
+            memory_mib,
+        })
+        .collect()
 }
 
 impl AgentConfig {
@@ -61,7 +131,7 @@ impl AgentConfig {
         Self {
             server: server.into(),
             node_id: node_id.into(),
-            token: token.into(),
+            token: NodeToken::Value(token.into()),
             ca_file: None,
             engine: engine.into(),
             location: Location::Onprem,
@@ -74,6 +144,8 @@ impl AgentConfig {
             health_poll_interval: Duration::from_secs(1),
             seed: None,
             faults: AgentFaults::default(),
+            drain: CancellationToken::new(),
+            drain_timeout: Duration::from_secs(110),
         }
     }
 
@@ -92,6 +164,9 @@ impl AgentConfig {
                 "backoff_min must be positive and at most backoff_max".into(),
             ));
         }
+        // Unreadable at start is a configuration error; later (a Secret being rotated) it is
+        // retried like a lost connection.
+        self.token.read()?;
         Ok(())
     }
 }
@@ -101,7 +176,7 @@ impl fmt::Debug for AgentConfig {
         f.debug_struct("AgentConfig")
             .field("server", &self.server)
             .field("node_id", &self.node_id)
-            .field("token", &"<redacted>")
+            .field("token", &self.token)
             .field("ca_file", &self.ca_file)
             .field("engine", &self.engine)
             .field("location", &self.location)
@@ -114,6 +189,8 @@ impl fmt::Debug for AgentConfig {
             .field("health_poll_interval", &self.health_poll_interval)
             .field("seed", &self.seed)
             .field("faults", &self.faults)
+            .field("drain", &self.drain.is_cancelled())
+            .field("drain_timeout", &self.drain_timeout)
             .finish()
     }
 }
@@ -136,6 +213,14 @@ pub enum AgentError {
     /// A setting is out of range.
     #[error("invalid configuration: {0}")]
     Config(String),
+    /// The `--token-file` could not be read or holds no token (never its contents).
+    #[error("node token file {}: {reason}", path.display())]
+    TokenFile {
+        /// The file.
+        path: PathBuf,
+        /// Why (an I/O error or "empty").
+        reason: String,
+    },
     /// The HTTP client for the engine could not be built.
     #[error("engine HTTP client: {0}")]
     HttpClient(String),
@@ -223,4 +308,46 @@ pub(crate) fn engine_base(engine: &str) -> Result<String, AgentError> {
         return Err(AgentError::EngineUrl("no host".into()));
     }
     Ok(url.as_str().trim_end_matches('/').to_owned())
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::panic)]
+    use super::*;
+
+    #[test]
+    fn a_token_file_is_trimmed_and_read_again_each_time() {
+        let dir = std::env::temp_dir().join(format!("sy-token-{:016x}", rand::random::<u64>()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("token");
+        std::fs::write(&path, "sy-node-first\n").unwrap();
+        let token = NodeToken::File(path.clone());
+        assert_eq!(token.read().unwrap(), "sy-node-first");
+        // A rotated Secret: the next connection registers with the new value.
+        std::fs::write(&path, "  sy-node-second \r\n").unwrap();
+        assert_eq!(token.read().unwrap(), "sy-node-second");
+        std::fs::write(&path, "\n").unwrap();
+        let empty = token.read().unwrap_err().to_string();
+        assert!(empty.contains("empty"), "{empty}");
+        std::fs::remove_file(&path).unwrap();
+        assert!(matches!(token.read(), Err(AgentError::TokenFile { .. })));
+        let _ = std::fs::remove_dir_all(&dir);
+        assert!(NodeToken::Value(" ".into()).read().is_err());
+    }
+
+    #[test]
+    fn the_token_never_shows_in_debug_output() {
+        let mut cfg = AgentConfig::new("http://x", "n", "sy-node-secret", "http://e");
+        assert!(!format!("{cfg:?}").contains("sy-node-secret"));
+        cfg.token = NodeToken::File("/run/secrets/node-token".into());
+        assert!(format!("{cfg:?}").contains("/run/secrets/node-token"));
+    }
+
+    #[test]
+    fn gpus_are_indexed_from_zero() {
+        let g = gpus(2, "NVIDIA L40S", 46_068);
+        assert_eq!(g.len(), 2);
+        assert_eq!((g[1].index, g[1].name.as_str(), g[1].memory_mib), (1, "NVIDIA L40S", 46_068));
+        assert!(gpus(0, "x", 0).is_empty());
+    }
 }

@@ -18,7 +18,10 @@
 //! engine's metrics cannot be read (see `heartbeat.rs`), `load_model` is logged and ignored (vLLM
 //! serves one model per process), a lost connection cancels in-flight work and keeps its
 //! `done` (`finish_reason: "abort"`, usage so far) for resending, and drain waits for in-flight
-//! work and then at most 60 s for the last acks.
+//! work and then at most 60 s for the last acks. The agent's own drain ([`AgentConfig::drain`],
+//! SIGTERM in `switchyard node`) also tells the server (`draining`, again after a reconnect)
+//! and ends at [`AgentConfig::drain_timeout`], stopping what still runs; the token
+//! ([`NodeToken`]) is read again before every connection, so a rotated file takes effect.
 //!
 //! Attempt leases (`lease.rs`): an `assign` carrying `lease_ms = L` runs only while the server
 //! is heard from. Any inbound message on the connection that carried it (a frame, a ping, a
@@ -56,7 +59,7 @@ use std::sync::Arc;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
-pub use config::{AgentConfig, AgentError, CONNECT_PATH, Endpoint, Scheme};
+pub use config::{AgentConfig, AgentError, CONNECT_PATH, Endpoint, NodeToken, Scheme, gpus};
 pub use faults::AgentFaults;
 pub use stats::AgentStats;
 pub use transport::{BoxIo, Dialer, Io, TcpDialer};
@@ -64,9 +67,10 @@ pub use transport::{BoxIo, Dialer, Io, TcpDialer};
 use backoff::FullJitter;
 use engine::EngineClient;
 use ledger::Ledger;
-use session::{SessionEnd, Shared};
+use session::{Drain, SessionEnd, Shared};
 
-/// Runs the agent until `shutdown` is cancelled or the server drains the node (both `Ok`).
+/// Runs the agent until `shutdown` is cancelled, or the server or [`AgentConfig::drain`]
+/// drains the node (all `Ok`).
 /// Connection and engine failures are retried forever; `Err` means the configuration is
 /// unusable (a bad URL, an unreadable `--ca-file`, out-of-range settings).
 pub async fn run(cfg: AgentConfig, shutdown: CancellationToken) -> Result<(), AgentError> {
@@ -124,12 +128,20 @@ async fn agent_loop(sh: Shared, shutdown: CancellationToken) {
     tracing::info!(server = %sh.endpoint().url, engine = %sh.cfg.engine, "node agent starting");
     let mut backoff = FullJitter::new(sh.cfg.backoff_min, sh.cfg.backoff_max, sh.cfg.seed);
     // Survives reconnects: a drained node only reconnects to deliver its last dones.
-    let mut draining = false;
+    let mut drain = Drain::default();
     loop {
-        let Some(models) = wait_for_engine(&sh, &shutdown).await else {
+        if drain.own() && sh.ledger.unacked_len() == 0 {
+            tracing::info!("drained: nothing left to deliver; agent stopping");
+            return;
+        }
+        let models = tokio::select! {
+            models = wait_for_engine(&sh, &shutdown) => models,
+            () = drain_over(&sh, &mut drain) => None,
+        };
+        let Some(models) = models else {
             break;
         };
-        let outcome = session::serve(&sh, models, &mut draining, &shutdown).await;
+        let outcome = session::serve(&sh, models, &mut drain, &shutdown).await;
         if outcome.registered {
             backoff.reset();
         }
@@ -158,6 +170,7 @@ async fn agent_loop(sh: Shared, shutdown: CancellationToken) {
         };
         tokio::select! {
             () = shutdown.cancelled() => break,
+            () = drain_over(&sh, &mut drain) => break,
             () = tokio::time::sleep(delay) => {}
         }
     }
@@ -166,6 +179,26 @@ async fn agent_loop(sh: Shared, shutdown: CancellationToken) {
         tracing::warn!(unacked, "shutting down with dones the server never acked");
     }
     tracing::info!("node agent stopped");
+}
+
+/// Between connections: resolves once the agent's own drain has begun and has nothing left
+/// to do here — no unacked done to deliver (only a connection could change that), or its
+/// deadline has passed.
+async fn drain_over(sh: &Shared, drain: &mut Drain) {
+    sh.cfg.drain.cancelled().await;
+    if !drain.own() {
+        tracing::info!("draining on request while disconnected");
+    }
+    drain.begin(sh.cfg.drain_timeout);
+    if sh.ledger.unacked_len() > 0
+        && let Some(deadline) = drain.deadline
+    {
+        tokio::time::sleep_until(deadline).await;
+        tracing::warn!(
+            unacked = sh.ledger.unacked_len(),
+            "drain timeout while disconnected"
+        );
+    }
 }
 
 /// Polls `/health` until it answers 200, then reads the served models; `None` on shutdown.

@@ -91,11 +91,36 @@ pub(crate) struct Outcome {
     pub end: SessionEnd,
 }
 
+/// Whether the node drains, kept across reconnects: a drained node only reconnects to
+/// deliver its last dones.
+#[derive(Debug, Default)]
+pub(crate) struct Drain {
+    /// No new assignments (the server's `drain`, or the agent's own).
+    pub on: bool,
+    /// Set when the agent drains itself ([`AgentConfig::drain`], SIGTERM): by then in-flight
+    /// work is cancelled and the agent stops whatever is left undelivered.
+    pub deadline: Option<Instant>,
+}
+
+impl Drain {
+    /// Starts the agent's own drain (once: a second call keeps the first deadline).
+    pub fn begin(&mut self, timeout: Duration) {
+        self.on = true;
+        self.deadline
+            .get_or_insert_with(|| Instant::now() + timeout);
+    }
+
+    /// Whether the agent drains itself (and must tell each server it registers with).
+    pub fn own(&self) -> bool {
+        self.deadline.is_some()
+    }
+}
+
 /// Runs one connection from dial to close.
 pub(crate) async fn serve(
     sh: &Shared,
     models: Vec<String>,
-    draining: &mut bool,
+    drain: &mut Drain,
     shutdown: &CancellationToken,
 ) -> Outcome {
     let registering = async {
@@ -113,8 +138,8 @@ pub(crate) async fn serve(
     let protocol = protocol.unwrap_or(1).min(sh.cfg.protocol);
     sh.stats.registered();
     tracing::info!(models = ?models, protocol, "registered");
-    let end = Session::start(sh, ws, models, protocol)
-        .run(draining, shutdown)
+    let end = Session::start(sh, ws, models, protocol, drain.own())
+        .run(drain, shutdown)
         .await;
     Outcome {
         registered: true,
@@ -124,9 +149,16 @@ pub(crate) async fn serve(
 
 /// Dials, shakes hands and sends `register`, all within [`CONNECT_TIMEOUT`].
 async fn connect(sh: &Shared, models: &[String]) -> Result<Ws, SessionEnd> {
+    // Read again for every connection: a rotated Secret takes effect at the next reconnect.
+    // A file that cannot be read now (mid-rotation, say) is retried like a lost connection.
+    let token = sh
+        .cfg
+        .token
+        .read()
+        .map_err(|e| SessionEnd::Lost(e.to_string()))?;
     let register = NodeFrame::Register {
         node_id: sh.cfg.node_id.clone(),
-        token: sh.cfg.token.clone(),
+        token,
         gpus: sh.cfg.gpus.clone(),
         models: models.to_vec(),
         version: sh.cfg.version.clone(),
@@ -243,12 +275,16 @@ enum Flow {
 }
 
 impl<'a> Session<'a> {
-    fn start(sh: &'a Shared, ws: Ws, models: Vec<String>, protocol: u32) -> Self {
+    fn start(sh: &'a Shared, ws: Ws, models: Vec<String>, protocol: u32, draining: bool) -> Self {
         let (sink, stream) = ws.split();
         // Unacked dones go first, before any heartbeat or new frame: they are queued before
-        // anything else can send, in a channel made large enough to take them all.
+        // anything else can send, in a channel made large enough to take them all. A node
+        // draining itself says so first of all, so this connection gets no new work.
         let unacked = sh.ledger.unacked();
-        let (out, rx) = mpsc::channel(OUTGOING_CAPACITY + unacked.len());
+        let (out, rx) = mpsc::channel(OUTGOING_CAPACITY + unacked.len() + 1);
+        if draining {
+            let _ = out.try_send(Outgoing::Frame(NodeFrame::Draining {}));
+        }
         if !unacked.is_empty() {
             tracing::info!(count = unacked.len(), "resending unacked dones");
         }
@@ -287,7 +323,8 @@ impl<'a> Session<'a> {
         }
     }
 
-    async fn run(mut self, draining: &mut bool, shutdown: &CancellationToken) -> SessionEnd {
+    async fn run(mut self, drain: &mut Drain, shutdown: &CancellationToken) -> SessionEnd {
+        let sh = self.sh;
         let idle = tokio::time::sleep(self.idle_timeout);
         tokio::pin!(idle);
         let mut drain_deadline: Option<Instant> = None;
@@ -297,7 +334,7 @@ impl<'a> Session<'a> {
             super::ledger::RESEND_AFTER / 2,
         );
         let end = loop {
-            if *draining && self.in_flight.is_empty() {
+            if drain.on && self.in_flight.is_empty() {
                 if self.sh.ledger.unacked_len() == 0 {
                     tracing::info!("drained: no work in flight and every done acked");
                     break SessionEnd::Drained;
@@ -321,7 +358,26 @@ impl<'a> Session<'a> {
                     if matches!(msg, Some(Ok(_))) {
                         self.leases.heard(now);
                     }
-                    self.on_message(msg, draining).await
+                    self.on_message(msg, &mut drain.on).await
+                }
+                () = sh.cfg.drain.cancelled(), if !drain.own() => {
+                    drain.begin(sh.cfg.drain_timeout);
+                    tracing::info!(
+                        in_flight = self.in_flight.len(),
+                        timeout_ms = sh.cfg.drain_timeout.as_millis() as u64,
+                        "draining on request: no new assignments; in-flight work may finish"
+                    );
+                    // Behind what is queued: the server hears it after the frames before it.
+                    let _ = self.out.send(Outgoing::Frame(NodeFrame::Draining {})).await;
+                    Flow::Continue
+                }
+                () = sleep_opt(drain.deadline) => {
+                    tracing::warn!(
+                        in_flight = self.in_flight.len(),
+                        unacked = self.sh.ledger.unacked_len(),
+                        "drain timeout: stopping what still runs and closing"
+                    );
+                    Flow::End(SessionEnd::Drained)
                 }
                 Some(joined) = self.tasks.join_next_with_id() => {
                     self.on_task_end(joined);
