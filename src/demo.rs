@@ -109,6 +109,9 @@ pub fn parse_nodes(spec: &str) -> Result<Vec<(String, u32)>, FleetError> {
         .collect()
 }
 
+/// The GPU the simulator's profiles model.
+const SIM_GPU_NAME: &str = "NVIDIA L40S";
+
 /// The simulator profile that fits a model's size.
 fn profile_for(model: &str) -> Profile {
     if model.contains("70b") {
@@ -134,10 +137,22 @@ pub struct SimNode {
     /// The agent's injected faults (for drills and tests).
     pub faults: node_agent::AgentFaults,
     agent_stop: CancellationToken,
+    agent_drain: CancellationToken,
     agent_task: tokio::task::JoinHandle<()>,
 }
 
 impl SimNode {
+    /// Drains the node as SIGTERM does `switchyard node`: the agent tells the server, takes
+    /// no new work, lets what runs finish (within its drain timeout) and stops.
+    pub fn drain_agent(&self) {
+        self.agent_drain.cancel();
+    }
+
+    /// Whether the agent has stopped (after a drain, a stop, or an unusable configuration).
+    pub fn agent_stopped(&self) -> bool {
+        self.agent_task.is_finished()
+    }
+
     /// Stops the agent (the engine keeps running).
     pub async fn stop_agent(&mut self) {
         self.agent_stop.cancel();
@@ -304,9 +319,10 @@ impl Fleet {
                 .then(|| models.iter().find(|m| m.embedding).map(|m| m.name.clone()))
                 .flatten()
         });
+        let profile = profile_for(model);
         let sim_config = SimConfig {
             model: model.to_owned(),
-            profile: profile_for(model),
+            profile,
             time_scale: config.time_scale,
             embedding_model,
             ..config.sim.clone()
@@ -322,7 +338,16 @@ impl Fleet {
         agent.backoff_min = config.agent_backoff_min;
         agent.heartbeat_interval = config.heartbeat_interval;
         agent.protocol = config.agent_protocol;
+        // The GPUs the simulated replica stands for (one L40S for 8B, two for 32B, four for
+        // 70B), so the cost report counts their hours.
+        let hardware = profile.spec();
+        agent.gpus = node_agent::gpus(
+            u32::try_from(hardware.gpus).unwrap_or(1),
+            SIM_GPU_NAME,
+            (hardware.gpu_memory_gib * 1024.0) as u64,
+        );
         let faults = agent.faults.clone();
+        let drain = agent.drain.clone();
         let stats = Arc::new(AgentStats::default());
         let stop = CancellationToken::new();
         let task = {
@@ -340,6 +365,7 @@ impl Fleet {
             agent_stats: stats,
             faults,
             agent_stop: stop,
+            agent_drain: drain,
             agent_task: task,
         })
     }

@@ -356,6 +356,8 @@ impl Stack {
             ])
             .args(["--engine", &format!("http://127.0.0.1:{port}")])
             .args(["--location", "cloud"])
+            // One GPU per simulated engine, so the cost report has hours to count.
+            .args(["--gpus", "1", "--gpu-name", "NVIDIA L40S"])
             .env("SWITCHYARD_NODE_TOKEN", token)
             .env("RUST_LOG", "warn")
             .stdout(Stdio::null())
