@@ -7,6 +7,8 @@ mod common;
 
 #[path = "server/admin.rs"]
 mod admin;
+#[path = "server/agent.rs"]
+mod agent;
 #[path = "server/embeddings.rs"]
 mod embeddings;
 #[path = "server/failures.rs"]
@@ -35,6 +37,8 @@ mod path;
 mod production;
 #[path = "server/refusals.rs"]
 mod refusals;
+#[path = "server/reports.rs"]
+mod reports;
 #[path = "server/sdk.rs"]
 mod sdk;
 #[path = "server/trust.rs"]
