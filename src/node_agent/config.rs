@@ -347,7 +347,10 @@ mod tests {
     fn gpus_are_indexed_from_zero() {
         let g = gpus(2, "NVIDIA L40S", 46_068);
         assert_eq!(g.len(), 2);
-        assert_eq!((g[1].index, g[1].name.as_str(), g[1].memory_mib), (1, "NVIDIA L40S", 46_068));
+        assert_eq!(
+            (g[1].index, g[1].name.as_str(), g[1].memory_mib),
+            (1, "NVIDIA L40S", 46_068)
+        );
         assert!(gpus(0, "x", 0).is_empty());
     }
 }
