@@ -37,65 +37,101 @@ async fn draining(fleet: &switchyard::demo::Fleet, id: &str) -> bool {
     stats.nodes.iter().any(|(n, _, d)| n == id && *d)
 }
 
+/// A `switchyard node` process for `engine`, its token in a file as a Secret is mounted.
+struct Agent {
+    child: tokio::process::Child,
+    token: String,
+    log: Option<tokio::task::JoinHandle<String>>,
+    dir: std::path::PathBuf,
+}
+
+impl Agent {
+    async fn start(
+        fleet: &switchyard::demo::Fleet,
+        engine: &SimServer,
+        node_id: &str,
+        drain_timeout: &str,
+    ) -> Agent {
+        let base = fleet.server.base_url();
+        let issued: Value = http()
+            .post(format!("{base}/admin/nodes"))
+            .bearer_auth(&fleet.admin_token)
+            .json(&json!({"node_id": node_id, "location": "cloud"}))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        let token = issued["token"].as_str().unwrap().to_owned();
+        let dir = std::env::temp_dir().join(format!("sy-agent-{:016x}", rand::random::<u64>()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let token_file = dir.join("token");
+        // As a Secret is mounted: the value with a trailing newline.
+        std::fs::write(&token_file, format!("{token}\n")).unwrap();
+        let mut agent = tokio::process::Command::new(env!("CARGO_BIN_EXE_switchyard"))
+            .args(["node", "--server", &base, "--node-id", node_id])
+            .arg("--token-file")
+            .arg(&token_file)
+            .args([
+                "--gpus",
+                "2",
+                "--gpu-name",
+                "NVIDIA L40S",
+                "--gpu-memory-mib",
+                "46068",
+            ])
+            .args(["--engine", &engine.base_url(), "--location", "cloud"])
+            .args(["--drain-timeout", drain_timeout])
+            .env_remove("SWITCHYARD_NODE_TOKEN")
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap();
+        let mut stderr = agent.stderr.take().unwrap();
+        let log = tokio::spawn(async move {
+            let mut text = String::new();
+            let _ = stderr.read_to_string(&mut text).await;
+            text
+        });
+        Agent {
+            child: agent,
+            token,
+            log: Some(log),
+            dir,
+        }
+    }
+
+    /// Sends SIGTERM.
+    async fn signal(&self) {
+        let pid = self.child.id().unwrap().to_string();
+        let killed = tokio::process::Command::new("kill")
+            .args(["-TERM", &pid])
+            .status()
+            .await
+            .unwrap();
+        assert!(killed.success());
+    }
+
+    /// Its stderr, once it has exited.
+    async fn log(&mut self) -> String {
+        self.log.take().unwrap().await.unwrap()
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_drains_the_node_lets_its_stream_finish_and_exits_zero() {
     let fleet = fleet(&[], 1.0, |_| {}).await;
-    let base = fleet.server.base_url();
-    let engine = SimServer::start(SimConfig {
-        model: MODEL.into(),
-        ..SimConfig::default()
-    })
-    .await
-    .unwrap();
-    let issued: Value = http()
-        .post(format!("{base}/admin/nodes"))
-        .bearer_auth(&fleet.admin_token)
-        .json(&json!({"node_id": "proc-1", "location": "cloud"}))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
-    let token = issued["token"].as_str().unwrap().to_owned();
-    let dir = std::env::temp_dir().join(format!("sy-agent-{:016x}", rand::random::<u64>()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let token_file = dir.join("token");
-    // As a Secret is mounted: the value with a trailing newline.
-    std::fs::write(&token_file, format!("{token}\n")).unwrap();
-    let mut agent = tokio::process::Command::new(env!("CARGO_BIN_EXE_switchyard"))
-        .args(["node", "--server", &base, "--node-id", "proc-1"])
-        .arg("--token-file")
-        .arg(&token_file)
-        .args([
-            "--gpus",
-            "2",
-            "--gpu-name",
-            "NVIDIA L40S",
-            "--gpu-memory-mib",
-            "46068",
-        ])
-        .args(["--engine", &engine.base_url(), "--location", "cloud"])
-        .args(["--drain-timeout", "30s"])
-        .env_remove("SWITCHYARD_NODE_TOKEN")
-        .env("RUST_LOG", "info")
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()
-        .unwrap();
-    let mut stderr = agent.stderr.take().unwrap();
-    let log = tokio::spawn(async move {
-        let mut text = String::new();
-        let _ = stderr.read_to_string(&mut text).await;
-        text
-    });
-    wait_for(Duration::from_secs(20), "the agent to register", || async {
-        node(&fleet, "proc-1")
-            .await
-            .is_some_and(|n| n["health"] == "ready")
-    })
-    .await;
+    let (engine, mut agent) = ready_agent(&fleet, "proc-1", "30s").await;
+    let token = agent.token.clone();
     let listed = node(&fleet, "proc-1").await.unwrap();
     let gpus = listed["gpus"].as_array().unwrap();
     assert_eq!(gpus.len(), 2, "{listed}");
@@ -127,13 +163,7 @@ async fn sigterm_drains_the_node_lets_its_stream_finish_and_exits_zero() {
         }
         text
     });
-    let pid = agent.id().unwrap().to_string();
-    let killed = tokio::process::Command::new("kill")
-        .args(["-TERM", &pid])
-        .status()
-        .await
-        .unwrap();
-    assert!(killed.success());
+    agent.signal().await;
     wait_for(
         Duration::from_secs(10),
         "the server to see the node draining",
@@ -174,7 +204,7 @@ async fn sigterm_drains_the_node_lets_its_stream_finish_and_exits_zero() {
         "the stream finished during the drain"
     );
     assert!(!text.contains("\"error\""), "{text}");
-    let status = tokio::time::timeout(Duration::from_secs(30), agent.wait())
+    let status = tokio::time::timeout(Duration::from_secs(30), agent.child.wait())
         .await
         .expect("the agent exits after its drain")
         .unwrap();
@@ -190,10 +220,119 @@ async fn sigterm_drains_the_node_lets_its_stream_finish_and_exits_zero() {
         engine_tokens as u64, completion,
         "the draining node's engine ran nothing but the first stream"
     );
-    let log = log.await.unwrap();
+    let log = agent.log().await;
     assert!(log.contains("draining"), "{log}");
     assert!(!log.contains(&token), "the token never reaches the log");
-    let _ = std::fs::remove_dir_all(&dir);
+    engine.shutdown().await;
+    fleet.shutdown(Duration::from_secs(1)).await;
+}
+
+/// Starts an engine and a process agent for it on `fleet` and waits until it is ready.
+async fn ready_agent(
+    fleet: &switchyard::demo::Fleet,
+    node_id: &str,
+    drain_timeout: &str,
+) -> (SimServer, Agent) {
+    let engine = SimServer::start(SimConfig {
+        model: MODEL.into(),
+        ..SimConfig::default()
+    })
+    .await
+    .unwrap();
+    let agent = Agent::start(fleet, &engine, node_id, drain_timeout).await;
+    wait_for(Duration::from_secs(20), "the agent to register", || async {
+        node(fleet, node_id)
+            .await
+            .is_some_and(|n| n["health"] == "ready")
+    })
+    .await;
+    (engine, agent)
+}
+
+/// Sends a long stream and returns once its first content arrived, with the task reading
+/// the rest.
+async fn running_stream(fleet: &switchyard::demo::Fleet) -> tokio::task::JoinHandle<String> {
+    let resp = post_chat(
+        fleet,
+        &chat_body("small", "Tell me a long story.", 400, true),
+    )
+    .await;
+    assert_eq!(resp.status(), 200);
+    let mut body = resp.bytes_stream();
+    let mut text = String::new();
+    while !text.contains("\"content\":\"") || !text.contains("\n\n") {
+        let chunk = body.next().await.expect("a first chunk").unwrap();
+        text.push_str(&String::from_utf8_lossy(&chunk));
+    }
+    tokio::spawn(async move {
+        while let Some(Ok(c)) = body.next().await {
+            text.push_str(&String::from_utf8_lossy(&c));
+        }
+        text
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn work_still_running_at_the_drain_timeout_is_stopped_and_billed_and_the_agent_exits_zero() {
+    let fleet = fleet(&[], 1.0, |_| {}).await;
+    let (engine, mut agent) = ready_agent(&fleet, "proc-2", "1s").await;
+    // About 8.5 s of decoding: far past the drain timeout.
+    let rest = running_stream(&fleet).await;
+    let signalled = std::time::Instant::now();
+    agent.signal().await;
+    let status = tokio::time::timeout(Duration::from_secs(10), agent.child.wait())
+        .await
+        .expect("the agent exits at its drain timeout")
+        .unwrap();
+    assert_eq!(status.code(), Some(0));
+    assert!(
+        signalled.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        signalled.elapsed()
+    );
+    let text = rest.await.unwrap();
+    assert!(
+        !text.contains("data: [DONE]"),
+        "the stream was stopped, not finished"
+    );
+    assert!(text.contains("model_backend_error"), "{text}");
+    let id = crate::common::completion_id(&text);
+    let row = crate::common::settled_row(&fleet.store, &id).await;
+    assert!(row.completion_tokens > 0, "billed for what it got: {row:?}");
+    assert!(row.completion_tokens < 400, "{row:?}");
+    engine.shutdown().await;
+    fleet.shutdown(Duration::from_secs(1)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_signal_stops_the_agent_at_once() {
+    let fleet = fleet(&[], 1.0, |_| {}).await;
+    let (engine, mut agent) = ready_agent(&fleet, "proc-3", "60s").await;
+    let rest = running_stream(&fleet).await;
+    agent.signal().await;
+    wait_for(
+        Duration::from_secs(10),
+        "the server to see the node draining",
+        || draining(&fleet, "proc-3"),
+    )
+    .await;
+    assert!(!rest.is_finished());
+    let signalled = std::time::Instant::now();
+    agent.signal().await;
+    let status = tokio::time::timeout(Duration::from_secs(10), agent.child.wait())
+        .await
+        .expect("the agent stops at the second signal")
+        .unwrap();
+    assert_eq!(status.code(), Some(1));
+    assert!(
+        signalled.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        signalled.elapsed()
+    );
+    let log = agent.log().await;
+    assert!(log.contains("second signal"), "{log}");
+    let text = rest.await.unwrap();
+    assert!(!text.contains("data: [DONE]"));
     engine.shutdown().await;
     fleet.shutdown(Duration::from_secs(1)).await;
 }
