@@ -55,7 +55,12 @@
 //!   return (`ClientBack`) keeping it past its cancel grace: `generation/core/ending.rs`;
 //! - who settles a row: every path in `generation/core/ending.rs` (the settle and its retry
 //!   timers in `generation/core/settle.rs`), the supervisor for a crashed generation,
-//!   `settle_orphan` for a `done` without a generation;
+//!   `settle_orphan` (in `node/orphan.rs`) for a `done` without a generation; each applied
+//!   settle counted once in `switchyard_settled_tokens_total`: `count_settled_tokens` in
+//!   `metric_names.rs`, tested in `generation/tests/settled_metric.rs`;
+//! - a node drained, by an operator (`NodeMsg::Drain`) or by itself (its `draining` frame, on
+//!   SIGTERM): `start_draining` in `node/actor.rs`, told to the other replicas by `announce`
+//!   in `node/link.rs`;
 //! - what each crash costs and who repairs it: [`supervision`] (restart policies in
 //!   `supervision/mod.rs`, a queue's rebuild in `supervision/queues.rs`, a node's cleanup in
 //!   `supervision/nodes.rs`).
