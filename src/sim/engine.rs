@@ -297,6 +297,9 @@ impl Engine {
                 tokio::time::sleep_until(deadline).await;
             }
             self.apply(plan, deadline);
+            self.lock_stats()
+                .busy
+                .record(start.into_std(), deadline.into_std());
             clock = Some(deadline);
         }
     }

@@ -37,6 +37,8 @@ pub struct AppState {
     pub engine: EngineHandle,
     pub faults: Mutex<Faults>,
     pub cache_info: CacheInfo,
+    /// The GPUs the replica stands for, exported as DCGM's gauges.
+    pub gpu: super::gpu::GpuInfo,
     pub exit_mode: ExitMode,
     pub shutdown: CancellationToken,
     /// The pending exit fault, if one is armed.
@@ -95,6 +97,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/health", get(health))
         .route("/version", get(version))
         .route("/metrics", get(metrics_page))
+        .route("/sim/gpu/metrics", get(gpu_metrics_page))
         .route(
             "/sim/faults",
             get(get_faults).post(post_faults).delete(delete_faults),
@@ -253,6 +256,25 @@ async fn version() -> Json<serde_json::Value> {
 
 async fn metrics_page(State(state): State<Arc<AppState>>) -> Response {
     let page = metrics::render(&state.engine.stats(), &state.cache_info);
+    (
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        page,
+    )
+        .into_response()
+}
+
+/// The simulated GPUs as a DCGM exporter beside the engine would show them: a separate page,
+/// as the exporter is a separate scrape target on a real node ([`super::gpu`]).
+async fn gpu_metrics_page(State(state): State<Arc<AppState>>) -> Response {
+    let page = super::gpu::render(
+        &state.engine.stats().busy,
+        &state.gpu,
+        // The engine's clock (tokio's, which tests may pause).
+        tokio::time::Instant::now().into_std(),
+    );
     (
         [(
             header::CONTENT_TYPE,

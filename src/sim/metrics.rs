@@ -102,6 +102,8 @@ pub struct EngineStats {
     pub queue_time: Histogram,
     pub request_prompt_tokens: Histogram,
     pub request_generation_tokens: Histogram,
+    /// When the engine was running steps (the simulated GPUs' activity, [`super::gpu`]).
+    pub busy: super::gpu::BusyMeter,
 }
 
 impl EngineStats {
@@ -123,6 +125,7 @@ impl EngineStats {
             queue_time: Histogram::new(REQUEST_SECONDS_BUCKETS),
             request_prompt_tokens: Histogram::new(TOKEN_COUNT_BUCKETS),
             request_generation_tokens: Histogram::new(TOKEN_COUNT_BUCKETS),
+            busy: super::gpu::BusyMeter::default(),
         }
     }
 

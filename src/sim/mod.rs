@@ -10,6 +10,7 @@ mod embeddings;
 mod engine;
 mod faults;
 mod generate;
+mod gpu;
 mod http;
 mod logprobs;
 mod metrics;
@@ -244,6 +245,13 @@ impl SimServer {
             engine,
             faults: Mutex::new(faults),
             cache_info,
+            gpu: gpu::GpuInfo {
+                gpus: engine_cfg.spec.gpus,
+                memory_mib: engine_cfg.spec.gpu_memory_gib * 1024.0,
+                utilization: config.gpu_memory_utilization,
+                serial: (started_unix * 1e3) as u64,
+                hostname: gpu::GpuInfo::hostname(),
+            },
             exit_mode: config.exit_mode,
             shutdown: shutdown.clone(),
             embedding_model: config.embedding_model.clone(),
