@@ -185,6 +185,7 @@ merge functions drop false and 0 (serve: false, minReplicas: 0), hence one field
 {{- if not (hasKey $s "maxNumSeqsCap") }}{{ $_ := set $s "maxNumSeqsCap" 256 }}{{ end -}}
 {{- $t := default dict $m.tokenizer -}}
 {{- $a := default dict $m.autoscaling -}}
+{{- $al := default dict $m.alerts -}}
 {{- $min := ternary $a.minReplicas 1 (hasKey $a "minReplicas") -}}
 {{- $target := max 1 (div (mul (int64 $s.streams) 3) 4) -}}
 {{- $auto := dict
@@ -209,7 +210,7 @@ merge functions drop false and 0 (serve: false, minReplicas: 0), hence one field
       "extraArgs" (default list $m.extraArgs)
       "startupTimeoutSeconds" (default 1800 $m.startupTimeoutSeconds)
       "autoscaling" $auto
-      "alerts" (dict "ttftP95Seconds" (dig "alerts" "ttftP95Seconds" 3 $m)) -}}
+      "alerts" (dict "ttftP95Seconds" (dig "alerts" "ttftP95Seconds" 3 $m) "ledgerDriftRatio" (ternary $al.ledgerDriftRatio 0.01 (hasKey $al "ledgerDriftRatio"))) -}}
 {{- if and $.Values.vllm.enabled $n.serve (not $n.resources) -}}
 {{- fail (printf "models[%s].resources is required: the CPU and memory requests of its vLLM pods" $m.key) -}}
 {{- end -}}
