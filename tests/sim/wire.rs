@@ -453,3 +453,75 @@ async fn continuous_usage_stats_put_running_totals_on_every_chunk() {
     );
     sim.shutdown().await;
 }
+
+/// `/sim/gpu/metrics`: the profile's GPUs as DCGM exporter shows them, busy while the engine
+/// ran steps; vLLM's own page stays vLLM's.
+#[tokio::test]
+async fn simulated_gpus_show_the_engines_busy_time_as_dcgm_exporter_does() {
+    let sim = tiny_sim(1.0).await;
+    let base = sim.base_url();
+    let active = |page: &str| -> f64 {
+        let line = page
+            .lines()
+            .find(|l| l.starts_with("DCGM_FI_PROF_GR_ENGINE_ACTIVE{gpu=\"0\","))
+            .unwrap_or_else(|| panic!("no engine activity for GPU 0 in {page}"));
+        line.rsplit(' ').next().unwrap().parse().unwrap()
+    };
+    let gpu_page = || async {
+        let resp = http()
+            .get(format!("{base}/sim/gpu/metrics"))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 200);
+        resp.text().await.unwrap()
+    };
+    let idle = gpu_page().await;
+    assert_eq!(active(&idle), 0.0, "{idle}");
+    for family in [
+        "DCGM_FI_DEV_GPU_UTIL",
+        "DCGM_FI_DEV_FB_USED",
+        "DCGM_FI_DEV_FB_FREE",
+    ] {
+        assert!(idle.contains(&format!("# TYPE {family} gauge")), "{idle}");
+    }
+    // While a stream is being decoded the engine runs a step every few tens of milliseconds:
+    // the last second holds some of them. (The exact share is unit-tested in src/sim/gpu.rs.)
+    let mut stream = http()
+        .post(format!("{base}/v1/chat/completions"))
+        .json(&serde_json::json!({
+            "model": "tiny",
+            "messages": [{"role": "user", "content": "Hi"}],
+            "max_tokens": 400,
+            "stream": true
+        }))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(stream.status(), 200);
+    // A few tokens in: decode steps have run (the role chunk may come before any).
+    let mut received = 0;
+    while received < 200 {
+        received += stream
+            .chunk()
+            .await
+            .unwrap()
+            .expect("the stream ended early")
+            .len();
+    }
+    let busy = gpu_page().await;
+    assert!(active(&busy) > 0.0, "{busy}");
+    drop(stream);
+    let vllm = http()
+        .get(format!("{base}/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        !vllm.contains("DCGM_FI_"),
+        "vLLM's page has no DCGM metrics"
+    );
+}
