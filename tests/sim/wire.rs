@@ -501,7 +501,7 @@ async fn simulated_gpus_show_the_engines_busy_time_as_dcgm_exporter_does() {
     assert_eq!(stream.status(), 200);
     // A few tokens in: decode steps have run (the role chunk may come before any).
     let mut received = 0;
-    while received < 200 {
+    while received < 600 {
         received += stream
             .chunk()
             .await
