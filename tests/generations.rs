@@ -15,6 +15,8 @@ mod fencing;
 mod harness;
 #[path = "generations/idempotency.rs"]
 mod idempotency;
+#[path = "generations/nodes_lost.rs"]
+mod nodes_lost;
 #[path = "generations/output.rs"]
 mod output;
 #[path = "generations/quota.rs"]

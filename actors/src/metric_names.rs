@@ -50,6 +50,13 @@ pub const SETTLED_TOKENS_TOTAL: &str = "switchyard_settled_tokens_total";
 pub const NODE_LAST_HEARTBEAT_TIMESTAMP_SECONDS: &str =
     "switchyard_node_last_heartbeat_timestamp_seconds";
 
+/// Counter: nodes the replica holding their socket dropped without their having drained (the
+/// socket closed or failed, or heartbeats stopped), by `node`. A node that said `draining` (its
+/// agent's SIGTERM) or was drained by an operator and then left is not counted, nor is one
+/// disconnected for protocol violations ([`NODE_PROTOCOL_VIOLATIONS_TOTAL`]). Each node's
+/// series starts at 0 when it registers, so `increase()` sees its first loss.
+pub const NODES_LOST_TOTAL: &str = "switchyard_nodes_lost_total";
+
 /// Adds what one settle billed to [`SETTLED_TOKENS_TOTAL`].
 pub(crate) fn count_settled_tokens(model: String, prompt: u64, completion: u64) {
     metrics::counter!(SETTLED_TOKENS_TOTAL, "model" => model.clone(), "kind" => "prompt")

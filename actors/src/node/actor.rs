@@ -111,6 +111,8 @@ pub struct NodeState {
     pub(super) load: NodeLoad,
     /// Set by an operator's drain or the node's own (`draining`): no new work.
     pub(super) draining: bool,
+    /// Already counted as lost (the actor is stopping): a loss is counted once.
+    pub(super) lost: bool,
     /// Times of this node's protocol violations within the trust window.
     violations: VecDeque<tokio::time::Instant>,
     /// Every violation since it connected (published with its heartbeat).
@@ -191,6 +193,7 @@ impl Actor for NodeActor {
             strays: std::collections::BTreeSet::new(),
             load: NodeLoad::default(),
             draining: false,
+            lost: false,
             violations: VecDeque::new(),
             violations_total: 0,
             refusals_in_a_row: 0,
@@ -268,7 +271,7 @@ impl Actor for NodeActor {
                 start_draining(state).await;
             }
             NodeMsg::LoadModel(name) => send(state, &myself, ServerFrame::LoadModel { name }),
-            NodeMsg::ConnectionLost => myself.stop(Some("connection lost".into())),
+            NodeMsg::ConnectionLost => link::dropped(state, &myself, "connection lost"),
             NodeMsg::CheckHeartbeat => {
                 let silent = state
                     .args
@@ -277,7 +280,7 @@ impl Actor for NodeActor {
                     .saturating_duration_since(state.last_heartbeat);
                 if silent > state.args.heartbeat_timeout {
                     tracing::warn!(node_id = %state.args.node_id, ?silent, "node missed its heartbeats; dropping it");
-                    myself.stop(Some("heartbeat timeout".into()));
+                    link::dropped(state, &myself, "heartbeat timeout");
                 }
             }
             NodeMsg::Violation { kind, request_id } => {
@@ -336,9 +339,9 @@ impl Actor for NodeActor {
 
 /// Writes a frame to the node (its socket, or its owner); a full or closed link means the
 /// node is gone.
-pub(super) fn send(state: &NodeState, myself: &ActorRef<NodeMsg>, frame: ServerFrame) {
+pub(super) fn send(state: &mut NodeState, myself: &ActorRef<NodeMsg>, frame: ServerFrame) {
     if !state.transport.send(frame) {
-        myself.stop(Some("the node's link is closed or full".into()));
+        link::dropped(state, myself, "the node's link is closed or full");
     }
 }
 
@@ -364,7 +367,7 @@ pub(super) async fn assign(
     let refused = if state.draining {
         Some("the node is draining")
     } else if !state.transport.send(frame) {
-        myself.stop(Some("the node's link is closed or full".into()));
+        link::dropped(state, myself, "the node's link is closed or full");
         Some("the node's connection is gone")
     } else {
         None

@@ -18,7 +18,7 @@ use crate::cluster::{
     to_node, to_replica,
 };
 use crate::generation::GenerationMsg;
-use crate::metric_names::STALE_FRAMES_TOTAL;
+use crate::metric_names::{NODES_LOST_TOTAL, STALE_FRAMES_TOTAL};
 use crate::protocol::{NodeFrame, ServerFrame, decode_node_frame};
 use crate::tasks::TaskGuard;
 
@@ -115,6 +115,9 @@ pub(super) async fn open(
 ) -> Result<(u64, Transport), ActorProcessingErr> {
     match &args.link {
         Link::Socket(outbound) => {
+            // The node's loss counter exists from its registration on, so the first loss is
+            // an increase Prometheus can see.
+            metrics::counter!(NODES_LOST_TOTAL, "node" => args.node_id.clone()).increment(0);
             let mut commands = args.coordinator.subscribe(&to_node(&args.node_id)).await?;
             let me = myself.clone();
             let listener = tokio::spawn(async move {
@@ -589,6 +592,19 @@ pub(super) async fn relayed(state: &mut NodeState, myself: &ActorRef<NodeMsg>, b
             }
         }
     }
+}
+
+/// The node is gone without having drained (its socket closed or failed, or its heartbeats
+/// stopped): the replica holding its socket counts it lost, once, and the actor stops. A node
+/// that drained (its agent's SIGTERM, an operator's drain) and then left is no loss; a proxy
+/// counts nothing, since the node's owner does.
+pub(super) fn dropped(state: &mut NodeState, myself: &ActorRef<NodeMsg>, why: &str) {
+    if matches!(state.transport, Transport::Socket { .. }) && !state.draining && !state.lost {
+        state.lost = true;
+        metrics::counter!(NODES_LOST_TOTAL, "node" => state.args.node_id.clone()).increment(1);
+        tracing::info!(node_id = %state.args.node_id, reason = why, "node lost without draining");
+    }
+    myself.stop(Some(why.to_owned()));
 }
 
 /// Every assignment of this proxy ends as on a lost node.
