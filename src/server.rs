@@ -302,6 +302,10 @@ impl Server {
         );
         let per_second =
             NonZeroU32::new(config.nodes.registrations_per_second).unwrap_or(NonZeroU32::MIN);
+        let metrics = metrics_handle();
+        switchyard_actors::metric_names::zero_known_series(
+            config.models.iter().map(|m| m.name.as_str()),
+        );
         let state = Arc::new(AppState {
             auth: Authenticator::new(
                 store.clone(),
@@ -330,7 +334,7 @@ impl Server {
             budgets,
             queues,
             view,
-            metrics: metrics_handle(),
+            metrics,
             clock,
             shutdown,
             config,

@@ -57,6 +57,22 @@ pub const NODE_LAST_HEARTBEAT_TIMESTAMP_SECONDS: &str =
 /// series starts at 0 when it registers, so `increase()` sees its first loss.
 pub const NODES_LOST_TOTAL: &str = "switchyard_nodes_lost_total";
 
+/// Exports at 0 the series of counters that otherwise appear only with their first event, so
+/// that `increase()` and `rate()` see that event (a series born at 1 shows no increase): actor
+/// restarts for every kind, fenced queue messages for each served model, and the refusals
+/// admission answers while its database, Redis or JWKS is unreachable. Only known label values,
+/// so the cardinality stays bounded. Call it once the recorder is installed.
+pub fn zero_known_series<'a>(models: impl IntoIterator<Item = &'a str>) {
+    for kind in crate::supervision::kind::ALL {
+        metrics::counter!(ACTOR_RESTARTS_TOTAL, "kind" => kind).increment(0);
+    }
+    for model in models {
+        metrics::counter!(QUEUE_FENCED_TOTAL, "model" => model.to_owned()).increment(0);
+    }
+    let code = crate::error::ErrorCode::QuotaServiceUnavailable.as_str();
+    metrics::counter!(REQUESTS_TOTAL, "model" => "", "code" => code).increment(0);
+}
+
 /// Adds what one settle billed to [`SETTLED_TOKENS_TOTAL`].
 pub(crate) fn count_settled_tokens(model: String, prompt: u64, completion: u64) {
     metrics::counter!(SETTLED_TOKENS_TOTAL, "model" => model.clone(), "kind" => "prompt")

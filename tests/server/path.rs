@@ -294,6 +294,17 @@ async fn health_readiness_and_metrics() {
     ] {
         assert!(page.contains(name), "{name} missing from /metrics");
     }
+    // Counters whose first event an alert must see exist before it (at 0, unless another test
+    // in this process already moved them).
+    for series in [
+        "switchyard_actor_restarts_total{kind=\"model_queue\"}",
+        "switchyard_actor_restarts_total{kind=\"supervisor\"}",
+        "switchyard_queue_fenced_total{model=\"llama-3.1-8b-instruct\"}",
+        "switchyard_requests_total{model=\"\",code=\"quota_service_unavailable\"}",
+        "switchyard_nodes_lost_total{node=\"small-1\"}",
+    ] {
+        assert!(page.contains(series), "{series} missing from /metrics");
+    }
     fleet.shutdown(Duration::from_secs(1)).await;
 }
 

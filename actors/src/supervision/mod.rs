@@ -39,6 +39,8 @@ pub mod kind {
     pub const TEAM_BUDGET: &str = "team_budget";
     /// A child supervisor (restarted by the root).
     pub const SUPERVISOR: &str = "supervisor";
+    /// Every kind, for the series exported at 0 before any crash.
+    pub const ALL: [&str; 5] = [GENERATION, NODE, MODEL_QUEUE, TEAM_BUDGET, SUPERVISOR];
 }
 
 /// How often, and how fast, a supervisor restarts a child before it gives up.
