@@ -299,7 +299,7 @@ async fn demo(args: DemoArgs) -> anyhow::Result<()> {
         ..FleetConfig::default()
     };
     let fleet = Fleet::start(config, &database_url).await.context(
-        "starting the demo (several replicas need PostgreSQL and Redis: see docs/operations.md)",
+        "starting the demo (several replicas need PostgreSQL and Redis: see docs/runbooks.md, Running several replicas)",
     )?;
     let env_file = demo::write_env_file(&dir, &fleet)?;
     println!("{}", demo::banner(&fleet, &env_file));
