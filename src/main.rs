@@ -206,6 +206,9 @@ struct SimArgs {
     /// Report prompt_tokens_details.cached_tokens in usage (vLLM's flag of the same name).
     #[arg(long)]
     enable_prompt_tokens_details: bool,
+    /// Turn prefix caching off (vLLM's flag of the same name; on by default, as in vLLM).
+    #[arg(long)]
+    no_enable_prefix_caching: bool,
 }
 
 impl SimArgs {
@@ -253,6 +256,7 @@ impl SimArgs {
             exit_mode: ExitMode::Process,
             embedding_model: self.embedding_model.clone(),
             enable_prompt_tokens_details: self.enable_prompt_tokens_details,
+            enable_prefix_caching: !self.no_enable_prefix_caching,
         })
     }
 }

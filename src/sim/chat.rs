@@ -98,7 +98,6 @@ async fn start_chat(
     let ids = prompt_ids(state, std::mem::take(&mut req.messages)).await?;
     let prompt_tokens = u32::try_from(ids.len()).unwrap_or(u32::MAX);
     generate::check_context(state, prompt_tokens)?;
-    let details = state.prompt_details(&ids);
     let content = match &plan {
         Some(p) => Content::Script(state.tokenizer.encode(&p.script)?),
         None => Content::Text {
@@ -107,14 +106,16 @@ async fn start_chat(
     };
     let stream = req.sampling.stream.unwrap_or(false);
     let usage = generate::usage_mode(&req.sampling);
-    let params = generate::seq_params(state, req.sampling, seed, prompt_tokens, content, faults)?;
+    let mut params =
+        generate::seq_params(state, req.sampling, seed, prompt_tokens, content, faults)?;
+    params.block_hashes = state.block_hashes(&ids);
     let rx = state.engine.submit(params)?;
     let out = Output {
         id: generate::response_id("chatcmpl", headers),
         created: generate::unix_now(),
         model: state.model.clone(),
         prompt_tokens,
-        details,
+        details: state.prompt_tokens_details,
     };
     if stream {
         let render = ChatRender {
@@ -155,8 +156,8 @@ struct Output {
     created: u64,
     model: String,
     prompt_tokens: u32,
-    /// `(cached, created)` prompt tokens, when prompt-token details are on.
-    details: Option<generate::CacheHit>,
+    /// Whether the usage reports cached prompt tokens (`prompt_tokens_details`).
+    details: bool,
 }
 
 impl Output {
@@ -193,10 +194,10 @@ fn answer(
         content: if plan.is_some() { "" } else { &done.text },
         tool_calls: plan.and_then(|p| p.message_tool_calls(&done.text)),
         logprobs: with_logprobs.then(|| logprobs::chat(tok, &done.logprobs)),
-        prompt_details: out.details.map(|(cached, created)| {
+        prompt_details: out.details.then(|| {
             serde_json::json!({
-                "cached_tokens": cached,
-                "created_cache_tokens": created,
+                "cached_tokens": f.cache.cached,
+                "created_cache_tokens": f.cache.created,
                 "multimodal_tokens": null
             })
         }),
@@ -270,11 +271,10 @@ impl Render for ChatRender {
         if let Some(f) = ev.finish {
             if self.usage != UsageMode::None {
                 let mut usage = head.usage(f.prompt_tokens, f.completion_tokens);
-                if let (Some(u), Some((cached, created))) = (usage.usage.as_mut(), self.out.details)
-                {
+                if let Some(u) = usage.usage.as_mut().filter(|_| self.out.details) {
                     u.prompt_tokens_details = Some(serde_json::json!({
-                        "cached_tokens": cached,
-                        "created_cache_tokens": created
+                        "cached_tokens": f.cache.cached,
+                        "created_cache_tokens": f.cache.created
                     }));
                 }
                 pending.push_back(sse_frame(&usage));

@@ -111,20 +111,21 @@ async fn start(
     };
     let prompt_tokens = u32::try_from(ids.len()).unwrap_or(u32::MAX);
     generate::check_context(state, prompt_tokens)?;
-    let details = state.prompt_details(&ids).map(|(cached, _)| cached);
     let seed = generate::seed_of(&req.sampling);
     let k = req.logprobs.map(|k| u32::try_from(k).unwrap_or(0));
     let stream = req.sampling.stream.unwrap_or(false);
     let usage = generate::usage_mode(&req.sampling);
     let content = Content::Text { logprobs: k };
-    let params = generate::seq_params(state, req.sampling, seed, prompt_tokens, content, faults)?;
+    let mut params =
+        generate::seq_params(state, req.sampling, seed, prompt_tokens, content, faults)?;
+    params.block_hashes = state.block_hashes(&ids);
     let rx = state.engine.submit(params)?;
     let out = Out {
         id: generate::response_id("cmpl", headers),
         created: generate::unix_now(),
         model: state.model.clone(),
         prompt_tokens,
-        cached: details,
+        details: state.prompt_tokens_details,
     };
     if stream {
         let render = CompletionRender {
@@ -141,8 +142,9 @@ async fn start(
     };
     let (reason, stop) = generate::finish_fields(&done.finish);
     let lp = k.map(|_| logprobs::completion(&state.tokenizer, &done.logprobs, 0));
-    let details = out.cached.map(
-        |c| json!({"cached_tokens": c, "created_cache_tokens": null, "multimodal_tokens": null}),
+    let cached = done.finish.cache.cached;
+    let details = out.details.then(
+        || json!({"cached_tokens": cached, "created_cache_tokens": null, "multimodal_tokens": null}),
     );
     Ok(Json(json!({
         "id": out.id,
@@ -175,8 +177,8 @@ struct Out {
     created: u64,
     model: String,
     prompt_tokens: u32,
-    /// Cached prompt tokens, when prompt-token details are on.
-    cached: Option<u32>,
+    /// Whether the usage reports cached prompt tokens.
+    details: bool,
 }
 
 struct CompletionRender {
@@ -233,8 +235,11 @@ impl Render for CompletionRender {
         if let Some(f) = ev.finish {
             if self.usage != UsageMode::None {
                 let mut usage = json!(StreamUsage::new(f.prompt_tokens, f.completion_tokens));
-                if let (Some(u), Some(c)) = (usage.as_object_mut(), self.out.cached) {
-                    u.insert("prompt_tokens_details".into(), json!({"cached_tokens": c}));
+                if let Some(u) = usage.as_object_mut().filter(|_| self.out.details) {
+                    u.insert(
+                        "prompt_tokens_details".into(),
+                        json!({"cached_tokens": f.cache.cached}),
+                    );
                 }
                 pending.push_back(sse_frame(&json!({
                     "id": self.out.id,

@@ -5,7 +5,8 @@
 //! time scale). Sequences wait FCFS for a slot (`max_num_seqs`) and for KV blocks; when a
 //! growing sequence finds no free block, the most recently admitted one is preempted and will
 //! be recomputed, as vLLM does. A sequence whose receiver is gone (client left) is freed at the
-//! next step.
+//! next step. Prompts share cached prefix blocks ([`kv`]): the blocks a prompt starts with that
+//! the cache holds are not prefilled again.
 //!
 //! With [`Timing::Fixed`] none of that runs: each sequence gets its own timer (see [`fixed`]).
 
@@ -43,6 +44,8 @@ pub struct EngineConfig {
     pub num_blocks: u64,
     /// Tokens per KV block.
     pub block_size: u32,
+    /// Prompts reuse cached prefix blocks (vLLM's default; `--no-enable-prefix-caching`).
+    pub prefix_caching: bool,
     /// Context limit; generation stops there.
     pub max_model_len: u32,
     /// Every delay is divided by this.
@@ -67,6 +70,9 @@ pub struct SeqParams {
     pub stall_after: Option<u32>,
     /// Fault: the sequence may not be scheduled before this wall-clock delay.
     pub first_token_delay: Duration,
+    /// The hash chain of the prompt's full KV blocks ([`kv::block_hashes`]); empty when
+    /// prefix caching is off.
+    pub block_hashes: Vec<u64>,
 }
 
 /// Why a sequence ended, with its exact usage.
@@ -80,6 +86,38 @@ pub struct Finish {
     pub prompt_tokens: u32,
     /// Generated tokens, including the one that hit a stop string.
     pub completion_tokens: u32,
+    /// Prompt tokens read from the prefix cache, and prompt tokens this request added to it
+    /// (`prompt_tokens_details.cached_tokens` / `created_cache_tokens`).
+    pub cache: CacheUse,
+}
+
+/// A prompt's use of the prefix cache, in tokens: full blocks only.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CacheUse {
+    /// Read from the cache instead of prefilled.
+    pub cached: u32,
+    /// Computed and cached for the requests after it.
+    pub created: u32,
+}
+
+impl CacheUse {
+    /// The use of a prompt of `prompt_tokens` whose first `hit` of `hashed` full blocks of
+    /// `block_size` were cached: the last prompt token is always computed, so at most the
+    /// blocks before it count either way.
+    pub fn of(prompt_tokens: u32, block_size: u32, hashed: usize, hit: usize) -> Self {
+        let most = Self::most_blocks(prompt_tokens, block_size).min(hashed);
+        let hit = u32::try_from(hit.min(most)).unwrap_or(u32::MAX);
+        let most = u32::try_from(most).unwrap_or(u32::MAX);
+        Self {
+            cached: hit * block_size,
+            created: (most - hit) * block_size,
+        }
+    }
+
+    /// Full blocks of a prompt of `prompt_tokens` that a cache hit may cover.
+    pub fn most_blocks(prompt_tokens: u32, block_size: u32) -> usize {
+        usize::try_from(prompt_tokens.saturating_sub(1) / block_size.max(1)).unwrap_or(0)
+    }
 }
 
 /// What a sequence's receiver gets.
@@ -124,6 +162,7 @@ impl EngineHandle {
                 ttft.div_f64(cfg.time_scale),
                 itl.div_f64(cfg.time_scale),
                 cfg.max_model_len,
+                cfg.block_size,
                 stats.clone(),
             );
             // The loop only keeps the channel's receiver alive: nothing is sent on it.
@@ -135,7 +174,7 @@ impl EngineHandle {
             return (Self { tx, stats, fixed }, task);
         }
         let engine = Engine {
-            free_blocks: cfg.num_blocks,
+            kv: kv::KvCache::new(cfg.num_blocks),
             cfg,
             waiting: VecDeque::new(),
             deferred: Vec::new(),
@@ -168,7 +207,8 @@ impl EngineHandle {
             not_before,
             generated: 0,
             computed: 0,
-            blocks: 0,
+            held: kv::Held::default(),
+            cache: None,
             scheduled_at: None,
             last_token_at: None,
             stalled: false,
@@ -211,7 +251,9 @@ struct Seq {
     generated: u32,
     /// Tokens whose KV has been computed in the current residency (prefill progress).
     computed: u32,
-    blocks: u64,
+    held: kv::Held,
+    /// Set when first admitted.
+    cache: Option<CacheUse>,
     scheduled_at: Option<Instant>,
     last_token_at: Option<Instant>,
     stalled: bool,
@@ -242,7 +284,7 @@ struct Plan {
 
 struct Engine {
     cfg: EngineConfig,
-    free_blocks: u64,
+    kv: kv::KvCache,
     waiting: VecDeque<Seq>,
     /// Sequences held back by the slow-first-token fault (vLLM's "deferred" waiting reason).
     deferred: Vec<Seq>,
@@ -322,7 +364,7 @@ impl Engine {
                 for seq in all {
                     let _ = seq.events.send(SeqEvent::Crashed);
                 }
-                self.free_blocks = self.cfg.num_blocks;
+                self.kv.reset();
             }
         }
     }
@@ -333,23 +375,20 @@ impl Engine {
 
     /// Frees sequences whose client went away, wherever they are.
     fn reap_closed(&mut self) {
-        let mut freed = 0;
-        self.running.retain(|s| {
-            let open = !s.events.is_closed();
-            if !open {
-                freed += s.blocks;
-            }
-            open
-        });
-        self.free_blocks += freed;
+        let (open, closed): (Vec<Seq>, Vec<Seq>) = std::mem::take(&mut self.running)
+            .into_iter()
+            .partition(|s| !s.events.is_closed());
+        self.running = open;
+        for seq in closed {
+            self.kv.release(seq.held);
+        }
         self.waiting.retain(|s| !s.events.is_closed());
         self.deferred.retain(|s| !s.events.is_closed());
     }
 
     fn preempt(&mut self, idx: usize) {
         let mut seq = self.running.remove(idx);
-        self.free_blocks += seq.blocks;
-        seq.blocks = 0;
+        self.kv.release(std::mem::take(&mut seq.held));
         seq.computed = 0;
         self.waiting.push_front(seq);
         self.lock_stats().preemptions += 1;
@@ -372,8 +411,7 @@ impl Engine {
             }
             let need = self.blocks_for(self.running[i].context() + 1);
             let mut preempted_self = false;
-            while self.running[i].blocks < need && self.free_blocks < need - self.running[i].blocks
-            {
+            while !self.kv.can_grow(&self.running[i].held, need) {
                 let victim = self.running.len() - 1;
                 self.preempt(victim);
                 if victim == i {
@@ -384,11 +422,7 @@ impl Engine {
             if preempted_self {
                 break;
             }
-            let seq = &mut self.running[i];
-            if seq.blocks < need {
-                self.free_blocks -= need - seq.blocks;
-                seq.blocks = need;
-            }
+            self.kv.grow(&mut self.running[i].held, need);
             i += 1;
         }
 
@@ -418,20 +452,33 @@ impl Engine {
         // prompts is admitted over several steps as in vLLM.
         let mut newest_arrival = None;
         while let Some(front) = self.waiting.front() {
-            let need = self.blocks_for(front.context().saturating_add(1));
-            if budget == 0 || self.running.len() >= self.cfg.max_num_seqs || need > self.free_blocks
-            {
+            if budget == 0 || self.running.len() >= self.cfg.max_num_seqs {
                 break;
             }
-            let Some(mut seq) = self.waiting.pop_front() else {
+            let need = self.blocks_for(front.context().saturating_add(1));
+            let hashes = &front.params.block_hashes;
+            let most = CacheUse::most_blocks(front.params.prompt_tokens, self.cfg.block_size);
+            let hit = self.kv.hit(hashes, most);
+            let Some(held) = self.kv.admit(hashes, hit, need) else {
                 break;
             };
-            self.free_blocks -= need;
-            seq.blocks = need;
-            seq.computed = 0;
+            let Some(mut seq) = self.waiting.pop_front() else {
+                self.kv.release(held);
+                break;
+            };
+            seq.held = held;
+            seq.computed = u32::try_from(hit).unwrap_or(0) * self.cfg.block_size;
+            let hashed = seq.params.block_hashes.len();
+            let cache = CacheUse::of(seq.params.prompt_tokens, self.cfg.block_size, hashed, hit);
+            if self.cfg.prefix_caching {
+                let mut stats = self.lock_stats();
+                stats.prefix_cache_queries += u64::from(seq.params.prompt_tokens);
+                stats.prefix_cache_hits += u64::from(cache.cached);
+            }
+            seq.cache.get_or_insert(cache);
             seq.scheduled_at.get_or_insert(now);
             newest_arrival = newest_arrival.max(Some(seq.arrived));
-            let chunk = seq.context().min(budget);
+            let chunk = (seq.context() - seq.computed).min(budget);
             budget -= chunk;
             prefill.push((self.running.len(), chunk));
             self.running.push(seq);
@@ -458,9 +505,11 @@ impl Engine {
             let seq = &mut self.running[i];
             seq.computed += chunk;
             if !seq.prefilling() {
+                self.kv.register(&mut seq.held, &seq.params.block_hashes);
                 if !seq.prompt_counted {
                     seq.prompt_counted = true;
                     stats.prompt_tokens += u64::from(seq.params.prompt_tokens);
+                    stats.prompt_tokens_cached += u64::from(seq.cache.map_or(0, |c| c.cached));
                 }
                 done[i] = self.produce(i, now, &mut stats);
             }
@@ -469,17 +518,18 @@ impl Engine {
             done[i] = self.produce(i, now, &mut stats);
         }
         let mut idx = 0;
-        let mut freed = 0;
-        self.running.retain(|s| {
-            let keep = !done[idx];
-            idx += 1;
-            if !keep {
-                freed += s.blocks;
-            }
-            keep
-        });
-        self.free_blocks += freed;
-        stats.used_blocks = self.cfg.num_blocks - self.free_blocks;
+        let (kept, ended): (Vec<Seq>, Vec<Seq>) = std::mem::take(&mut self.running)
+            .into_iter()
+            .partition(|_| {
+                let keep = !done[idx];
+                idx += 1;
+                keep
+            });
+        self.running = kept;
+        for seq in ended {
+            self.kv.release(seq.held);
+        }
+        stats.used_blocks = self.kv.used();
     }
 
     /// Emits one token for `running[i]`; true when the sequence is over. The new token's KV
@@ -500,7 +550,7 @@ impl Engine {
         stats.running = self.running.len() as u64;
         stats.waiting_capacity = self.waiting.len() as u64;
         stats.waiting_deferred = self.deferred.len() as u64;
-        stats.used_blocks = self.cfg.num_blocks - self.free_blocks;
+        stats.used_blocks = self.kv.used();
     }
 
     fn lock_stats(&self) -> std::sync::MutexGuard<'_, EngineStats> {
@@ -556,6 +606,7 @@ fn emit_token(seq: &mut Seq, max_model_len: u32, now: Instant, stats: &mut Engin
         stop: stop.map(|Stop::String(s)| s),
         prompt_tokens: seq.params.prompt_tokens,
         completion_tokens: seq.generated,
+        cache: seq.cache.unwrap_or_default(),
     });
     let over = finish.is_some();
     if let Some(f) = &finish {
@@ -585,5 +636,6 @@ fn emit_token(seq: &mut Seq, max_model_len: u32, now: Instant, stats: &mut Engin
 }
 
 mod fixed;
+pub mod kv;
 #[cfg(test)]
 mod tests;

@@ -2,8 +2,7 @@
 //! the engine parameters, request ids, prefix-cache accounting, and the two ways of answering
 //! (an SSE stream that owns the engine's receiver, or one body once the sequence is over).
 
-use std::collections::{HashSet, VecDeque};
-use std::hash::{Hash, Hasher};
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use axum::body::{Body, Bytes};
@@ -12,7 +11,6 @@ use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
 use tokio::sync::mpsc;
 
-use super::BLOCK_SIZE;
 use super::engine::{Finish, SeqEvent, SeqParams};
 use super::faults::scaled;
 use super::http::{ApiError, AppState};
@@ -63,8 +61,6 @@ const MAX_STOPS: usize = 16;
 const MAX_STOP_CHARS: usize = 256;
 /// Longest client request id taken into a response id.
 const MAX_REQUEST_ID: usize = 256;
-/// Prefix-cache entries remembered before the table starts over.
-const MAX_CACHED_BLOCKS: usize = 1 << 20;
 
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 
@@ -253,6 +249,7 @@ pub fn seq_params(
         stall_after,
         first_token_delay: slow_first_token_ms
             .map_or(std::time::Duration::ZERO, |ms| scaled(ms, state.time_scale)),
+        block_hashes: Vec::new(),
     })
 }
 
@@ -283,43 +280,6 @@ pub fn usage_mode(s: &Sampling) -> UsageMode {
         (false, _) => UsageMode::None,
         (true, false) => UsageMode::Final,
         (true, true) => UsageMode::Continuous,
-    }
-}
-
-/// Prefix caching as vLLM accounts it: a prompt's full blocks are hashed as a chain; the
-/// leading blocks already seen are cached, the rest are created. The cache never evicts
-/// (until it is large, then it starts over) and does not shorten prefill: only the usage
-/// report is modelled.
-#[derive(Debug, Default)]
-pub struct PrefixCache {
-    blocks: HashSet<u64>,
-}
-
-/// `(cached_tokens, created_cache_tokens)` of one prompt.
-pub type CacheHit = (u32, u32);
-
-impl PrefixCache {
-    pub fn lookup_and_insert(&mut self, ids: &[u32]) -> CacheHit {
-        let block = BLOCK_SIZE as usize;
-        // The last token is always computed, so a fully cached prompt still prefills one.
-        let full = ids.len().saturating_sub(1) / block;
-        if self.blocks.len() > MAX_CACHED_BLOCKS {
-            self.blocks.clear();
-        }
-        let mut h = std::collections::hash_map::DefaultHasher::new();
-        let (mut cached, mut created, mut hit) = (0u32, 0u32, true);
-        for chunk in ids.chunks(block).take(full) {
-            chunk.hash(&mut h);
-            let key = h.finish();
-            if hit && self.blocks.contains(&key) {
-                cached += BLOCK_SIZE;
-            } else {
-                hit = false;
-                created += BLOCK_SIZE;
-                self.blocks.insert(key);
-            }
-        }
-        (cached, created)
     }
 }
 
@@ -449,19 +409,4 @@ pub async fn collect(mut rx: mpsc::UnboundedReceiver<SeqEvent>) -> Result<Collec
         .header(header::CONTENT_TYPE, "application/json")
         .body(Body::from_stream(body))
         .unwrap_or_else(|_| StatusCode::INTERNAL_SERVER_ERROR.into_response()))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn second_identical_prompt_hits_its_full_blocks() {
-        let mut c = PrefixCache::default();
-        let ids: Vec<u32> = (0..259).collect();
-        assert_eq!(c.lookup_and_insert(&ids), (0, 256));
-        assert_eq!(c.lookup_and_insert(&ids), (256, 0));
-        let other: Vec<u32> = (1..260).collect();
-        assert_eq!(c.lookup_and_insert(&other).0, 0);
-    }
 }

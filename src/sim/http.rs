@@ -18,7 +18,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::engine::EngineHandle;
 use super::faults::{FaultSpec, Faults, scaled};
-use super::generate::{self, PrefixCache};
+use super::generate;
 use super::metrics::{self, CacheInfo};
 use super::tokenizer::{ChatMessage, SimTokenizer};
 use super::wire;
@@ -46,7 +46,10 @@ pub struct AppState {
     /// A second, embedding-only model served on `/v1/embeddings`.
     pub embedding_model: Option<String>,
     /// `--enable-prompt-tokens-details`: usage reports cached prompt tokens.
-    pub prefix_cache: Option<Mutex<PrefixCache>>,
+    pub prompt_tokens_details: bool,
+    /// Prompts are named by their blocks' hash chain for the engine's prefix cache, in blocks
+    /// of this many tokens; `None` with prefix caching off.
+    pub prefix_block_size: Option<u32>,
 }
 
 impl AppState {
@@ -73,13 +76,12 @@ impl AppState {
         }
     }
 
-    /// `(cached, created)` prompt tokens of these ids, when prompt-token details are on.
-    pub fn prompt_details(&self, ids: &[u32]) -> Option<generate::CacheHit> {
-        self.prefix_cache.as_ref().map(|c| {
-            c.lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .lookup_and_insert(ids)
-        })
+    /// The hash chain of a prompt's full blocks, for the engine's prefix cache (none with
+    /// prefix caching off).
+    pub fn block_hashes(&self, ids: &[u32]) -> Vec<u64> {
+        self.prefix_block_size
+            .map(|size| super::engine::kv::block_hashes(ids, size))
+            .unwrap_or_default()
     }
 
     pub fn faults(&self) -> MutexGuard<'_, Faults> {

@@ -93,7 +93,13 @@ pub struct EngineStats {
     pub used_blocks: u64,
     pub num_blocks: u64,
     pub preemptions: u64,
+    /// Prompt tokens looked up in the prefix cache, at each admission.
+    pub prefix_cache_queries: u64,
+    /// Of which were found there.
+    pub prefix_cache_hits: u64,
     pub prompt_tokens: u64,
+    /// Of which were read from the prefix cache, not computed.
+    pub prompt_tokens_cached: u64,
     pub generation_tokens: u64,
     pub success: [u64; 5],
     pub ttft: Histogram,
@@ -116,7 +122,10 @@ impl EngineStats {
             used_blocks: 0,
             num_blocks,
             preemptions: 0,
+            prefix_cache_queries: 0,
+            prefix_cache_hits: 0,
             prompt_tokens: 0,
+            prompt_tokens_cached: 0,
             generation_tokens: 0,
             success: [0; 5],
             ttft: Histogram::new(TTFT_BUCKETS),
@@ -299,6 +308,18 @@ pub fn render(stats: &EngineStats, info: &CacheInfo) -> String {
         stats.kv_usage(),
     );
     o.counter(
+        "vllm:prefix_cache_queries",
+        "Prefix cache queries, in terms of number of queried tokens.",
+        stats.prefix_cache_queries as f64,
+        t0,
+    );
+    o.counter(
+        "vllm:prefix_cache_hits",
+        "Prefix cache hits, in terms of number of cached tokens.",
+        stats.prefix_cache_hits as f64,
+        t0,
+    );
+    o.counter(
         "vllm:num_preemptions",
         "Cumulative number of preemption from the engine.",
         stats.preemptions as f64,
@@ -308,6 +329,39 @@ pub fn render(stats: &EngineStats, info: &CacheInfo) -> String {
         "vllm:prompt_tokens",
         "Number of prefill tokens processed.",
         stats.prompt_tokens as f64,
+        t0,
+    );
+    let by_source = "Number of prompt tokens by source.";
+    let computed = stats
+        .prompt_tokens
+        .saturating_sub(stats.prompt_tokens_cached);
+    let sources = [
+        ("local_compute", computed),
+        ("local_cache_hit", stats.prompt_tokens_cached),
+        ("external_kv_transfer", 0),
+    ];
+    o.family("vllm:prompt_tokens_by_source_total", "counter", by_source);
+    for (source, n) in sources {
+        o.sample(
+            "vllm:prompt_tokens_by_source_total",
+            &[],
+            &[("source", source)],
+            n as f64,
+        );
+    }
+    o.family("vllm:prompt_tokens_by_source_created", "gauge", by_source);
+    for (source, _) in sources {
+        o.sample(
+            "vllm:prompt_tokens_by_source_created",
+            &[],
+            &[("source", source)],
+            t0,
+        );
+    }
+    o.counter(
+        "vllm:prompt_tokens_cached",
+        "Number of cached prompt tokens (local + external).",
+        stats.prompt_tokens_cached as f64,
         t0,
     );
     o.counter(

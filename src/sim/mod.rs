@@ -107,6 +107,9 @@ pub struct SimConfig {
     /// Report `prompt_tokens_details.cached_tokens` from a prefix-cache model, as vLLM does
     /// with `--enable-prompt-tokens-details`.
     pub enable_prompt_tokens_details: bool,
+    /// Reuse cached prefix blocks across requests (vLLM's default; off with
+    /// `--no-enable-prefix-caching`).
+    pub enable_prefix_caching: bool,
 }
 
 impl Default for SimConfig {
@@ -126,6 +129,7 @@ impl Default for SimConfig {
             exit_mode: ExitMode::Embedded,
             embedding_model: None,
             enable_prompt_tokens_details: false,
+            enable_prefix_caching: true,
         }
     }
 }
@@ -183,6 +187,7 @@ impl SimConfig {
             max_num_batched_tokens: self.max_num_batched_tokens,
             num_blocks,
             block_size: BLOCK_SIZE,
+            prefix_caching: self.enable_prefix_caching,
             max_model_len,
             time_scale: self.time_scale,
         })
@@ -255,9 +260,10 @@ impl SimServer {
             exit_mode: config.exit_mode,
             shutdown: shutdown.clone(),
             embedding_model: config.embedding_model.clone(),
-            prefix_cache: config
-                .enable_prompt_tokens_details
-                .then(|| Mutex::new(generate::PrefixCache::default())),
+            prompt_tokens_details: config.enable_prompt_tokens_details,
+            prefix_block_size: config
+                .enable_prefix_caching
+                .then_some(engine_cfg.block_size),
         });
         if let Some(ms) = config.faults.exit_after_ms {
             http::schedule_exit(state.clone(), ms);

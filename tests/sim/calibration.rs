@@ -69,10 +69,13 @@ async fn occupancy(n: usize, prompt_tokens: u32, max_tokens: u32) -> (f64, f64, 
     // limit on admission (with vLLM's default of 2,048 a burst is admitted over many steps).
     // Time scale 2, not 10: the whole burst must still be running or queued when this task
     // next samples the metrics, which on two shared cores can be a second or more away.
+    // Prefix caching off: these identical prompts would otherwise share their blocks, and
+    // the figures are those of distinct contexts.
     let sim = SimServer::start(SimConfig {
         model: "small".into(),
         time_scale: 2.0,
         max_num_batched_tokens: 1 << 20,
+        enable_prefix_caching: false,
         ..SimConfig::default()
     })
     .await

@@ -3,15 +3,21 @@
 //! A sequence's first token is due `ttft` after it arrives (after the slow-first-token fault's
 //! delay, if any), token `k` at `ttft + (k - 1) * itl`. Deadlines are absolute, so timer
 //! granularity never accumulates into drift, and the only work per token is the shared
-//! [`emit_token`]: the same text, usage, metrics and faults as the modeled engine.
+//! [`emit_token`]: the same text, usage, metrics and faults as the modeled engine. Cached
+//! prompt tokens are accounted (a prompt's leading blocks seen before are cached) but skip
+//! nothing, and the cache never evicts until it is large, then starts over.
 
+use std::collections::HashSet;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use super::{EngineStats, Seq, SeqEvent, emit_token};
+use super::{CacheUse, EngineStats, Seq, SeqEvent, emit_token};
+
+/// Prefix blocks remembered before the table starts over.
+const MAX_CACHED_BLOCKS: usize = 1 << 20;
 
 /// Shared state of the fixed-timing engine.
 #[derive(Debug)]
@@ -21,7 +27,10 @@ pub(super) struct FixedEngine {
     /// Time between tokens, already divided by the time scale.
     itl: Duration,
     max_model_len: u32,
+    block_size: u32,
     stats: Arc<Mutex<EngineStats>>,
+    /// The prefix blocks seen so far, by hash.
+    seen: Mutex<HashSet<u64>>,
     /// Cancelled (and replaced) by [`FixedEngine::crash_all`]; every sequence holds the one
     /// current when it arrived.
     crash: Mutex<CancellationToken>,
@@ -39,19 +48,41 @@ impl FixedEngine {
         ttft: Duration,
         itl: Duration,
         max_model_len: u32,
+        block_size: u32,
         stats: Arc<Mutex<EngineStats>>,
     ) -> Self {
         Self {
             ttft,
             itl,
             max_model_len,
+            block_size,
             stats,
+            seen: Mutex::new(HashSet::new()),
             crash: Mutex::new(CancellationToken::new()),
         }
     }
 
     /// Runs `seq` on a task of its own.
-    pub(super) fn start(self: &Arc<Self>, seq: Seq) {
+    pub(super) fn start(self: &Arc<Self>, mut seq: Seq) {
+        let hashes = &seq.params.block_hashes;
+        if !hashes.is_empty() {
+            let most = CacheUse::most_blocks(seq.params.prompt_tokens, self.block_size);
+            let mut seen = self.seen.lock().unwrap_or_else(PoisonError::into_inner);
+            if seen.len() > MAX_CACHED_BLOCKS {
+                seen.clear();
+            }
+            let hit = hashes
+                .iter()
+                .take(most)
+                .take_while(|h| seen.contains(h))
+                .count();
+            seen.extend(hashes.iter().copied());
+            let cache = CacheUse::of(seq.params.prompt_tokens, self.block_size, hashes.len(), hit);
+            let mut stats = self.stats();
+            stats.prefix_cache_queries += u64::from(seq.params.prompt_tokens);
+            stats.prefix_cache_hits += u64::from(cache.cached);
+            seq.cache = Some(cache);
+        }
         let crash = self
             .crash
             .lock()
@@ -104,6 +135,7 @@ impl FixedEngine {
                 if !seq.prompt_counted {
                     seq.prompt_counted = true;
                     stats.prompt_tokens += u64::from(seq.params.prompt_tokens);
+                    stats.prompt_tokens_cached += u64::from(seq.cache.map_or(0, |c| c.cached));
                 }
                 emit_token(&mut seq, self.max_model_len, due, &mut stats)
             };

@@ -24,6 +24,7 @@ fn config(profile: Profile) -> EngineConfig {
         max_num_seqs: 256,
         max_num_batched_tokens: 2048,
         block_size: BLOCK_SIZE,
+        prefix_caching: true,
         time_scale: 1.0,
     }
 }
@@ -37,6 +38,7 @@ fn params(tok: &Arc<SimTokenizer>, prompt_tokens: u32, max_tokens: u32) -> SeqPa
         crash_after: None,
         stall_after: None,
         first_token_delay: Duration::ZERO,
+        block_hashes: Vec::new(),
     }
 }
 
@@ -303,3 +305,5 @@ async fn end_of_sequence_finishes_with_stop_and_no_stop_reason() {
         (9, FinishedReason::Stop, None)
     );
 }
+
+mod prefix;
