@@ -209,6 +209,9 @@ struct SimArgs {
     /// Turn prefix caching off (vLLM's flag of the same name; on by default, as in vLLM).
     #[arg(long)]
     no_enable_prefix_caching: bool,
+    /// Tokens per KV block (vLLM's flag; 16 as on GPUs).
+    #[arg(long, default_value_t = switchyard::sim::BLOCK_SIZE)]
+    block_size: u32,
 }
 
 impl SimArgs {
@@ -257,6 +260,7 @@ impl SimArgs {
             embedding_model: self.embedding_model.clone(),
             enable_prompt_tokens_details: self.enable_prompt_tokens_details,
             enable_prefix_caching: !self.no_enable_prefix_caching,
+            block_size: self.block_size,
         })
     }
 }

@@ -13,6 +13,8 @@ mod faults;
 mod fixed;
 #[path = "sim/openai_extras.rs"]
 mod openai_extras;
+#[path = "sim/prefix.rs"]
+mod prefix;
 #[path = "sim/sdk.rs"]
 mod sdk;
 #[path = "sim/wire.rs"]

@@ -102,15 +102,15 @@ pub struct CacheUse {
 
 impl CacheUse {
     /// The use of a prompt of `prompt_tokens` whose first `hit` of `hashed` full blocks of
-    /// `block_size` were cached: the last prompt token is always computed, so at most the
-    /// blocks before it count either way.
+    /// `block_size` were cached (the last prompt token is always computed, so a hit stops
+    /// before it); the prompt's other full blocks are created.
     pub fn of(prompt_tokens: u32, block_size: u32, hashed: usize, hit: usize) -> Self {
         let most = Self::most_blocks(prompt_tokens, block_size).min(hashed);
         let hit = u32::try_from(hit.min(most)).unwrap_or(u32::MAX);
-        let most = u32::try_from(most).unwrap_or(u32::MAX);
+        let full = u32::try_from(hashed).unwrap_or(u32::MAX);
         Self {
             cached: hit * block_size,
-            created: (most - hit) * block_size,
+            created: full.saturating_sub(hit) * block_size,
         }
     }
 
@@ -470,7 +470,8 @@ impl Engine {
             seq.computed = u32::try_from(hit).unwrap_or(0) * self.cfg.block_size;
             let hashed = seq.params.block_hashes.len();
             let cache = CacheUse::of(seq.params.prompt_tokens, self.cfg.block_size, hashed, hit);
-            if self.cfg.prefix_caching {
+            // Counted once a request, as vLLM does: not again when a preempted one returns.
+            if self.cfg.prefix_caching && seq.cache.is_none() {
                 let mut stats = self.lock_stats();
                 stats.prefix_cache_queries += u64::from(seq.params.prompt_tokens);
                 stats.prefix_cache_hits += u64::from(cache.cached);
@@ -504,8 +505,13 @@ impl Engine {
         for (i, chunk) in plan.prefill {
             let seq = &mut self.running[i];
             seq.computed += chunk;
+            // Full blocks are cached as soon as they are computed: a request arriving while
+            // this one still runs reads them.
+            let hashes = &seq.params.block_hashes;
+            let full = usize::try_from(seq.computed / self.cfg.block_size).unwrap_or(0);
+            self.kv
+                .register(&mut seq.held, &hashes[..full.min(hashes.len())]);
             if !seq.prefilling() {
-                self.kv.register(&mut seq.held, &seq.params.block_hashes);
                 if !seq.prompt_counted {
                     seq.prompt_counted = true;
                     stats.prompt_tokens += u64::from(seq.params.prompt_tokens);

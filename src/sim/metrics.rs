@@ -146,11 +146,13 @@ impl EngineStats {
     }
 
     /// `vllm:kv_cache_usage_perc`: a fraction 0–1.
+    /// Blocks held by running requests over the blocks that can hold tokens (all but vLLM's
+    /// null block).
     pub fn kv_usage(&self) -> f64 {
-        if self.num_blocks == 0 {
+        if self.num_blocks <= 1 {
             0.0
         } else {
-            self.used_blocks as f64 / self.num_blocks as f64
+            self.used_blocks as f64 / (self.num_blocks - 1) as f64
         }
     }
 }

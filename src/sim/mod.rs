@@ -36,6 +36,8 @@ pub use tokenizer::{ChatMessage, SimTokenizer};
 
 /// Tokens per KV block, as vLLM's default on GPUs.
 pub const BLOCK_SIZE: u32 = 16;
+/// The largest `--block-size` taken.
+const MAX_BLOCK_SIZE: u32 = 1024;
 /// Bounds that keep every duration and token count of the engine far from overflow.
 const MIN_TIME_SCALE: f64 = 0.001;
 const MAX_TIME_SCALE: f64 = 10_000.0;
@@ -110,6 +112,9 @@ pub struct SimConfig {
     /// Reuse cached prefix blocks across requests (vLLM's default; off with
     /// `--no-enable-prefix-caching`).
     pub enable_prefix_caching: bool,
+    /// `--block-size`: tokens per KV block (16 on GPUs; vLLM's CPU backend takes multiples
+    /// of 32, and its captures use 128 and 32).
+    pub block_size: u32,
 }
 
 impl Default for SimConfig {
@@ -130,6 +135,7 @@ impl Default for SimConfig {
             embedding_model: None,
             enable_prompt_tokens_details: false,
             enable_prefix_caching: true,
+            block_size: BLOCK_SIZE,
         }
     }
 }
@@ -163,11 +169,17 @@ impl SimConfig {
         }
         let num_blocks = self
             .num_gpu_blocks_override
-            .unwrap_or_else(|| spec.num_gpu_blocks(self.gpu_memory_utilization, BLOCK_SIZE));
+            .unwrap_or_else(|| spec.num_gpu_blocks(self.gpu_memory_utilization, self.block_size));
         if num_blocks > MAX_BLOCKS {
             return Err(SimError::Config(format!("at most {MAX_BLOCKS} KV blocks")));
         }
-        let kv_tokens = num_blocks * u64::from(BLOCK_SIZE);
+        if !(1..=MAX_BLOCK_SIZE).contains(&self.block_size) {
+            return Err(SimError::Config(format!(
+                "--block-size must be between 1 and {MAX_BLOCK_SIZE}"
+            )));
+        }
+        // vLLM keeps one block aside (its null block): the rest hold tokens.
+        let kv_tokens = num_blocks.saturating_sub(1) * u64::from(self.block_size);
         if kv_tokens < u64::from(max_model_len) {
             return Err(SimError::Config(format!(
                 "max_model_len {max_model_len} is larger than the KV cache ({kv_tokens} tokens)"
@@ -186,7 +198,7 @@ impl SimConfig {
             max_num_seqs: self.max_num_seqs,
             max_num_batched_tokens: self.max_num_batched_tokens,
             num_blocks,
-            block_size: BLOCK_SIZE,
+            block_size: self.block_size,
             prefix_caching: self.enable_prefix_caching,
             max_model_len,
             time_scale: self.time_scale,

@@ -59,10 +59,11 @@ pub struct KvCache {
 }
 
 impl KvCache {
+    /// A cache of `num_blocks`, one of which (vLLM's null block) never holds tokens.
     pub fn new(num_blocks: u64) -> Self {
         Self {
             num_blocks,
-            free: num_blocks,
+            free: num_blocks.saturating_sub(1),
             cached: HashMap::new(),
             evictable: BTreeMap::new(),
             clock: 0,
@@ -72,7 +73,7 @@ impl KvCache {
     /// Blocks that sequences hold (cached blocks nobody holds count as free, as in vLLM's
     /// `kv_cache_usage_perc`).
     pub fn used(&self) -> u64 {
-        self.num_blocks - self.free - self.evictable.len() as u64
+        self.num_blocks.saturating_sub(1) - self.free - self.evictable.len() as u64
     }
 
     /// Blocks a sequence could still get.
@@ -145,8 +146,9 @@ impl KvCache {
         }
     }
 
-    /// The sequence's prompt is computed: its full blocks beyond those it reused become
-    /// cached (a block another sequence cached meanwhile stays this one's own).
+    /// The sequence's prompt is computed up to the end of `hashes`: those blocks beyond the
+    /// ones it reused become cached (a block another sequence cached meanwhile stays this
+    /// one's own).
     pub fn register(&mut self, held: &mut Held, hashes: &[u64]) {
         for h in hashes.iter().skip(held.shared.len()) {
             if held.own == 0 {
@@ -190,6 +192,7 @@ impl KvCache {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
 
@@ -210,9 +213,11 @@ mod tests {
         assert_eq!(block_hashes(&ids(47, 0), 16).len(), 2);
     }
 
+    // Each cache below has one block more than it holds: vLLM's null block.
+
     #[test]
     fn a_freed_prompt_stays_cached_and_is_reused() {
-        let mut kv = KvCache::new(10);
+        let mut kv = KvCache::new(11);
         let h = block_hashes(&ids(64, 0), 16);
         assert_eq!(kv.hit(&h, 3), 0);
         let mut held = kv.admit(&h, 0, 5).unwrap();
@@ -230,7 +235,7 @@ mod tests {
 
     #[test]
     fn eviction_takes_the_least_recently_freed_and_a_sequence_tail_first() {
-        let mut kv = KvCache::new(4);
+        let mut kv = KvCache::new(5);
         let a = block_hashes(&ids(32, 0), 16);
         let b = block_hashes(&ids(32, 1), 16);
         let mut held = kv.admit(&a, 0, 2).unwrap();
@@ -254,7 +259,7 @@ mod tests {
 
     #[test]
     fn held_blocks_are_never_evicted_and_admission_waits_for_room() {
-        let mut kv = KvCache::new(3);
+        let mut kv = KvCache::new(4);
         let a = block_hashes(&ids(32, 0), 16);
         let mut held = kv.admit(&a, 0, 2).unwrap();
         kv.register(&mut held, &a);
