@@ -158,16 +158,21 @@ pub async fn stream(client: &reqwest::Client, base: &str, body: &serde_json::Val
     out
 }
 
-/// Reads one sample of the simulator's `/metrics` (labels ignored beyond the name).
-pub async fn metric(client: &reqwest::Client, base: &str, name: &str) -> f64 {
-    let page = client
+/// The text of `{base}/metrics`.
+pub async fn metrics_page(client: &reqwest::Client, base: &str) -> String {
+    client
         .get(format!("{base}/metrics"))
         .send()
         .await
         .unwrap()
         .text()
         .await
-        .unwrap();
+        .unwrap()
+}
+
+/// Reads one sample of the simulator's `/metrics` (labels ignored beyond the name).
+pub async fn metric(client: &reqwest::Client, base: &str, name: &str) -> f64 {
+    let page = metrics_page(client, base).await;
     page.lines()
         .find(|l| l.starts_with(name) && l[name.len()..].starts_with('{'))
         .and_then(|l| l.rsplit(' ').next())
@@ -177,14 +182,7 @@ pub async fn metric(client: &reqwest::Client, base: &str, name: &str) -> f64 {
 
 /// Sum of the samples of metric `name` whose line contains `label` (0 when none).
 pub async fn metric_sum(base: &str, name: &str, label: &str) -> f64 {
-    let page = http()
-        .get(format!("{base}/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let page = metrics_page(&http(), base).await;
     page.lines()
         .filter(|l| l.starts_with(name) && l.contains(label))
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())

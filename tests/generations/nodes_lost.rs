@@ -9,7 +9,7 @@ use std::time::Duration;
 use serde_json::json;
 use switchyard::store::hash_secret;
 
-use crate::common::http;
+use crate::common::{http, metrics_page};
 use crate::harness::{PgFleet, Ws, fake_node_serving, metric, pg_fleet, recv, send, until};
 
 const LARGE: &str = "llama-3.3-70b-instruct";
@@ -34,14 +34,7 @@ async fn node(f: &PgFleet, id: &str) -> Ws {
 
 /// The node's `switchyard_nodes_lost_total` line, if the page has one.
 async fn lost_line(f: &PgFleet, id: &str) -> Option<String> {
-    let page = http()
-        .get(format!("{}/metrics", f.server.base_url()))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let page = metrics_page(&http(), &f.server.base_url()).await;
     let prefix = format!("{LOST}{{node=\"{id}\"}} ");
     page.lines()
         .find(|l| l.starts_with(&prefix))

@@ -8,7 +8,7 @@ use std::path::Path;
 use serde_json::Value;
 use switchyard::sim::{SimConfig, SimServer};
 
-use crate::common::{fixture, fixture_json, http, sse_data};
+use crate::common::{fixture, fixture_json, http, metrics_page, sse_data};
 
 /// The counters a step's capture is compared on.
 const COUNTERS: [&str; 4] = [
@@ -109,14 +109,7 @@ async fn replay(scenario: &str, block_size: u32, num_blocks: Option<u64>, until:
             cached_tokens(&expected),
             "{name}: cached_tokens"
         );
-        let page = client
-            .get(format!("{base}/metrics"))
-            .send()
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap();
+        let page = metrics_page(&client, &base).await;
         let real = fixture(&format!("{name}.metrics.txt"));
         for c in COUNTERS {
             let moved = counter(&real, c) - counter(&before, c);
@@ -156,14 +149,7 @@ async fn the_counters_and_their_help_are_vllms() {
     })
     .await
     .unwrap();
-    let page = http()
-        .get(format!("{}/metrics", sim.base_url()))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let page = metrics_page(&http(), &sim.base_url()).await;
     let real = fixture("prefix_basic_00_before.metrics.txt");
     let families = [
         "vllm:prefix_cache_queries",

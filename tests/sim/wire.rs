@@ -4,7 +4,7 @@
 
 use serde_json::Value;
 
-use crate::common::{fixture, fixture_json, http, shape, sse_data, tiny_sim};
+use crate::common::{fixture, fixture_json, http, metrics_page, shape, sse_data, tiny_sim};
 
 fn parse_events(body: &str) -> Vec<Value> {
     sse_data(body)
@@ -512,14 +512,7 @@ async fn simulated_gpus_show_the_engines_busy_time_as_dcgm_exporter_does() {
     let busy = gpu_page().await;
     assert!(active(&busy) > 0.0, "{busy}");
     drop(stream);
-    let vllm = http()
-        .get(format!("{base}/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let vllm = metrics_page(&http(), &base).await;
     assert!(
         !vllm.contains("DCGM_FI_"),
         "vLLM's page has no DCGM metrics"
