@@ -228,6 +228,22 @@ async fn sigterm_drains_the_node_lets_its_stream_finish_and_exits_zero() {
 }
 
 /// Starts an engine and a process agent for it on `fleet` and waits until it is ready.
+/// Signals the agent and waits for it to exit with `code` within five seconds.
+async fn signal_until_exit(agent: &mut Agent, code: i32, what: &str) {
+    let signalled = std::time::Instant::now();
+    agent.signal().await;
+    let status = tokio::time::timeout(Duration::from_secs(10), agent.child.wait())
+        .await
+        .expect(what)
+        .unwrap();
+    assert_eq!(status.code(), Some(code));
+    assert!(
+        signalled.elapsed() < Duration::from_secs(5),
+        "{what}: {:?}",
+        signalled.elapsed()
+    );
+}
+
 async fn ready_agent(
     fleet: &switchyard::demo::Fleet,
     node_id: &str,
@@ -278,18 +294,7 @@ async fn work_still_running_at_the_drain_timeout_is_stopped_and_billed_and_the_a
     let (engine, mut agent) = ready_agent(&fleet, "proc-2", "1s").await;
     // About 8.5 s of decoding: far past the drain timeout.
     let rest = running_stream(&fleet).await;
-    let signalled = std::time::Instant::now();
-    agent.signal().await;
-    let status = tokio::time::timeout(Duration::from_secs(10), agent.child.wait())
-        .await
-        .expect("the agent exits at its drain timeout")
-        .unwrap();
-    assert_eq!(status.code(), Some(0));
-    assert!(
-        signalled.elapsed() < Duration::from_secs(5),
-        "{:?}",
-        signalled.elapsed()
-    );
+    signal_until_exit(&mut agent, 0, "the agent exits at its drain timeout").await;
     let text = rest.await.unwrap();
     assert!(
         !text.contains("data: [DONE]"),
@@ -317,18 +322,7 @@ async fn a_second_signal_stops_the_agent_at_once() {
     )
     .await;
     assert!(!rest.is_finished());
-    let signalled = std::time::Instant::now();
-    agent.signal().await;
-    let status = tokio::time::timeout(Duration::from_secs(10), agent.child.wait())
-        .await
-        .expect("the agent stops at the second signal")
-        .unwrap();
-    assert_eq!(status.code(), Some(1));
-    assert!(
-        signalled.elapsed() < Duration::from_secs(5),
-        "{:?}",
-        signalled.elapsed()
-    );
+    signal_until_exit(&mut agent, 1, "the agent stops at the second signal").await;
     let log = agent.log().await;
     assert!(log.contains("second signal"), "{log}");
     let text = rest.await.unwrap();
