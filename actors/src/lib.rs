@@ -86,3 +86,5 @@ pub mod replica;
 pub mod sse;
 pub mod supervision;
 pub mod tasks;
+#[cfg(test)]
+mod test_counter;

@@ -142,27 +142,7 @@ async fn sigterm_drains_the_node_lets_its_stream_finish_and_exits_zero() {
     assert_eq!(listed["pool"], "unassigned");
 
     // A stream runs on the node (the only one) when the signal comes.
-    let resp = post_chat(
-        &fleet,
-        &chat_body("small", "Tell me a long story.", 150, true),
-    )
-    .await;
-    assert_eq!(resp.status(), 200);
-    let mut body = resp.bytes_stream();
-    let mut text = String::new();
-    while !text.contains("\"content\":\"") || !text.contains("\n\n") {
-        let chunk = body.next().await.expect("a first chunk").unwrap();
-        text.push_str(&String::from_utf8_lossy(&chunk));
-    }
-    let rest = tokio::spawn(async move {
-        while let Some(chunk) = body.next().await {
-            match chunk {
-                Ok(c) => text.push_str(&String::from_utf8_lossy(&c)),
-                Err(_) => break,
-            }
-        }
-        text
-    });
+    let rest = running_stream(&fleet, 150).await;
     agent.signal().await;
     wait_for(
         Duration::from_secs(10),
@@ -265,12 +245,15 @@ async fn ready_agent(
     (engine, agent)
 }
 
-/// Sends a long stream and returns once its first content arrived, with the task reading
-/// the rest.
-async fn running_stream(fleet: &switchyard::demo::Fleet) -> tokio::task::JoinHandle<String> {
+/// Sends a stream of `max_tokens` and returns once its first content arrived, with the task
+/// reading the rest.
+async fn running_stream(
+    fleet: &switchyard::demo::Fleet,
+    max_tokens: u32,
+) -> tokio::task::JoinHandle<String> {
     let resp = post_chat(
         fleet,
-        &chat_body("small", "Tell me a long story.", 400, true),
+        &chat_body("small", "Tell me a long story.", max_tokens, true),
     )
     .await;
     assert_eq!(resp.status(), 200);
@@ -293,7 +276,7 @@ async fn work_still_running_at_the_drain_timeout_is_stopped_and_billed_and_the_a
     let fleet = fleet(&[], 1.0, |_| {}).await;
     let (engine, mut agent) = ready_agent(&fleet, "proc-2", "1s").await;
     // About 8.5 s of decoding: far past the drain timeout.
-    let rest = running_stream(&fleet).await;
+    let rest = running_stream(&fleet, 400).await;
     signal_until_exit(&mut agent, 0, "the agent exits at its drain timeout").await;
     let text = rest.await.unwrap();
     assert!(
@@ -313,7 +296,7 @@ async fn work_still_running_at_the_drain_timeout_is_stopped_and_billed_and_the_a
 async fn a_second_signal_stops_the_agent_at_once() {
     let fleet = fleet(&[], 1.0, |_| {}).await;
     let (engine, mut agent) = ready_agent(&fleet, "proc-3", "60s").await;
-    let rest = running_stream(&fleet).await;
+    let rest = running_stream(&fleet, 400).await;
     agent.signal().await;
     wait_for(
         Duration::from_secs(10),

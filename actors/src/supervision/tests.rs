@@ -9,9 +9,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use metrics::{
-    Counter, CounterFn, Gauge, Histogram, Key, KeyName, Metadata, Recorder, SharedString, Unit,
-};
+use metrics::{Counter, Gauge, Histogram, Key, KeyName, Metadata, Recorder, SharedString, Unit};
 use tokio::sync::mpsc;
 
 use super::*;
@@ -24,6 +22,7 @@ use crate::node::{NodeArgs, NodeHandle};
 use crate::ports::SystemClock;
 use crate::ports::memory::{MapCoordinator, MemoryLedger, RowStatus};
 use crate::protocol::{Api, NodeFrame, ServerFrame};
+use crate::test_counter::CounterCell;
 
 const MODEL: &str = "llama-3.1-8b-instruct";
 
@@ -31,18 +30,6 @@ const MODEL: &str = "llama-3.1-8b-instruct";
 /// a paused-clock test runs every actor there).
 #[derive(Debug, Default)]
 struct Restarts(Mutex<BTreeMap<String, Arc<AtomicU64>>>);
-
-#[derive(Debug)]
-struct Cell(Arc<AtomicU64>);
-
-impl CounterFn for Cell {
-    fn increment(&self, value: u64) {
-        self.0.fetch_add(value, Ordering::Relaxed);
-    }
-    fn absolute(&self, value: u64) {
-        self.0.fetch_max(value, Ordering::Relaxed);
-    }
-}
 
 impl Restarts {
     fn of(&self, kind: &str) -> u64 {
@@ -68,7 +55,7 @@ impl Recorder for Restarts {
             .map(|l| l.value().to_owned())
             .unwrap_or_default();
         let cell = self.0.lock().unwrap().entry(kind).or_default().clone();
-        Counter::from_arc(Arc::new(Cell(cell)))
+        Counter::from_arc(Arc::new(CounterCell(cell)))
     }
     fn register_gauge(&self, _: &Key, _: &Metadata<'_>) -> Gauge {
         Gauge::noop()

@@ -3,32 +3,19 @@
 //! gone with a replica, or relayed from one). A `done` resent after its row is final adds
 //! nothing.
 
-use metrics::{
-    Counter, CounterFn, Gauge, Histogram, Key, KeyName, Metadata, Recorder, SharedString, Unit,
-};
+use metrics::{Counter, Gauge, Histogram, Key, KeyName, Metadata, Recorder, SharedString, Unit};
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use super::overlap::{gated, start_gated};
 use super::*;
 use crate::metric_names::SETTLED_TOKENS_TOTAL;
+use crate::test_counter::CounterCell;
 
 /// `switchyard_settled_tokens_total` by (`model`, `kind`), on the test's only thread (a
 /// paused-clock test runs every actor there).
 #[derive(Debug, Default)]
 struct Settled(Mutex<BTreeMap<(String, String), Arc<AtomicU64>>>);
-
-#[derive(Debug)]
-struct Cell(Arc<AtomicU64>);
-
-impl CounterFn for Cell {
-    fn increment(&self, value: u64) {
-        self.0.fetch_add(value, Ordering::Relaxed);
-    }
-    fn absolute(&self, value: u64) {
-        self.0.fetch_max(value, Ordering::Relaxed);
-    }
-}
 
 impl Settled {
     /// (prompt, completion) counted for `MODEL`.
@@ -65,7 +52,7 @@ impl Recorder for Settled {
             .entry((label("model"), label("kind")))
             .or_default()
             .clone();
-        Counter::from_arc(Arc::new(Cell(cell)))
+        Counter::from_arc(Arc::new(CounterCell(cell)))
     }
     fn register_gauge(&self, _: &Key, _: &Metadata<'_>) -> Gauge {
         Gauge::noop()
