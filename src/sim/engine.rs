@@ -375,13 +375,14 @@ impl Engine {
 
     /// Frees sequences whose client went away, wherever they are.
     fn reap_closed(&mut self) {
-        let (open, closed): (Vec<Seq>, Vec<Seq>) = std::mem::take(&mut self.running)
-            .into_iter()
-            .partition(|s| !s.events.is_closed());
-        self.running = open;
-        for seq in closed {
-            self.kv.release(seq.held);
-        }
+        let kv = &mut self.kv;
+        self.running.retain_mut(|s| {
+            let open = !s.events.is_closed();
+            if !open {
+                kv.release(std::mem::take(&mut s.held));
+            }
+            open
+        });
         self.waiting.retain(|s| !s.events.is_closed());
         self.deferred.retain(|s| !s.events.is_closed());
     }
@@ -524,17 +525,15 @@ impl Engine {
             done[i] = self.produce(i, now, &mut stats);
         }
         let mut idx = 0;
-        let (kept, ended): (Vec<Seq>, Vec<Seq>) = std::mem::take(&mut self.running)
-            .into_iter()
-            .partition(|_| {
-                let keep = !done[idx];
-                idx += 1;
-                keep
-            });
-        self.running = kept;
-        for seq in ended {
-            self.kv.release(seq.held);
-        }
+        let kv = &mut self.kv;
+        self.running.retain_mut(|s| {
+            let keep = !done[idx];
+            idx += 1;
+            if !keep {
+                kv.release(std::mem::take(&mut s.held));
+            }
+            keep
+        });
         stats.used_blocks = self.kv.used();
     }
 
