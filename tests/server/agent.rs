@@ -143,13 +143,7 @@ async fn sigterm_drains_the_node_lets_its_stream_finish_and_exits_zero() {
 
     // A stream runs on the node (the only one) when the signal comes.
     let rest = running_stream(&fleet, 150).await;
-    agent.signal().await;
-    wait_for(
-        Duration::from_secs(10),
-        "the server to see the node draining",
-        || draining(&fleet, "proc-1"),
-    )
-    .await;
+    drain_by_signal(&agent, &fleet, "proc-1").await;
     assert!(
         !rest.is_finished(),
         "the stream was still running at the drain"
@@ -208,6 +202,17 @@ async fn sigterm_drains_the_node_lets_its_stream_finish_and_exits_zero() {
 }
 
 /// Starts an engine and a process agent for it on `fleet` and waits until it is ready.
+/// Signals the agent and waits until the server sees node `id` draining.
+async fn drain_by_signal(agent: &Agent, fleet: &switchyard::demo::Fleet, id: &str) {
+    agent.signal().await;
+    wait_for(
+        Duration::from_secs(10),
+        "the server to see the node draining",
+        || draining(fleet, id),
+    )
+    .await;
+}
+
 /// Signals the agent and waits for it to exit with `code` within five seconds.
 async fn signal_until_exit(agent: &mut Agent, code: i32, what: &str) {
     let signalled = std::time::Instant::now();
@@ -297,13 +302,7 @@ async fn a_second_signal_stops_the_agent_at_once() {
     let fleet = fleet(&[], 1.0, |_| {}).await;
     let (engine, mut agent) = ready_agent(&fleet, "proc-3", "60s").await;
     let rest = running_stream(&fleet, 400).await;
-    agent.signal().await;
-    wait_for(
-        Duration::from_secs(10),
-        "the server to see the node draining",
-        || draining(&fleet, "proc-3"),
-    )
-    .await;
+    drain_by_signal(&agent, &fleet, "proc-3").await;
     assert!(!rest.is_finished());
     signal_until_exit(&mut agent, 1, "the agent stops at the second signal").await;
     let log = agent.log().await;
