@@ -70,6 +70,23 @@ pub struct ModelConfig {
     /// (`price_output_per_mtok` unused).
     #[serde(default)]
     pub embedding: bool,
+    /// Tokens per KV block on its engines (vLLM's `--block-size`; 16 on CUDA): the gateway
+    /// hashes prompts in blocks of this size to predict each node's prefix-cache hits.
+    #[serde(default = "default_block_size")]
+    pub block_size: u32,
+    /// KV blocks one node's cache holds (vLLM logs it as `# GPU blocks`; `num_gpu_blocks`
+    /// of `vllm:cache_config_info`): the size of the gateway's per-node prefix index.
+    #[serde(default = "default_cache_blocks")]
+    pub cache_blocks: u64,
+}
+
+fn default_block_size() -> u32 {
+    16
+}
+
+/// An 8B model on one L40S: 22.6 GiB of KV cache at 128 KiB a token, in blocks of 16.
+fn default_cache_blocks() -> u64 {
+    11_571
 }
 
 fn default_max_tokens() -> u32 {
@@ -402,7 +419,7 @@ impl Default for Config {
             jwt_max_streams: 2,
             default_rpm: 10_000,
             default_tokens_per_day: 1_000_000_000,
-            routing: RoutingStrategy::LeastLoaded,
+            routing: RoutingStrategy::CacheAware,
             max_body_bytes: 1024 * 1024,
             queue: QueueSettings::default(),
             timeouts: TimeoutSettings::default(),
@@ -420,26 +437,51 @@ impl Default for Config {
 /// SPEC section 1's three models, and one embedding model for retrieval pipelines (served
 /// beside the smallest chat model). Prices are in microcredits per million tokens.
 pub fn default_models() -> Vec<ModelConfig> {
-    let model = |name: &str, alias: &str, input: i64, output: i64, concurrency: u32| ModelConfig {
-        name: name.into(),
-        aliases: vec![alias.into()],
-        price_input_per_mtok: input,
-        price_output_per_mtok: output,
-        node_concurrency: concurrency,
-        default_max_tokens: default_max_tokens(),
-        max_context_tokens: default_max_context_tokens(),
-        embedding: false,
-        tokenizer: None,
-        chat_template: None,
-    };
+    // The KV cache of each on its L40S replica (docs/capacity.md), in blocks of 16.
+    let model =
+        |name: &str, alias: &str, input: i64, output: i64, concurrency: u32, blocks| ModelConfig {
+            name: name.into(),
+            aliases: vec![alias.into()],
+            price_input_per_mtok: input,
+            price_output_per_mtok: output,
+            node_concurrency: concurrency,
+            default_max_tokens: default_max_tokens(),
+            max_context_tokens: default_max_context_tokens(),
+            embedding: false,
+            tokenizer: None,
+            chat_template: None,
+            block_size: default_block_size(),
+            cache_blocks: blocks,
+        };
     vec![
-        model("llama-3.1-8b-instruct", "small", 100_000, 200_000, 32),
-        model("qwen2.5-32b-instruct", "medium", 400_000, 800_000, 16),
-        model("llama-3.3-70b-instruct", "large", 1_200_000, 2_400_000, 8),
+        model(
+            "llama-3.1-8b-instruct",
+            "small",
+            100_000,
+            200_000,
+            32,
+            11_571,
+        ),
+        model(
+            "qwen2.5-32b-instruct",
+            "medium",
+            400_000,
+            800_000,
+            16,
+            3_635,
+        ),
+        model(
+            "llama-3.3-70b-instruct",
+            "large",
+            1_200_000,
+            2_400_000,
+            8,
+            17_346,
+        ),
         ModelConfig {
             max_context_tokens: 8192,
             embedding: true,
-            ..model("bge-m3", "embed", 20_000, 0, 64)
+            ..model("bge-m3", "embed", 20_000, 0, 64, 11_571)
         },
     ]
 }
@@ -506,11 +548,7 @@ impl Config {
             self.jwt_issuer = Some(v);
         }
         if let Some(v) = get(env_names::ROUTING) {
-            self.routing = match v.as_str() {
-                "least_loaded" => RoutingStrategy::LeastLoaded,
-                "round_robin" => RoutingStrategy::RoundRobin,
-                _ => return Err(bad(env_names::ROUTING, &v)),
-            };
+            self.routing = RoutingStrategy::parse(&v).ok_or_else(|| bad(env_names::ROUTING, &v))?;
         }
         if let Some(v) = get(env_names::QUEUE_MAX_WAITING) {
             self.queue.max_waiting = v
@@ -641,6 +679,7 @@ impl Config {
             deadline: Duration::from_secs(self.queue.deadline_secs),
             node_capacity: model.node_concurrency,
             routing: self.routing,
+            cache_blocks: usize::try_from(model.cache_blocks).unwrap_or(usize::MAX),
         }
     }
 

@@ -13,6 +13,7 @@ use std::sync::Arc;
 
 use serde::Deserialize;
 use serde_json::Value;
+use switchyard_actors::model_queue::{MAX_BLOCKS, block_hashes};
 use tokenizers::Tokenizer;
 
 const BUILTIN_TOKENIZER: &[u8] = include_bytes!("sim/assets/tokenizer.json");
@@ -170,8 +171,12 @@ impl ChatTokenizer {
 
     /// Exact prompt tokens of a chat request's messages through the template.
     pub fn count_chat(&self, messages: &[ChatMessage]) -> Result<u64, TokenizerError> {
-        let ids = self.encode(&self.render_chat(messages)?)?;
-        Ok(ids.len() as u64)
+        Ok(self.chat_ids(messages)?.len() as u64)
+    }
+
+    /// Token ids of a chat request's messages through the template.
+    pub fn chat_ids(&self, messages: &[ChatMessage]) -> Result<Vec<u32>, TokenizerError> {
+        self.encode(&self.render_chat(messages)?)
     }
 
     /// Tokens of a plain text.
@@ -181,7 +186,7 @@ impl ChatTokenizer {
 }
 
 /// What the gateway counted of one chat request.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PromptCount {
     /// `messages` is only a lower bound, already at or past the limit the caller gave: the
     /// text was too long to be worth tokenizing.
@@ -196,6 +201,10 @@ pub struct PromptCount {
     /// The largest single input (an embeddings request's inputs are each held to the
     /// context; a chat or completion prompt is one input: `messages`).
     pub largest: u64,
+    /// The hash chain of a chat prompt's full KV blocks, as its engine names them (empty
+    /// when not tokenized, or for other prompts): what routing matches against each node's
+    /// cache.
+    pub blocks: Vec<u64>,
 }
 
 /// The tokenizer of every configured model.
@@ -228,7 +237,8 @@ impl PromptCounter {
         Ok(Self { by_model })
     }
 
-    /// Counts a chat body's prompt for `model` on the blocking pool (tokenizing is CPU work).
+    /// Counts a chat body's prompt for `model` on the blocking pool (tokenizing is CPU work),
+    /// and hashes its full blocks of `block_size` tokens for routing (none with 0).
     /// A prompt whose text alone must hold `limit` tokens or more is not tokenized: its
     /// lower bound comes back, marked `at_least`. `None` when the model has no tokenizer.
     pub async fn count_chat(
@@ -236,6 +246,7 @@ impl PromptCounter {
         model: &str,
         body: &serde_json::Map<String, Value>,
         limit: u64,
+        block_size: u32,
     ) -> Option<Result<PromptCount, TokenizerError>> {
         let tok = self.by_model.get(model)?.clone();
         let messages = body.get("messages").cloned().unwrap_or(Value::Null);
@@ -254,6 +265,7 @@ impl PromptCounter {
                 messages: at_least,
                 extra: 0,
                 largest: at_least,
+                blocks: Vec::new(),
             }));
         }
         // Only what the template may render travels to the blocking pool.
@@ -271,11 +283,19 @@ impl PromptCounter {
                 })
                 .unwrap_or_default();
             let extra_text = extra_prompt_text(&extra, &messages);
-            let counted = tok.count_chat(&parsed)?;
+            let ids = tok.chat_ids(&parsed)?;
+            let counted = ids.len() as u64;
+            let blocks = if block_size == 0 {
+                Vec::new()
+            } else {
+                let routed = ids.len().min(MAX_BLOCKS * block_size as usize);
+                block_hashes(&ids[..routed], block_size)
+            };
             Ok(PromptCount {
                 at_least: false,
                 messages: counted,
                 largest: counted,
+                blocks,
                 extra: if extra_text.is_empty() {
                     0
                 } else {
@@ -318,6 +338,7 @@ impl PromptCounter {
                 messages: at_least,
                 extra: 0,
                 largest: at_least,
+                blocks: Vec::new(),
             }));
         }
         // Engines may add special tokens to each input (BOS; an embedding model's CLS and
@@ -337,6 +358,7 @@ impl PromptCounter {
                 messages: total,
                 extra: specials,
                 largest,
+                blocks: Vec::new(),
             })
         })
         .await;
@@ -411,20 +433,20 @@ mod tests {
             "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]
         });
         let a = counter
-            .count_chat("m", plain.as_object().unwrap(), 8192)
+            .count_chat("m", plain.as_object().unwrap(), 8192, 16)
             .await
             .unwrap()
             .unwrap();
         assert_eq!(a.extra, 0);
         let b = counter
-            .count_chat("m", with_tools.as_object().unwrap(), 8192)
+            .count_chat("m", with_tools.as_object().unwrap(), 8192, 16)
             .await
             .unwrap()
             .unwrap();
         assert!(b.extra > 10, "{b:?}");
         assert!(
             counter
-                .count_chat("other", plain.as_object().unwrap(), 8192)
+                .count_chat("other", plain.as_object().unwrap(), 8192, 16)
                 .await
                 .is_none()
         );
@@ -433,7 +455,7 @@ mod tests {
         let huge =
             serde_json::json!({"messages": [{"role": "user", "content": "word ".repeat(200_000)}]});
         let c = counter
-            .count_chat("m", huge.as_object().unwrap(), 8192)
+            .count_chat("m", huge.as_object().unwrap(), 8192, 16)
             .await
             .unwrap()
             .unwrap();

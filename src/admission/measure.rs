@@ -47,12 +47,14 @@ impl Prompt {
 }
 
 /// What the gateway counted of a request's prompt, and what that allows a node to bill.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Measured {
     /// The messages' tokens through the model's template: the reservation's estimate.
     pub prompt_tokens: u64,
     /// The most a node may report (SPEC section 7, trust).
     pub bounds: UsageBounds,
+    /// The prompt's full KV blocks ([`crate::tokens::PromptCount::blocks`]), for routing.
+    pub blocks: Vec<u64>,
 }
 
 /// Why a prompt was not admitted by its measure.
@@ -151,6 +153,7 @@ pub async fn measure(
             prompt_tokens: counted.saturating_add(margin),
             completion_tokens: max_tokens.min(context),
         },
+        blocks: count.blocks,
     })
 }
 
@@ -162,7 +165,11 @@ async fn count(
     context: u64,
 ) -> Option<Result<crate::tokens::PromptCount, TokenizerError>> {
     match prompt {
-        Prompt::Chat => prompts.count_chat(&model.name, body, context).await,
+        Prompt::Chat => {
+            prompts
+                .count_chat(&model.name, body, context, model.block_size)
+                .await
+        }
         Prompt::Texts {
             api,
             texts,

@@ -17,7 +17,7 @@ use std::sync::Arc;
 use serde_json::Value;
 use switchyard_actors::error::Failure;
 use switchyard_actors::lifecycle::{Decision, Event, GenerationStore, NewGeneration, Status};
-use switchyard_actors::model_queue::ModelQueueHandle;
+use switchyard_actors::model_queue::{ModelQueueHandle, RouteKey};
 use switchyard_actors::ports::admission::{Admit, Ready};
 use switchyard_actors::ports::{Clock, Reservation, cost_of};
 
@@ -210,6 +210,7 @@ impl Admission {
             let store: Arc<dyn GenerationStore> = parts.store.clone();
             lifecycle = Some(store);
         }
+        let route = route(&request.model, &measured);
         let reservation = reservation(&request, ledger_id, measured);
         Ok(Admit::Ready(Box::new(Ready {
             request_id: id,
@@ -217,6 +218,7 @@ impl Admission {
             body: request.engine_body,
             reservation,
             queue,
+            route,
             lifecycle,
             on_end,
             limits,
@@ -262,6 +264,18 @@ impl Admission {
         )
         .await
     }
+}
+
+/// What the queue routes a request on: its prompt's blocks (none when it was not tokenized).
+fn route(model: &ModelConfig, measured: &Measured) -> Option<Arc<RouteKey>> {
+    (!measured.blocks.is_empty()).then(|| {
+        Arc::new(RouteKey {
+            blocks: measured.blocks.as_slice().into(),
+            block_size: model.block_size,
+            prompt_tokens: u32::try_from(measured.prompt_tokens).unwrap_or(u32::MAX),
+            session: None,
+        })
+    })
 }
 
 /// The ledger row a request opens: its measured prompt and output ceiling at the model's

@@ -32,6 +32,8 @@ pub struct Plan {
     pub x_request_id: Option<String>,
     /// The W3C trace context, passed to the engine.
     pub traceparent: Option<String>,
+    /// The client's conversation ([`session_hint`]), a routing hint.
+    pub session: Option<u64>,
 }
 
 /// The request's bearer credential: its `Authorization` headers, all of them, through
@@ -101,6 +103,26 @@ pub fn traceparent(headers: &HeaderMap) -> Option<String> {
     super::request_id::TraceContext::from_headers(headers)
         .traceparent()
         .map(str::to_owned)
+}
+
+/// The header naming a client's conversation: requests naming the same one prefer the node
+/// that served the last (a hint; the prompt's own blocks weigh more).
+pub const SESSION_HEADER: &str = "x-session-id";
+
+/// The `x-session-id` of a request, hashed with its team (two teams' sessions never meet); a
+/// hint, so a missing, repeated, empty or over-long (over 256 bytes) value is simply no
+/// session. Never logged.
+pub fn session_hint(headers: &HeaderMap, team_id: i64) -> Option<u64> {
+    use std::hash::{Hash, Hasher};
+    let mut values = headers.get_all(SESSION_HEADER).iter();
+    let value = values.next()?;
+    if values.next().is_some() || value.is_empty() || value.len() > 256 {
+        return None;
+    }
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    team_id.hash(&mut h);
+    value.as_bytes().hash(&mut h);
+    Some(h.finish())
 }
 
 /// The optional `Idempotency-Key` header: 1 to 255 visible ASCII characters, sent once.
@@ -181,12 +203,14 @@ pub async fn start(state: &AppState, plan: Plan, id: &str) -> Result<Launched, A
         request,
         x_request_id,
         traceparent,
+        session,
     } = plan;
     let api = request.prompt.api();
     let job = Box::new(state.admission.job(request, id));
     let trace = Trace {
         x_request_id,
         traceparent,
+        session,
     };
     match state.launcher.launch(job, api, trace).await {
         Ok(started) => Ok(started),

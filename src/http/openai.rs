@@ -158,6 +158,7 @@ pub(super) async fn prepare(
             .max_tokens
             .unwrap_or(u64::from(req.resolved.default_max_tokens)),
     };
+    let session = lifecycle::session_hint(headers, principal.team_id);
     let plan = Plan {
         request: Request {
             principal,
@@ -169,6 +170,7 @@ pub(super) async fn prepare(
         },
         x_request_id: lifecycle::client_request_id(),
         traceparent: lifecycle::traceparent(headers),
+        session,
     };
     Ok((plan, req.stream, req.include_usage))
 }

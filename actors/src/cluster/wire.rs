@@ -152,6 +152,9 @@ pub enum QueueItem {
         avoid: Option<String>,
         /// The engine API it needs.
         api: crate::protocol::Api,
+        /// Its prompt, for the owner's node choice (absent from older replicas).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        route: Option<std::sync::Arc<crate::model_queue::RouteKey>>,
     },
     /// It left while waiting.
     Withdraw {

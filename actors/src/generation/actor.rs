@@ -232,7 +232,14 @@ impl GenerationState {
             Effect::Enqueue { front, avoid } => {
                 let queue = self.args.queue.clone();
                 let result = queue
-                    .enqueue(request_id, myself.clone(), front, avoid, self.args.api)
+                    .enqueue(
+                        request_id,
+                        myself.clone(),
+                        front,
+                        avoid,
+                        self.args.api,
+                        self.args.route.clone(),
+                    )
                     .await;
                 Some(Input::Enqueued(result))
             }

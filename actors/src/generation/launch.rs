@@ -12,6 +12,7 @@ use super::msg::{GenerationArgs, Timeouts};
 use super::supervisor::{GenerationStream, Generations};
 use crate::error::Failure;
 use crate::lifecycle::{Event, GenerationRecord};
+use crate::model_queue::RouteKey;
 use crate::ports::admission::{AdmissionJob, Admit, LimitState, Ready};
 use crate::ports::{Clock, Coordinator, Ledger};
 use crate::protocol::Api;
@@ -32,6 +33,18 @@ pub struct Trace {
     pub x_request_id: Option<String>,
     /// The W3C trace context to continue at the engine.
     pub traceparent: Option<String>,
+    /// The client's conversation (`x-session-id`, hashed): a routing hint.
+    pub session: Option<u64>,
+}
+
+/// The prompt's route key with the session named (a session alone still routes).
+fn with_session(route: Option<Arc<RouteKey>>, session: Option<u64>) -> Option<Arc<RouteKey>> {
+    let Some(session) = session else {
+        return route;
+    };
+    let mut route = route.unwrap_or_default();
+    Arc::make_mut(&mut route).session = Some(session);
+    Some(route)
 }
 
 /// What a launch produced.
@@ -170,6 +183,7 @@ impl Launcher {
             traceparent: trace.traceparent,
             reservation: ready.reservation,
             queue: ready.queue,
+            route: with_session(ready.route, trace.session),
             ledger: self.ledger.clone(),
             events: tx,
             timeouts: self.timeouts,

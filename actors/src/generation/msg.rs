@@ -8,7 +8,7 @@ use ractor::RpcReplyPort;
 use super::events::EventSender;
 use crate::error::Failure;
 use crate::lifecycle::GenerationStore;
-use crate::model_queue::ModelQueueHandle;
+use crate::model_queue::{ModelQueueHandle, RouteKey};
 use crate::node::NodeHandle;
 use crate::output::Piece;
 use crate::ports::{Clock, Ledger, Reservation};
@@ -131,6 +131,8 @@ pub struct GenerationArgs {
     pub reservation: Reservation,
     /// The model's queue.
     pub queue: ModelQueueHandle,
+    /// Its prompt's blocks and session, for the queue's node choice.
+    pub route: Option<Arc<RouteKey>>,
     /// The ledger.
     pub ledger: Arc<dyn Ledger>,
     /// Where events for the client go.

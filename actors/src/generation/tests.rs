@@ -44,6 +44,7 @@ async fn harness(max_waiting: usize, node_capacity: u32) -> Harness {
         deadline: Duration::from_secs(30),
         node_capacity,
         routing: RoutingStrategy::LeastLoaded,
+        cache_blocks: 1024,
     };
     let queue = ModelQueueActor::start(QueueArgs {
         model: MODEL.into(),
@@ -201,6 +202,7 @@ fn generation_args(
         traceparent: None,
         reservation: reservation(request_id, MODEL, bounds),
         queue: h.queue.clone(),
+        route: None,
         ledger,
         events: tx,
         timeouts: Timeouts::default(),

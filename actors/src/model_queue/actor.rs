@@ -11,7 +11,7 @@ use tokio::time::Instant;
 
 use super::cluster::QueueCluster;
 use super::msg::{ModelQueueHandle, NodeReport, QueueMsg, QueueStats};
-use super::routing::{NodeView, RoutingStrategy};
+use super::routing::{NodeView, RouteKey, Router, RoutingStrategy};
 use crate::error::{ErrorCode, Failure};
 use crate::generation::GenerationMsg;
 use crate::metric_names::QUEUE_DEPTH;
@@ -40,6 +40,8 @@ pub struct QueueConfig {
     pub node_capacity: u32,
     /// How to pick among nodes with room.
     pub routing: RoutingStrategy,
+    /// KV blocks one node's cache holds (the size of its prefix index for `cache_aware`).
+    pub cache_blocks: usize,
 }
 
 /// What a model queue starts with (kept by its supervisor to start it again).
@@ -75,6 +77,8 @@ pub(super) struct Waiting {
     pub(super) avoid: Option<String>,
     /// The engine API it needs.
     pub(super) api: Api,
+    /// Its prompt, for routing.
+    pub(super) route: Option<Arc<RouteKey>>,
 }
 
 #[derive(Debug)]
@@ -156,7 +160,8 @@ pub struct QueueState {
     pub(super) nodes: BTreeMap<String, NodeEntry>,
     /// Recent dispatch times, for the drain rate.
     dispatches: VecDeque<Instant>,
-    pub(super) cursor: usize,
+    /// Node choice, with what it knows of each node's cache.
+    pub(super) router: Router,
     ticker: Option<ractor::concurrency::JoinHandle<()>>,
     /// When a routable node was last seen (checked every tick).
     nodes_seen: Option<Instant>,
@@ -215,12 +220,13 @@ impl Actor for ModelQueueActor {
             ),
             None => (String::new(), None),
         };
+        let router = Router::new(args.config.routing, args.config.cache_blocks);
         Ok(QueueState {
             args,
             waiting: VecDeque::new(),
             nodes: BTreeMap::new(),
             dispatches: VecDeque::new(),
-            cursor: 0,
+            router,
             ticker: Some(ticker),
             nodes_seen: None,
             me,
@@ -243,20 +249,26 @@ impl Actor for ModelQueueActor {
                 front,
                 avoid,
                 api,
+                route,
                 reply,
             } => {
                 if state.follows() {
                     if !state.is_forwarded(&request_id)
-                        && state.start_on_grant(&generation, avoid.as_deref(), api)
+                        && state.start_on_grant(
+                            &generation,
+                            avoid.as_deref(),
+                            api,
+                            route.as_deref(),
+                        )
                     {
                         let _ = reply.send(Ok(()));
                     } else {
-                        state.forward(request_id, generation, front, avoid, api, reply);
+                        state.forward(request_id, generation, front, avoid, api, route, reply);
                     }
                     return Ok(());
                 }
                 let waiter = Waiter::Local(generation);
-                let verdict = state.admit(request_id, waiter, front, avoid, api);
+                let verdict = state.admit(request_id, waiter, front, avoid, api, route);
                 let _ = reply.send(verdict);
                 state.dispatch();
             }
@@ -299,6 +311,7 @@ impl Actor for ModelQueueActor {
                     if let Some(old) = state.nodes.remove(node.node_id()) {
                         state.departed.keep(node.node_id(), &old);
                     }
+                    state.router.forget(node.node_id());
                     state.node_left(node.node_id());
                 }
             }
@@ -390,6 +403,8 @@ impl QueueState {
     /// (the followers still hold them), and whatever still runs there from before, here or
     /// away, stays counted until it ends.
     fn replace_node(&mut self, id: String, mut entry: NodeEntry) {
+        // A new connection may be a restarted engine: its cache is not assumed.
+        self.router.forget(&id);
         if let Some(old) = self.nodes.remove(&id) {
             entry.granted.clone_from(&old.granted);
             entry.recalled = old.recalled;
@@ -447,6 +462,7 @@ impl QueueState {
         front: bool,
         avoid: Option<String>,
         api: Api,
+        route: Option<Arc<RouteKey>>,
     ) -> Result<(), Failure> {
         let model = &self.args.model;
         // Already waiting: a generation re-queued after a restart may have entered the new
@@ -472,6 +488,7 @@ impl QueueState {
             deadline,
             avoid,
             api,
+            route,
         };
         if front {
             self.waiting.push_front(entry);
@@ -540,12 +557,8 @@ impl QueueState {
                 })
                 .map(|(id, n)| n.view(id, capacity))
                 .collect();
-            let Some(chosen) = self
-                .args
-                .config
-                .routing
-                .choose(&candidates, &mut self.cursor)
-            else {
+            let route = self.waiting[i].route.as_deref();
+            let Some(chosen) = self.router.choose(route, &candidates) else {
                 // No room: room lent to followers comes back.
                 let avoid = avoid.map(str::to_owned);
                 let now = self.args.clock.now();
@@ -563,6 +576,7 @@ impl QueueState {
             let Some(w) = self.waiting.remove(i) else {
                 return;
             };
+            self.router.placed(&node_id, w.route.as_deref());
             let sent = match &w.waiter {
                 Waiter::Local(generation) => {
                     let Some(entry) = self.nodes.get_mut(&node_id) else {

@@ -13,6 +13,7 @@ use super::actor::{QueueState, Waiter, Waiting};
 use super::cluster::{QueueCluster, Role};
 use super::grant::Grants;
 use super::msg::QueueMsg;
+use super::routing::RouteKey;
 use crate::cluster::to_queue;
 use crate::cluster::{FromQueue, OnFailure, Outbox, QueueItem, QueueOwner, QueueReply, ToQueue};
 use crate::error::{ErrorCode, Failure};
@@ -33,6 +34,7 @@ pub(super) struct Forwarded {
     front: bool,
     avoid: Option<String>,
     api: Api,
+    route: Option<Arc<RouteKey>>,
     deadline: Instant,
     /// The generation's enqueue call, until the owner's verdict (and when it was asked).
     verdict: Option<(RpcReplyPort<Result<(), Failure>>, Instant)>,
@@ -180,6 +182,7 @@ impl QueueState {
         front: bool,
         avoid: Option<String>,
         api: Api,
+        route: Option<Arc<RouteKey>>,
         reply: RpcReplyPort<Result<(), Failure>>,
     ) {
         let now = self.args.clock.now();
@@ -202,6 +205,7 @@ impl QueueState {
             front,
             avoid: avoid.clone(),
             api,
+            route: route.clone(),
         };
         m.forwarded.insert(
             request_id,
@@ -210,6 +214,7 @@ impl QueueState {
                 front,
                 avoid,
                 api,
+                route,
                 deadline,
                 verdict: Some((reply, now)),
             },
@@ -243,6 +248,7 @@ impl QueueState {
                 front: f.front,
                 avoid: f.avoid.clone(),
                 api: f.api,
+                route: f.route.clone(),
             })
             .collect();
         for item in again {
@@ -427,7 +433,7 @@ impl QueueState {
             let waiter = Waiter::Local(f.generation);
             match f.verdict {
                 Some((reply, _)) => {
-                    let verdict = self.admit(request_id, waiter, f.front, f.avoid, f.api);
+                    let verdict = self.admit(request_id, waiter, f.front, f.avoid, f.api, f.route);
                     let _ = reply.send(verdict);
                 }
                 None => self.waiting.push_back(Waiting {
@@ -436,6 +442,7 @@ impl QueueState {
                     deadline: f.deadline,
                     avoid: f.avoid,
                     api: f.api,
+                    route: f.route,
                 }),
             }
         }
@@ -462,6 +469,7 @@ impl QueueState {
                         front: true,
                         avoid: w.avoid,
                         api: w.api,
+                        route: w.route,
                         deadline: w.deadline.min(deadline),
                         verdict: None,
                     },
@@ -647,6 +655,7 @@ impl QueueState {
                             front: true,
                             avoid: f.avoid.clone(),
                             api: f.api,
+                            route: f.route.clone(),
                         };
                         m.forwarded.insert(request_id, f);
                         self.tell_owner(QueueItem::Released { node_id });

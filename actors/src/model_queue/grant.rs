@@ -19,7 +19,7 @@ use ractor::ActorRef;
 use tokio::time::Instant;
 
 use super::actor::QueueState;
-use super::routing::NodeView;
+use super::routing::{AFFINITY_FLOOR_TOKENS, NodeView, RouteKey, RoutingStrategy};
 use crate::cluster::{QueueItem, QueueReply};
 use crate::generation::GenerationMsg;
 use crate::protocol::Api;
@@ -63,8 +63,16 @@ impl QueueState {
         generation: &ActorRef<GenerationMsg>,
         avoid: Option<&str>,
         api: Api,
+        route: Option<&RouteKey>,
     ) -> bool {
         let capacity = self.args.config.node_capacity;
+        // Only the owner sees where every prompt went: a prompt long enough for a node's
+        // cache to matter is placed by it, one pub/sub hop against seconds of prefill.
+        if self.router.strategy() == RoutingStrategy::CacheAware
+            && route.is_some_and(|r| r.prompt_tokens >= AFFINITY_FLOOR_TOKENS)
+        {
+            return false;
+        }
         let Some(m) = self.cluster.as_ref() else {
             return false;
         };
@@ -78,12 +86,7 @@ impl QueueState {
                 (n.routable() && n.handle.speaks(api)).then(|| n.view(id, capacity))
             })
             .collect();
-        let Some(chosen) = self
-            .args
-            .config
-            .routing
-            .choose(&candidates, &mut self.cursor)
-        else {
+        let Some(chosen) = self.router.choose(route, &candidates) else {
             return false;
         };
         let node_id = candidates[chosen].node_id.to_owned();
@@ -97,6 +100,7 @@ impl QueueState {
             return false;
         }
         entry.take(&self.me);
+        self.router.placed(&node_id, route);
         if let Some(g) = self.grants_mut() {
             g.started += 1;
             if let Some(h) = g.held.get_mut(&node_id) {

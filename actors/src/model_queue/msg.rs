@@ -7,6 +7,7 @@ use std::sync::{Arc, PoisonError, RwLock};
 use ractor::{ActorRef, RpcReplyPort};
 
 use super::cluster::Role;
+use super::routing::RouteKey;
 use crate::cluster::{FromQueue, QueueOwner, ToQueue};
 use crate::error::Failure;
 use crate::generation::GenerationMsg;
@@ -47,6 +48,8 @@ pub enum QueueMsg {
         avoid: Option<String>,
         /// The engine API it needs: only nodes whose agent speaks it are chosen.
         api: Api,
+        /// Its prompt, for node choice.
+        route: Option<Arc<RouteKey>>,
         /// Admitted or refused.
         reply: RpcReplyPort<Result<(), Failure>>,
     },
@@ -167,6 +170,7 @@ impl ModelQueueHandle {
         front: bool,
         avoid: Option<String>,
         api: Api,
+        route: Option<Arc<RouteKey>>,
     ) -> Result<(), Failure> {
         let unavailable = || {
             Err(Failure::new(
@@ -186,6 +190,7 @@ impl ModelQueueHandle {
                     front,
                     avoid,
                     api,
+                    route,
                     reply,
                 },
                 Some(std::time::Duration::from_secs(5)),

@@ -62,9 +62,10 @@ impl QueueState {
                     front,
                     avoid,
                     api,
+                    route,
                 } => {
                     let waiter = Waiter::Remote(from.clone());
-                    let verdict = self.admit(request_id.clone(), waiter, front, avoid, api);
+                    let verdict = self.admit(request_id.clone(), waiter, front, avoid, api, route);
                     self.tell_replica(
                         &from,
                         QueueReply::Verdict {

@@ -11,7 +11,7 @@ use super::Reservation;
 use crate::error::Failure;
 use crate::generation::EndHook;
 use crate::lifecycle::{GenerationRecord, GenerationStore};
-use crate::model_queue::ModelQueueHandle;
+use crate::model_queue::{ModelQueueHandle, RouteKey};
 
 /// Where a principal stands against its per-key limits after admission: what the client is
 /// told with every answer (`x-ratelimit-*`), refusals included.
@@ -40,6 +40,9 @@ pub struct Ready {
     pub reservation: Reservation,
     /// The queue of [`Self::model`].
     pub queue: ModelQueueHandle,
+    /// The measured prompt's blocks, for the queue's node choice (`None` when the prompt
+    /// was not tokenized: too long to be worth it, or an API without one).
+    pub route: Option<Arc<RouteKey>>,
     /// The lifecycle store, when the generation has a record (an Idempotency-Key, or a
     /// principal whose messages are metered).
     pub lifecycle: Option<Arc<dyn GenerationStore>>,

@@ -245,6 +245,7 @@ async fn prepare(
             engine.insert(field.into(), v.clone());
         }
     }
+    let session = lifecycle::session_hint(headers, principal.team_id);
     let plan = Plan {
         request: Request {
             principal,
@@ -256,6 +257,7 @@ async fn prepare(
         },
         x_request_id: lifecycle::client_request_id(),
         traceparent: lifecycle::traceparent(headers),
+        session,
     };
     Ok((plan, stream))
 }

@@ -7,22 +7,10 @@
 //! free block queue.
 
 use std::collections::{BTreeMap, HashMap};
-use std::hash::{Hash, Hasher};
 
-/// The hash chain of `ids`' full blocks of `block_size` tokens.
-pub fn block_hashes(ids: &[u32], block_size: u32) -> Vec<u64> {
-    let size = usize::try_from(block_size).unwrap_or(usize::MAX).max(1);
-    let mut parent = 0u64;
-    ids.chunks_exact(size)
-        .map(|block| {
-            let mut h = std::collections::hash_map::DefaultHasher::new();
-            parent.hash(&mut h);
-            block.hash(&mut h);
-            parent = h.finish();
-            parent
-        })
-        .collect()
-}
+/// The hash chain of a prompt's full blocks: the gateway's routing hashes prompts with the
+/// same function, so its predictions and a simulated node's cache agree block for block.
+pub use switchyard_actors::model_queue::block_hashes;
 
 /// A cached block: how many sequences hold it, and its place among the evictable ones when
 /// none does.

@@ -1,0 +1,238 @@
+//! Node choice. The default, `cache_aware`, scores each node with room on the prompt blocks
+//! it is predicted to hold ([`prefix`]), its in-flight share, its engine's waiting requests
+//! and its KV-cache pressure; `least_loaded` ignores the cache, and `round_robin` exists so
+//! that routing quality can be measured against it on the same fleet (docs/capacity.md,
+//! "Routing").
+
+pub mod prefix;
+
+use std::collections::HashMap;
+
+use hashlink::LruCache;
+use serde::{Deserialize, Serialize};
+
+pub use prefix::{MAX_BLOCKS, PrefixIndex, RouteKey, block_hashes};
+
+/// What the chooser sees of a node that has room.
+#[derive(Debug, Clone, PartialEq)]
+pub struct NodeView<'a> {
+    /// The node's id.
+    pub node_id: &'a str,
+    /// Assignments in flight on it, counted by the queue itself.
+    pub in_flight: u32,
+    /// Assignments it may carry at once for this model.
+    pub capacity: u32,
+    /// Its KV-cache use (0–1) from the last heartbeat.
+    pub kv_cache_usage: f64,
+    /// Requests waiting inside its engine, from the last heartbeat.
+    pub engine_waiting: u64,
+}
+
+/// How the queue picks a node (configuration: `routing = "cache_aware" | "least_loaded" |
+/// "round_robin"`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RoutingStrategy {
+    /// Predicted prefill saved against load (see [`Router`]).
+    #[default]
+    CacheAware,
+    /// Lowest in-flight share plus KV use; ties go to the node with fewer waiting.
+    LeastLoaded,
+    /// Each node in turn.
+    RoundRobin,
+}
+
+impl RoutingStrategy {
+    /// The configuration name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::CacheAware => "cache_aware",
+            Self::LeastLoaded => "least_loaded",
+            Self::RoundRobin => "round_robin",
+        }
+    }
+
+    /// Parses a configuration name.
+    pub fn parse(s: &str) -> Option<Self> {
+        [Self::CacheAware, Self::LeastLoaded, Self::RoundRobin]
+            .into_iter()
+            .find(|r| r.as_str() == s)
+    }
+}
+
+/// Weight of a full predicted cache hit against a whole node's load (in-flight share 0–1).
+/// Above 1, a long shared prefix keeps going to the node holding it until that node is out
+/// of slots or KV headroom, then spills (and the next node caches it too): on a GPU, decode
+/// throughput grows almost linearly with the batch, so a fuller node costs each stream little,
+/// while a prefill avoided saves whole seconds of a long prompt.
+pub const AFFINITY_WEIGHT: f64 = 2.0;
+/// Prompts shorter than this many tokens count as this long: a fully cached short prompt
+/// saves a few milliseconds of prefill and should not outweigh load.
+pub const AFFINITY_FLOOR_TOKENS: u32 = 256;
+/// KV use above which a node's cache stops counting for it (linearly, gone at 100 %): a
+/// node about to preempt takes no work for its cache's sake.
+pub const KV_HIGH: f64 = 0.8;
+/// Sessions remembered per model (`x-session-id` → the node of its last request).
+pub const SESSIONS: usize = 65_536;
+
+/// The node a session's last request went to, with that request's prompt tokens.
+#[derive(Debug, Clone)]
+struct Sticky {
+    node_id: String,
+    prompt_tokens: u32,
+}
+
+/// One model's node choice: the strategy, and for `cache_aware` each node's
+/// [`PrefixIndex`] and the sessions' last nodes. Lives in the model's queue; whoever
+/// dispatches calls [`Router::choose`] and then [`Router::placed`].
+#[derive(Debug)]
+pub struct Router {
+    strategy: RoutingStrategy,
+    cursor: usize,
+    /// Blocks one node's index holds at most (its KV cache).
+    cache_blocks: usize,
+    indices: HashMap<String, PrefixIndex>,
+    sessions: LruCache<u64, Sticky>,
+}
+
+impl Router {
+    /// A router for nodes whose KV cache holds `cache_blocks` blocks.
+    pub fn new(strategy: RoutingStrategy, cache_blocks: usize) -> Self {
+        Self {
+            strategy,
+            cursor: 0,
+            cache_blocks,
+            indices: HashMap::new(),
+            sessions: LruCache::new(SESSIONS),
+        }
+    }
+
+    /// The strategy.
+    pub fn strategy(&self) -> RoutingStrategy {
+        self.strategy
+    }
+
+    /// Index into `nodes` (all with room, in node-id order) of the node to use for a request
+    /// with `route` (`None`: nothing known of its prompt).
+    pub fn choose(&mut self, route: Option<&RouteKey>, nodes: &[NodeView<'_>]) -> Option<usize> {
+        let indices = &self.indices;
+        let predicted = |n: &NodeView<'_>| match (route, indices.get(n.node_id)) {
+            (Some(r), Some(idx)) => r.tokens_of(idx.matched(&r.blocks)),
+            _ => 0,
+        };
+        let cached: Vec<u32> = nodes.iter().map(predicted).collect();
+        self.choose_on(route, nodes, &cached)
+    }
+
+    /// [`Router::choose`] with the cached prompt tokens of each node given (`cached[i]` for
+    /// `nodes[i]`): what a router that knew every node's cache exactly would do (the routing
+    /// benchmark's oracle).
+    pub fn choose_on(
+        &mut self,
+        route: Option<&RouteKey>,
+        nodes: &[NodeView<'_>],
+        cached: &[u32],
+    ) -> Option<usize> {
+        if nodes.is_empty() {
+            return None;
+        }
+        match self.strategy {
+            RoutingStrategy::RoundRobin => {
+                let i = self.cursor % nodes.len();
+                self.cursor = self.cursor.wrapping_add(1);
+                Some(i)
+            }
+            RoutingStrategy::LeastLoaded => best(nodes, |_, n| -load(n)),
+            RoutingStrategy::CacheAware => {
+                let sticky = route
+                    .and_then(|r| r.session)
+                    .and_then(|s| self.sessions.peek(&s));
+                best(nodes, |i, n| {
+                    let mut tokens = cached.get(i).copied().unwrap_or(0);
+                    if let (Some(s), Some(r)) = (sticky, route)
+                        && s.node_id == n.node_id
+                    {
+                        // The session's last node is credited with half its last prompt.
+                        tokens = tokens.max(s.prompt_tokens.min(r.prompt_tokens) / 2);
+                    }
+                    let prompt = route.map_or(0, |r| r.prompt_tokens);
+                    let waiting = n.engine_waiting as f64 / f64::from(n.capacity.max(1));
+                    affinity(tokens, prompt) * headroom(n) * AFFINITY_WEIGHT
+                        - load(n)
+                        - 0.5 * waiting
+                })
+            }
+        }
+    }
+
+    /// A request with `route` was dispatched to `node_id`: the node now holds its blocks,
+    /// and its session's next request is credited to it.
+    pub fn placed(&mut self, node_id: &str, route: Option<&RouteKey>) {
+        if self.strategy != RoutingStrategy::CacheAware {
+            return;
+        }
+        let Some(route) = route else {
+            return;
+        };
+        if !route.blocks.is_empty() {
+            let capacity = self.cache_blocks;
+            self.indices
+                .entry(node_id.to_owned())
+                .or_insert_with(|| PrefixIndex::new(capacity))
+                .record(&route.blocks);
+        }
+        if let Some(session) = route.session {
+            self.sessions.insert(
+                session,
+                Sticky {
+                    node_id: node_id.to_owned(),
+                    prompt_tokens: route.prompt_tokens,
+                },
+            );
+        }
+    }
+
+    /// `node_id` left (or came back as a new connection, its engine possibly restarted):
+    /// nothing of its cache is assumed any more.
+    pub fn forget(&mut self, node_id: &str) {
+        self.indices.remove(node_id);
+    }
+
+    /// Prompt tokens `node_id` is predicted to hold of `route`.
+    pub fn predicted(&self, node_id: &str, route: &RouteKey) -> u32 {
+        self.indices
+            .get(node_id)
+            .map_or(0, |idx| route.tokens_of(idx.matched(&route.blocks)))
+    }
+}
+
+/// The index of the highest `score`; ties go to fewer requests waiting in the engine, then
+/// to the first (node-id order).
+fn best(nodes: &[NodeView<'_>], score: impl Fn(usize, &NodeView<'_>) -> f64) -> Option<usize> {
+    nodes
+        .iter()
+        .enumerate()
+        .map(|(i, n)| (i, score(i, n), n.engine_waiting))
+        .max_by(|(ia, sa, wa), (ib, sb, wb)| sa.total_cmp(sb).then(wb.cmp(wa)).then(ib.cmp(ia)))
+        .map(|(i, _, _)| i)
+}
+
+/// In-flight share is exact and fresh; the heartbeat's KV use is up to 5 s old, so it weighs
+/// half as much.
+fn load(n: &NodeView<'_>) -> f64 {
+    let share = f64::from(n.in_flight) / f64::from(n.capacity.max(1));
+    share + 0.5 * n.kv_cache_usage
+}
+
+/// Prefill saved, as a share of the prompt (never of less than [`AFFINITY_FLOOR_TOKENS`]).
+fn affinity(cached: u32, prompt: u32) -> f64 {
+    f64::from(cached) / f64::from(prompt.max(AFFINITY_FLOOR_TOKENS))
+}
+
+/// 1 while the node's KV use is at most [`KV_HIGH`], falling to 0 at full.
+fn headroom(n: &NodeView<'_>) -> f64 {
+    ((1.0 - n.kv_cache_usage) / (1.0 - KV_HIGH)).clamp(0.0, 1.0)
+}
+
+#[cfg(test)]
+mod tests;
