@@ -263,7 +263,14 @@ impl Actor for ModelQueueActor {
                     {
                         let _ = reply.send(Ok(()));
                     } else {
-                        state.forward(request_id, generation, front, avoid, api, route, reply);
+                        let asked = super::follow::Asked {
+                            generation,
+                            front,
+                            avoid,
+                            api,
+                            route,
+                        };
+                        state.forward(request_id, asked, reply);
                     }
                     return Ok(());
                 }

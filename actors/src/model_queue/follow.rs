@@ -40,6 +40,16 @@ pub(super) struct Forwarded {
     verdict: Option<(RpcReplyPort<Result<(), Failure>>, Instant)>,
 }
 
+/// What a local generation asks of the queue (see [`super::QueueMsg::Enqueue`]).
+#[derive(Debug)]
+pub(super) struct Asked {
+    pub(super) generation: ActorRef<GenerationMsg>,
+    pub(super) front: bool,
+    pub(super) avoid: Option<String>,
+    pub(super) api: Api,
+    pub(super) route: Option<Arc<RouteKey>>,
+}
+
 /// Another replica, as the owner sees it.
 #[derive(Debug)]
 pub(super) struct Follower {
@@ -178,13 +188,16 @@ impl QueueState {
     pub(super) fn forward(
         &mut self,
         request_id: String,
-        generation: ActorRef<GenerationMsg>,
-        front: bool,
-        avoid: Option<String>,
-        api: Api,
-        route: Option<Arc<RouteKey>>,
+        asked: Asked,
         reply: RpcReplyPort<Result<(), Failure>>,
     ) {
+        let Asked {
+            generation,
+            front,
+            avoid,
+            api,
+            route,
+        } = asked;
         let now = self.args.clock.now();
         let deadline = now + self.args.config.deadline + DEADLINE_GRACE;
         let refused = self.unroutable(api);

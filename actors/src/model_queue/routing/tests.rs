@@ -1,3 +1,5 @@
+#![allow(clippy::unwrap_used)]
+
 use super::*;
 
 fn view(id: &str, in_flight: u32, kv: f64) -> NodeView<'_> {
