@@ -9,6 +9,7 @@ pub mod drill;
 pub mod prompt;
 pub mod report;
 mod request;
+pub mod routing;
 pub mod run;
 
 pub use compare::{CompareConfig, CompareReport, Role, compare};

@@ -39,6 +39,36 @@ enum Command {
     /// fresh database, LiteLLM's proxy in a virtualenv under the build directory), compares
     /// every figure with the engine directly in the same run, writes bench.json and bench.png.
     Bench(BenchArgs),
+    /// The routing benchmark, on demand: Switchyard's node choice against round robin,
+    /// least-loaded and an oracle on the same simulated fleet, in virtual time; writes
+    /// routing.json, routing.md and routing.png.
+    Routing(RoutingArgs),
+}
+
+#[derive(Debug, Args)]
+struct RoutingArgs {
+    /// Scenarios, comma-separated: mix (the seeds' fleet at several loads), llm-d (llm-d's
+    /// published benchmark shape) [default: both].
+    #[arg(long, value_delimiter = ',')]
+    scenarios: Vec<String>,
+    /// Loads of the mix, percent of capacity, comma-separated.
+    #[arg(long, value_delimiter = ',', default_values_t = [50.0, 90.0, 110.0])]
+    loads: Vec<f64>,
+    /// Seed of the sessions and arrivals.
+    #[arg(long, default_value_t = 2026)]
+    seed: u64,
+    /// Virtual time before measuring [default: 120s; 30s with --quick].
+    #[arg(long, value_parser = parse_duration)]
+    warmup: Option<Duration>,
+    /// Virtual time measured [default: 600s; 60s with --quick].
+    #[arg(long, value_parser = parse_duration)]
+    window: Option<Duration>,
+    /// Short runs to check that everything works; not figures to quote.
+    #[arg(long)]
+    quick: bool,
+    /// Where the results go [default: routing/ in the build directory].
+    #[arg(long)]
+    out: Option<PathBuf>,
 }
 
 #[derive(Debug, Args)]
@@ -481,6 +511,46 @@ async fn execute(cli: Cli) -> anyhow::Result<()> {
             if !report.passed() {
                 anyhow::bail!("a scenario failed");
             }
+        }
+        Command::Routing(args) => {
+            let build_dir = std::env::current_exe()?
+                .parent()
+                .and_then(std::path::Path::parent)
+                .context("the build directory")?
+                .to_owned();
+            let quick = args.quick;
+            let opts = switchyard_loadtest::routing::RoutingOptions {
+                out: args.out.unwrap_or_else(|| build_dir.join("routing")),
+                seed: args.seed,
+                scenarios: if args.scenarios.is_empty() {
+                    vec!["mix".into(), "llm-d".into()]
+                } else {
+                    args.scenarios
+                },
+                loads: args.loads.iter().map(|l| l / 100.0).collect(),
+                warmup: args
+                    .warmup
+                    .unwrap_or(Duration::from_secs(if quick { 30 } else { 120 })),
+                window: args
+                    .window
+                    .unwrap_or(Duration::from_secs(if quick { 60 } else { 600 })),
+                strategies: switchyard_loadtest::routing::Strategy::ALL.to_vec(),
+            };
+            let command = std::env::args().collect::<Vec<_>>().join(" ");
+            let report = tokio::task::spawn_blocking(move || {
+                switchyard_loadtest::routing::run(&opts, command).map(|r| (r, opts.out))
+            })
+            .await??;
+            let (report, out) = report;
+            let mut stdout = std::io::stdout().lock();
+            write!(stdout, "{}", switchyard_loadtest::routing::table(&report))?;
+            writeln!(
+                stdout,
+                "wrote {0}/routing.json, {0}/routing.md and {0}/routing.png in {1:.0} s",
+                out.display(),
+                report.wall_s
+            )?;
+            stdout.flush()?;
         }
         Command::Compare(args) => {
             let out = args.json.clone();

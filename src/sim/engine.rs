@@ -155,6 +155,22 @@ pub struct EngineHandle {
 impl EngineHandle {
     /// Starts the scheduler loop on the current runtime.
     pub fn spawn(cfg: EngineConfig) -> (Self, tokio::task::JoinHandle<()>) {
+        Self::spawn_with(cfg, None)
+    }
+
+    /// [`EngineHandle::spawn`], with the prefix cache's blocks readable through `probe`
+    /// (modeled timing only).
+    pub fn spawn_probed(
+        cfg: EngineConfig,
+        probe: kv::CacheProbe,
+    ) -> (Self, tokio::task::JoinHandle<()>) {
+        Self::spawn_with(cfg, Some(probe))
+    }
+
+    fn spawn_with(
+        cfg: EngineConfig,
+        probe: Option<kv::CacheProbe>,
+    ) -> (Self, tokio::task::JoinHandle<()>) {
         let (tx, rx) = mpsc::unbounded_channel();
         let stats = Arc::new(Mutex::new(EngineStats::new(cfg.num_blocks)));
         if let Timing::Fixed { ttft, itl } = cfg.timing {
@@ -173,8 +189,12 @@ impl EngineHandle {
             let fixed = Some(Arc::new(fixed));
             return (Self { tx, stats, fixed }, task);
         }
+        let kv = kv::KvCache::new(cfg.num_blocks);
         let engine = Engine {
-            kv: kv::KvCache::new(cfg.num_blocks),
+            kv: match probe {
+                Some(p) => kv.with_probe(p),
+                None => kv,
+            },
             cfg,
             waiting: VecDeque::new(),
             deferred: Vec::new(),

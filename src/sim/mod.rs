@@ -7,7 +7,7 @@
 mod chat;
 mod completions;
 mod embeddings;
-mod engine;
+pub mod engine;
 mod faults;
 mod generate;
 mod gpu;
@@ -32,7 +32,7 @@ pub use engine::EngineConfig;
 pub use faults::FaultSpec;
 pub use metrics::EngineStats;
 pub use profile::{Profile, ProfileArg, ProfileSpec, Timing};
-pub use tokenizer::{ChatMessage, SimTokenizer};
+pub use tokenizer::{ChatMessage, Generator, SimTokenizer};
 
 /// Tokens per KV block, as vLLM's default on GPUs.
 pub const BLOCK_SIZE: u32 = 16;

@@ -5,7 +5,7 @@
 //! the result is `bench.json` and a plot, `bench.png`.
 
 mod litellm;
-mod plot;
+pub(crate) mod plot;
 mod sample;
 mod scenarios;
 

@@ -28,7 +28,7 @@ const FONTS: &[&str] = &[
 /// Added latency at or below this is drawn at it (the axis is logarithmic).
 const FLOOR_MS: f64 = 0.1;
 
-const FONT: &str = "sans-serif";
+pub(crate) const FONT: &str = "sans-serif";
 const SWITCHYARD: RGBColor = RGBColor(31, 119, 180);
 const LITELLM: RGBColor = RGBColor(214, 39, 40);
 const GREY: RGBColor = RGBColor(120, 120, 120);
@@ -296,7 +296,7 @@ fn num(v: f64) -> String {
 }
 
 /// Registers the font once per process.
-fn font() -> anyhow::Result<()> {
+pub(crate) fn font() -> anyhow::Result<()> {
     static REGISTERED: OnceLock<Result<PathBuf, String>> = OnceLock::new();
     let registered = REGISTERED.get_or_init(|| {
         let path = find_font().ok_or_else(|| {

@@ -6,11 +6,33 @@
 //! sequence's blocks are freed tail first, so a prefix outlives its suffixes, as with vLLM's
 //! free block queue.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::{Arc, Mutex, PoisonError};
 
 /// The hash chain of a prompt's full blocks: the gateway's routing hashes prompts with the
 /// same function, so its predictions and a simulated node's cache agree block for block.
 pub use switchyard_actors::model_queue::block_hashes;
+
+/// Which blocks a cache holds, readable from outside the engine: what a router that knew
+/// every node's cache exactly would see (the routing benchmark's oracle).
+#[derive(Debug, Clone, Default)]
+pub struct CacheProbe(Arc<Mutex<HashSet<u64>>>);
+
+impl CacheProbe {
+    /// How many of `hashes`' leading blocks the cache holds, at most `most`.
+    pub fn hit(&self, hashes: &[u64], most: usize) -> usize {
+        let cached = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        hashes
+            .iter()
+            .take(most)
+            .take_while(|h| cached.contains(h))
+            .count()
+    }
+
+    fn set(&self) -> std::sync::MutexGuard<'_, HashSet<u64>> {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
 
 /// A cached block: how many sequences hold it, and its place among the evictable ones when
 /// none does.
@@ -44,6 +66,8 @@ pub struct KvCache {
     /// Cached blocks no sequence holds, by when they were freed (the smallest goes first).
     evictable: BTreeMap<u64, u64>,
     clock: u64,
+    /// Kept in step with `cached` when someone reads it from outside.
+    probe: Option<CacheProbe>,
 }
 
 impl KvCache {
@@ -55,7 +79,15 @@ impl KvCache {
             cached: HashMap::new(),
             evictable: BTreeMap::new(),
             clock: 0,
+            probe: None,
         }
+    }
+
+    /// The cache, readable through `probe`.
+    pub fn with_probe(mut self, probe: CacheProbe) -> Self {
+        probe.set().clear();
+        self.probe = Some(probe);
+        self
     }
 
     /// Blocks that sequences hold (cached blocks nobody holds count as free, as in vLLM's
@@ -128,6 +160,9 @@ impl KvCache {
         match self.evictable.pop_first() {
             Some((_, h)) => {
                 self.cached.remove(&h);
+                if let Some(p) = &self.probe {
+                    p.set().remove(&h);
+                }
                 true
             }
             None => false,
@@ -152,6 +187,9 @@ impl KvCache {
                     freed_at: None,
                 },
             );
+            if let Some(p) = &self.probe {
+                p.set().insert(*h);
+            }
             held.own -= 1;
             held.shared.push(*h);
         }
@@ -175,7 +213,12 @@ impl KvCache {
 
     /// Everything gone (the engine died).
     pub fn reset(&mut self) {
+        let probe = self.probe.take();
         *self = Self::new(self.num_blocks);
+        if let Some(p) = probe {
+            p.set().clear();
+            self.probe = Some(p);
+        }
     }
 }
 

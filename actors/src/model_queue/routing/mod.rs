@@ -1,8 +1,14 @@
 //! Node choice. The default, `cache_aware`, scores each node with room on the prompt blocks
 //! it is predicted to hold ([`prefix`]), its in-flight share, its engine's waiting requests
-//! and its KV-cache pressure; `least_loaded` ignores the cache, and `round_robin` exists so
-//! that routing quality can be measured against it on the same fleet (docs/capacity.md,
+//! and its KV-cache use; `least_loaded` ignores the cache, and `round_robin` exists so that
+//! routing quality can be measured against it on the same fleet (docs/capacity.md,
 //! "Routing").
+//!
+//! KV pressure counts against a node as load, never against its cache: a prompt whose
+//! prefix a node holds needs fewer new blocks there than anywhere else, so under pressure
+//! affinity matters more, not less. (An earlier version discounted the cache of a node above
+//! 80 % KV use; in the routing benchmark's oversubscribed llm-d shape every node sits there,
+//! the discount turned `cache_aware` into `least_loaded`, and throughput fell by a third.)
 
 pub mod prefix;
 
@@ -69,9 +75,6 @@ pub const AFFINITY_WEIGHT: f64 = 2.0;
 /// Prompts shorter than this many tokens count as this long: a fully cached short prompt
 /// saves a few milliseconds of prefill and should not outweigh load.
 pub const AFFINITY_FLOOR_TOKENS: u32 = 256;
-/// KV use above which a node's cache stops counting for it (linearly, gone at 100 %): a
-/// node about to preempt takes no work for its cache's sake.
-pub const KV_HIGH: f64 = 0.8;
 /// Sessions remembered per model (`x-session-id` → the node of its last request).
 pub const SESSIONS: usize = 65_536;
 
@@ -157,9 +160,7 @@ impl Router {
                     }
                     let prompt = route.map_or(0, |r| r.prompt_tokens);
                     let waiting = n.engine_waiting as f64 / f64::from(n.capacity.max(1));
-                    affinity(tokens, prompt) * headroom(n) * AFFINITY_WEIGHT
-                        - load(n)
-                        - 0.5 * waiting
+                    affinity(tokens, prompt) * AFFINITY_WEIGHT - load(n) - 0.5 * waiting
                 })
             }
         }
@@ -227,11 +228,6 @@ fn load(n: &NodeView<'_>) -> f64 {
 /// Prefill saved, as a share of the prompt (never of less than [`AFFINITY_FLOOR_TOKENS`]).
 fn affinity(cached: u32, prompt: u32) -> f64 {
     f64::from(cached) / f64::from(prompt.max(AFFINITY_FLOOR_TOKENS))
-}
-
-/// 1 while the node's KV use is at most [`KV_HIGH`], falling to 0 at full.
-fn headroom(n: &NodeView<'_>) -> f64 {
-    ((1.0 - n.kv_cache_usage) / (1.0 - KV_HIGH)).clamp(0.0, 1.0)
 }
 
 #[cfg(test)]

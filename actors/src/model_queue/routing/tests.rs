@@ -94,16 +94,16 @@ fn a_short_cached_prompt_does_not_outweigh_load() {
 }
 
 #[test]
-fn a_node_near_full_kv_gets_no_credit_for_its_cache() {
+fn kv_pressure_counts_as_load_but_not_against_a_cached_prefix() {
     let mut r = cache_aware();
     let p = prompt(5, 100, 1, 110);
     r.placed("a", Some(&p));
-    // a holds the prefix but its KV is nearly full (it would preempt): b gets it.
-    let nodes = [view("a", 4, 0.99), view("b", 8, 0.5)];
-    assert_eq!(r.choose(Some(&p), &nodes), Some(1));
-    // With headroom again, a does.
-    let nodes = [view("a", 4, 0.6), view("b", 8, 0.5)];
+    // a holds the prefix: under KV pressure it needs the fewest new blocks of any node.
+    let nodes = [view("a", 4, 0.99), view("b", 4, 0.5)];
     assert_eq!(r.choose(Some(&p), &nodes), Some(0));
+    // Nothing cached anywhere: the node with KV room wins.
+    let other = prompt(6, 100, 2, 110);
+    assert_eq!(r.choose(Some(&other), &nodes), Some(1));
 }
 
 #[test]
