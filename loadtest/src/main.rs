@@ -579,7 +579,11 @@ mod tests {
         let cli = Cli::try_parse_from(base.iter().chain(args))?;
         match cli.command {
             Command::Run(a) => Ok(a.into_config()),
-            Command::Compare(_) | Command::Drill(_) | Command::Bank(_) | Command::Bench(_) => {
+            Command::Compare(_)
+            | Command::Drill(_)
+            | Command::Bank(_)
+            | Command::Bench(_)
+            | Command::Routing(_) => {
                 panic!("not a run")
             }
         }

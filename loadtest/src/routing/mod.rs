@@ -138,6 +138,9 @@ pub const LLMD_SYSTEM: u32 = 6_000;
 pub const LLMD_QUESTION: u32 = 1_200;
 /// See [`LLMD_NODES`].
 pub const LLMD_OUTPUT: u32 = 900;
+/// `llm-d-short`: the same with short answers, so a request's own tokens are few and the
+/// shared prefix is almost all of its work.
+pub const LLMD_SHORT_OUTPUT: u32 = 200;
 
 /// Runs the benchmark; every run on its own paused-clock runtime, on this thread.
 pub fn run(opts: &RoutingOptions, command: String) -> anyhow::Result<RoutingReport> {
@@ -178,14 +181,27 @@ pub fn run(opts: &RoutingOptions, command: String) -> anyhow::Result<RoutingRepo
                     }
                 }
             }
-            "llm-d" => {
+            "llm-d" | "llm-d-short" => {
+                let output = if scenario == "llm-d" {
+                    LLMD_OUTPUT
+                } else {
+                    LLMD_SHORT_OUTPUT
+                };
                 for &strategy in &opts.strategies {
-                    let r = runtime()?.block_on(llmd(opts, strategy, tokenizer.clone()));
+                    let r = runtime()?.block_on(llmd(
+                        opts,
+                        scenario,
+                        output,
+                        strategy,
+                        tokenizer.clone(),
+                    ));
                     print_rows(&r);
                     rows.extend(r);
                 }
             }
-            other => anyhow::bail!("unknown routing scenario `{other}` (mix, llm-d)"),
+            other => {
+                anyhow::bail!("unknown routing scenario `{other}` (mix, llm-d, llm-d-short)")
+            }
         }
     }
     let report = RoutingReport {
@@ -243,7 +259,7 @@ async fn capacity(
                         if fleet.now() >= end {
                             break;
                         }
-                        fleet.request(m, turn, n << 8 | t as u64).await;
+                        fleet.request(m, turn, (n << 8) | t as u64).await;
                     }
                     n += 1 << 20;
                 }
@@ -259,7 +275,7 @@ async fn capacity(
                 .filter(|r| r.model == m && r.sent >= warmup && r.sent < end && r.ttft.is_some())
                 .count() as f64;
             let turns: usize = (0..2_000u64)
-                .map(|n| session(m as u64, 1 << 40 | n, opts.seed, mix).1.len())
+                .map(|n| session(m as u64, (1 << 40) | n, opts.seed, mix).1.len())
                 .sum();
             (done / window) / (turns as f64 / 2_000.0)
         })
@@ -284,7 +300,7 @@ async fn mix(
         let mix = mix.clone();
         let seed = opts.seed;
         arrivals.spawn(async move {
-            let mut rng = ChaCha8Rng::seed_from_u64(seed ^ (m as u64 + 1) * 0x51);
+            let mut rng = ChaCha8Rng::seed_from_u64(seed ^ ((m as u64 + 1) * 0x51));
             let mut spawned = JoinSet::new();
             let mut n = 0u64;
             loop {
@@ -301,7 +317,7 @@ async fn mix(
                         if fleet.now() >= end {
                             break;
                         }
-                        fleet.request(m, turn, n << 8 | t as u64).await;
+                        fleet.request(m, turn, (n << 8) | t as u64).await;
                     }
                 });
                 n += 1;
@@ -313,7 +329,13 @@ async fn mix(
     rows("mix", strategy, load, &models, &fleet, opts)
 }
 
-async fn llmd(opts: &RoutingOptions, strategy: Strategy, tokenizer: Arc<SimTokenizer>) -> Vec<Row> {
+async fn llmd(
+    opts: &RoutingOptions,
+    scenario: &str,
+    output: u32,
+    strategy: Strategy,
+    tokenizer: Arc<SimTokenizer>,
+) -> Vec<Row> {
     let models = vec![ModelSpec {
         name: "8b",
         profile: Profile::B8,
@@ -329,23 +351,22 @@ async fn llmd(opts: &RoutingOptions, strategy: Strategy, tokenizer: Arc<SimToken
         let fleet = fleet.clone();
         let seed = opts.seed;
         clients.spawn(async move {
-            let mut rng = ChaCha8Rng::seed_from_u64(seed ^ (c as u64) << 20);
+            let mut rng = ChaCha8Rng::seed_from_u64(seed ^ ((c as u64) << 20));
             // Clients start over the first seconds, not all in one instant.
             let start = exp(&mut rng, 5.0).min(30.0);
             tokio::time::sleep(Duration::from_secs_f64(start)).await;
             let mut i = 0u64;
             while fleet.now() < end {
                 let group = rand::Rng::random_range(&mut rng, 0..LLMD_GROUPS);
-                let turn =
-                    shared_prefix_turn(&mut rng, group, LLMD_SYSTEM, LLMD_QUESTION, LLMD_OUTPUT);
-                fleet.request(0, &turn, (c as u64) << 32 | i).await;
+                let turn = shared_prefix_turn(&mut rng, group, LLMD_SYSTEM, LLMD_QUESTION, output);
+                fleet.request(0, &turn, ((c as u64) << 32) | i).await;
                 i += 1;
             }
         });
     }
     while clients.join_next().await.is_some() {}
     rows(
-        "llm-d",
+        scenario,
         strategy,
         LLMD_CLIENTS as f64,
         &models,
@@ -479,3 +500,6 @@ pub fn table(report: &RoutingReport) -> String {
     }
     s
 }
+
+#[cfg(test)]
+mod tests;

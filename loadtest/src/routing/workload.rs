@@ -66,7 +66,7 @@ impl Default for Mix {
 
 /// Ids of a shared text: the same `(model, family, which)` is the same ids.
 fn shared(model: u64, family: u64, which: u64, len: u32) -> Vec<u32> {
-    let mut rng = ChaCha8Rng::seed_from_u64(model << 40 ^ family << 32 ^ which);
+    let mut rng = ChaCha8Rng::seed_from_u64((model << 40) ^ (family << 32) ^ which);
     (0..len).map(|_| rng.random_range(1_000..120_000)).collect()
 }
 
@@ -77,13 +77,13 @@ fn fresh(rng: &mut ChaCha8Rng, len: u32) -> Vec<u32> {
 
 /// The lengths of a shared prefix `which` of a family: fixed per prefix.
 fn shared_len(model: u64, family: u64, which: u64, lo: u32, hi: u32) -> u32 {
-    let mut rng = ChaCha8Rng::seed_from_u64(model << 40 ^ family << 32 ^ which ^ 0x5eed);
+    let mut rng = ChaCha8Rng::seed_from_u64((model << 40) ^ (family << 32) ^ which ^ 0x5eed);
     rng.random_range(lo..=hi)
 }
 
 /// The turns of session `n` of `model` (an index into the fleet's models) under `mix`.
 pub fn session(model: u64, n: u64, seed: u64, mix: &Mix) -> (Kind, Vec<Turn>) {
-    let mut rng = ChaCha8Rng::seed_from_u64(seed ^ model << 48 ^ n.wrapping_mul(0x9E37_79B9));
+    let mut rng = ChaCha8Rng::seed_from_u64(seed ^ (model << 48) ^ n.wrapping_mul(0x9E37_79B9));
     let x: f64 = rng.random();
     let limit = mix.max_model_len.saturating_sub(64);
     if x < mix.chat {

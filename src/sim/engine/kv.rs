@@ -54,6 +54,11 @@ impl Held {
     pub fn len(&self) -> u64 {
         self.shared.len() as u64 + self.own
     }
+
+    /// Holds no block.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
 }
 
 /// See the module documentation.
