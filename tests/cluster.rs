@@ -18,6 +18,8 @@ mod owners;
 mod proxy;
 #[path = "cluster/relay.rs"]
 mod relay;
+#[path = "cluster/routing.rs"]
+mod routing;
 #[path = "cluster/storm.rs"]
 mod storm;
 

@@ -39,6 +39,8 @@ mod production;
 mod refusals;
 #[path = "server/reports.rs"]
 mod reports;
+#[path = "server/routing.rs"]
+mod routing;
 #[path = "server/sdk.rs"]
 mod sdk;
 #[path = "server/trust.rs"]

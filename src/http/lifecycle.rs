@@ -322,6 +322,8 @@ pub fn retained(state: &AppState, rec: &GenerationRecord, now_ms: i64) -> bool {
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used)]
+    use axum::http::HeaderValue;
+
     use super::*;
 
     #[test]
@@ -351,5 +353,32 @@ mod tests {
             idempotency_key(&twice).unwrap_err().param.as_deref(),
             Some("Idempotency-Key")
         );
+    }
+
+    #[test]
+    fn a_session_is_one_value_of_1_to_256_bytes_and_never_meets_another_teams() {
+        let with = |values: &[&[u8]]| {
+            let mut h = HeaderMap::new();
+            for v in values {
+                h.append(SESSION_HEADER, HeaderValue::from_bytes(v).unwrap());
+            }
+            h
+        };
+        let trip = with(&[b"trip-17"]);
+        assert_eq!(session_hint(&HeaderMap::new(), 1), None);
+        let hint = session_hint(&trip, 1);
+        assert!(hint.is_some());
+        assert_eq!(session_hint(&trip, 1), hint, "stable");
+        assert_ne!(session_hint(&trip, 2), hint, "another team's trip-17");
+        assert_ne!(session_hint(&with(&[b"trip-18"]), 1), hint);
+        // A hint, so anything doubtful is no session rather than an error.
+        assert_eq!(session_hint(&with(&[b""]), 1), None);
+        assert_eq!(session_hint(&with(&[b"trip-17", b"trip-17"]), 1), None);
+        let longest = vec![b'x'; 256];
+        assert!(session_hint(&with(&[&longest]), 1).is_some());
+        let over = vec![b'x'; 257];
+        assert_eq!(session_hint(&with(&[&over]), 1), None);
+        // Any visible bytes, not only ASCII (a UUID, a base64 value, a name).
+        assert!(session_hint(&with(&[b"r\xc3\xa9servation 4/2+="]), 1).is_some());
     }
 }

@@ -249,6 +249,8 @@ fn taken(c: &Cluster, i: usize) -> u64 {
 async fn a_node_whose_socket_is_cut_leaves_routing_and_gets_nothing_while_gone() {
     let mut c = super::cluster(2, 0, 2.0, |cfg| {
         cfg.server.nodes.heartbeat_timeout_secs = 2;
+        // The same short prompt on both nodes: by load, not by its cached first block.
+        cfg.server.routing = switchyard_actors::model_queue::RoutingStrategy::LeastLoaded;
     })
     .await;
     // small-1 reaches replica 1 only through a TCP proxy; small-2 dials replica 0.

@@ -3,6 +3,8 @@
 
 #![allow(dead_code)]
 
+pub mod routing;
+
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};

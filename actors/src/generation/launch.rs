@@ -37,12 +37,24 @@ pub struct Trace {
     pub session: Option<u64>,
 }
 
-/// The prompt's route key with the session named (a session alone still routes).
-fn with_session(route: Option<Arc<RouteKey>>, session: Option<u64>) -> Option<Arc<RouteKey>> {
+/// The prompt's route key with the session named. A session alone still routes: for a
+/// prompt that was not hashed into blocks (a completions prompt, a chat prompt shorter than
+/// one block) the key carries admission's `prompt_tokens` estimate, against which the
+/// session's node is credited (with no prompt tokens it would be credited nothing).
+fn with_session(
+    route: Option<Arc<RouteKey>>,
+    session: Option<u64>,
+    prompt_tokens: u64,
+) -> Option<Arc<RouteKey>> {
     let Some(session) = session else {
         return route;
     };
-    let mut route = route.unwrap_or_default();
+    let mut route = route.unwrap_or_else(|| {
+        Arc::new(RouteKey {
+            prompt_tokens: u32::try_from(prompt_tokens).unwrap_or(u32::MAX),
+            ..RouteKey::default()
+        })
+    });
     Arc::make_mut(&mut route).session = Some(session);
     Some(route)
 }
@@ -164,6 +176,7 @@ impl Launcher {
         }
         let (tx, events) = events::channel(bound);
         let id = ready.request_id;
+        let estimated_prompt = ready.reservation.estimated_prompt_tokens;
         // A generation with a record can be come back to: every event it produces is
         // journaled (not an embedding: one answer, never streamed, computed again more
         // cheaply than kept).
@@ -183,7 +196,7 @@ impl Launcher {
             traceparent: trace.traceparent,
             reservation: ready.reservation,
             queue: ready.queue,
-            route: with_session(ready.route, trace.session),
+            route: with_session(ready.route, trace.session, estimated_prompt),
             ledger: self.ledger.clone(),
             events: tx,
             timeouts: self.timeouts,
@@ -196,5 +209,37 @@ impl Launcher {
             }),
         };
         (args, events)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    #[test]
+    fn a_session_without_blocks_routes_on_the_prompt_it_estimated() {
+        let hashed = Arc::new(RouteKey {
+            blocks: vec![1, 2].into(),
+            block_size: 16,
+            prompt_tokens: 40,
+            session: None,
+        });
+        // No session: the route as it was.
+        assert_eq!(
+            with_session(Some(hashed.clone()), None, 50),
+            Some(hashed.clone())
+        );
+        assert_eq!(with_session(None, None, 50), None);
+        // A session joins the prompt's blocks.
+        let both = with_session(Some(hashed.clone()), Some(7), 50).unwrap();
+        assert_eq!(
+            (both.session, both.prompt_tokens, both.blocks.len()),
+            (Some(7), 40, 2)
+        );
+        // Alone, it carries the estimate: the session's node is credited against it.
+        let alone = with_session(None, Some(7), 600).unwrap();
+        assert_eq!((alone.session, alone.prompt_tokens), (Some(7), 600));
+        assert!(alone.blocks.is_empty());
     }
 }

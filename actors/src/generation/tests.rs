@@ -25,6 +25,7 @@ mod leaving;
 mod model;
 mod overlap;
 mod properties;
+mod routing;
 mod settled_metric;
 mod trust;
 
@@ -38,12 +39,21 @@ struct Harness {
 }
 
 async fn harness(max_waiting: usize, node_capacity: u32) -> Harness {
+    harness_routed(max_waiting, node_capacity, RoutingStrategy::LeastLoaded).await
+}
+
+/// [`harness`] with the queue choosing nodes by `routing`.
+async fn harness_routed(
+    max_waiting: usize,
+    node_capacity: u32,
+    routing: RoutingStrategy,
+) -> Harness {
     let ledger = Arc::new(MemoryLedger::default());
     let config = QueueConfig {
         max_waiting,
         deadline: Duration::from_secs(30),
         node_capacity,
-        routing: RoutingStrategy::LeastLoaded,
+        routing,
         cache_blocks: 1024,
     };
     let queue = ModelQueueActor::start(QueueArgs {
