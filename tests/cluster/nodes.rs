@@ -206,6 +206,8 @@ async fn followers_start_work_on_their_granted_share_and_the_node_still_never_ex
     // its slots while nothing waits, so their requests start without asking it; when work
     // waits for room, the loans come back.
     let c = cluster(3, 1, 1.0, |cfg| {
+        // Grants are lent under least_loaded and round_robin only.
+        cfg.server.routing = switchyard_actors::model_queue::RoutingStrategy::LeastLoaded;
         for m in &mut cfg.server.models {
             m.node_concurrency = 6;
         }
@@ -243,6 +245,7 @@ async fn a_follower_whose_queue_restarts_gives_its_lent_slots_back_through_its_r
     // owner's again (without the report, two of its six slots stay lent forever).
     let c = cluster(3, 1, 1.0, |cfg| {
         cfg.server.owner_lease_secs = 1;
+        cfg.server.routing = switchyard_actors::model_queue::RoutingStrategy::LeastLoaded;
         for m in &mut cfg.server.models {
             m.node_concurrency = 6;
         }

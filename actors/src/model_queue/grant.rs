@@ -212,7 +212,13 @@ impl QueueState {
     /// routable node (an equal share per replica, this one's kept for itself), from the
     /// room left. A node recalled within the last renewal period is left alone.
     pub(super) fn share_capacity(&mut self) {
-        if !self.waiting.is_empty() || !self.decides() {
+        // Under cache_aware the owner places every prompt itself: it alone sees where each
+        // one went, and a slot lent away would make the node holding a hot prefix look full
+        // at a fraction of its capacity.
+        if !self.waiting.is_empty()
+            || !self.decides()
+            || self.router.strategy() == RoutingStrategy::CacheAware
+        {
             return;
         }
         let now = self.args.clock.now();

@@ -145,12 +145,22 @@ impl Router {
                 self.cursor = self.cursor.wrapping_add(1);
                 Some(i)
             }
-            RoutingStrategy::LeastLoaded => best(nodes, |_, n| -load(n)),
+            RoutingStrategy::LeastLoaded => best(nodes, 0, |_, n| -load(n)),
             RoutingStrategy::CacheAware => {
                 let sticky = route
                     .and_then(|r| r.session)
                     .and_then(|s| self.sessions.peek(&s));
-                best(nodes, |i, n| {
+                // Exact ties of prompts (an idle fleet, a prefix nobody holds) rotate, so that
+                // separate conversations arriving one at a time spread their caches over the
+                // nodes; anything else breaks ties in node-id order.
+                let start = if route.is_some_and(|r| !r.blocks.is_empty()) {
+                    let start = self.cursor;
+                    self.cursor = self.cursor.wrapping_add(1);
+                    start
+                } else {
+                    0
+                };
+                best(nodes, start, |i, n| {
                     let mut tokens = cached.get(i).copied().unwrap_or(0);
                     if let (Some(s), Some(r)) = (sticky, route)
                         && s.node_id == n.node_id
@@ -194,9 +204,10 @@ impl Router {
     }
 
     /// `node_id` left (or came back as a new connection, its engine possibly restarted):
-    /// nothing of its cache is assumed any more.
+    /// nothing of its cache is assumed any more, by its index or by a session.
     pub fn forget(&mut self, node_id: &str) {
         self.indices.remove(node_id);
+        self.sessions.retain(|_, s| s.node_id != node_id);
     }
 
     /// Prompt tokens `node_id` is predicted to hold of `route`.
@@ -208,13 +219,23 @@ impl Router {
 }
 
 /// The index of the highest `score`; ties go to fewer requests waiting in the engine, then
-/// to the first (node-id order).
-fn best(nodes: &[NodeView<'_>], score: impl Fn(usize, &NodeView<'_>) -> f64) -> Option<usize> {
+/// to the first from `start` on (node-id order, wrapping).
+fn best(
+    nodes: &[NodeView<'_>],
+    start: usize,
+    score: impl Fn(usize, &NodeView<'_>) -> f64,
+) -> Option<usize> {
+    let len = nodes.len().max(1);
+    let from_start = |i: usize| (i + len - start % len) % len;
     nodes
         .iter()
         .enumerate()
         .map(|(i, n)| (i, score(i, n), n.engine_waiting))
-        .max_by(|(ia, sa, wa), (ib, sb, wb)| sa.total_cmp(sb).then(wb.cmp(wa)).then(ib.cmp(ia)))
+        .max_by(|(ia, sa, wa), (ib, sb, wb)| {
+            sa.total_cmp(sb)
+                .then(wb.cmp(wa))
+                .then(from_start(*ib).cmp(&from_start(*ia)))
+        })
         .map(|(i, _, _)| i)
 }
 

@@ -143,6 +143,26 @@ fn different_prefixes_spread_instead_of_piling_on_one_node() {
 }
 
 #[test]
+fn on_an_idle_fleet_new_conversations_take_turns() {
+    let mut r = cache_aware();
+    let nodes = [view("a", 0, 0.0), view("b", 0, 0.0), view("c", 0, 0.0)];
+    let picks: Vec<_> = (0..3)
+        .map(|g| {
+            let p = prompt(g, 100, g, 110);
+            let i = r.choose(Some(&p), &nodes).unwrap();
+            r.placed(nodes[i].node_id, Some(&p));
+            i
+        })
+        .collect();
+    assert_eq!(picks, [0, 1, 2]);
+    // And each comes back to its own.
+    for g in 0..3 {
+        let next = prompt(g, 110, 50 + g, 130);
+        assert_eq!(r.choose(Some(&next), &nodes), Some(g as usize));
+    }
+}
+
+#[test]
 fn a_node_that_leaves_takes_its_cache_with_it() {
     let mut r = cache_aware();
     let p = prompt(4, 100, 1, 110);
@@ -167,6 +187,19 @@ fn a_session_sticks_to_its_last_node_when_the_prompt_does_not_say_so() {
     let nodes = [view("a", 2, 0.1), view("b", 6, 0.1)];
     assert_eq!(r.choose(Some(&next), &nodes), Some(1));
     next.session = Some(43);
+    assert_eq!(r.choose(Some(&next), &nodes), Some(0));
+}
+
+#[test]
+fn a_session_does_not_outlive_its_node() {
+    let mut r = cache_aware();
+    let mut first = prompt(11, 0, 1, 100);
+    first.session = Some(42);
+    r.placed("b", Some(&first));
+    r.forget("b");
+    let mut next = prompt(12, 0, 2, 100);
+    next.session = Some(42);
+    let nodes = [view("a", 2, 0.1), view("b", 6, 0.1)];
     assert_eq!(r.choose(Some(&next), &nodes), Some(0));
 }
 
