@@ -523,7 +523,7 @@ async fn execute(cli: Cli) -> anyhow::Result<()> {
                 out: args.out.unwrap_or_else(|| build_dir.join("routing")),
                 seed: args.seed,
                 scenarios: if args.scenarios.is_empty() {
-                    vec!["mix".into(), "llm-d".into()]
+                    vec!["mix".into(), "llm-d".into(), "llm-d-short".into()]
                 } else {
                     args.scenarios
                 },
