@@ -52,6 +52,24 @@ pub struct EngineConfig {
     pub time_scale: f64,
 }
 
+impl EngineConfig {
+    /// A replica of `spec` with vLLM's defaults: 90 % of GPU memory, 256 sequences, 2,048
+    /// tokens a step, blocks of `block_size`, prefix caching on, real time.
+    pub fn modeled(spec: super::ProfileSpec, block_size: u32) -> Self {
+        Self {
+            num_blocks: spec.num_gpu_blocks(0.9, block_size),
+            max_model_len: spec.max_model_len,
+            spec,
+            timing: Timing::Modeled,
+            max_num_seqs: 256,
+            max_num_batched_tokens: 2048,
+            block_size,
+            prefix_caching: true,
+            time_scale: 1.0,
+        }
+    }
+}
+
 /// One request as the engine sees it.
 #[derive(Debug)]
 pub struct SeqParams {

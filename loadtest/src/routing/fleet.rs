@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use switchyard::sim::engine::kv::CacheProbe;
 use switchyard::sim::engine::{CacheUse, EngineHandle, SeqEvent, SeqParams};
-use switchyard::sim::{EngineConfig, EngineStats, Generator, Profile, SimTokenizer, Timing};
+use switchyard::sim::{EngineConfig, EngineStats, Generator, Profile, SimTokenizer};
 use switchyard_actors::model_queue::{NodeView, RouteKey, Router, RoutingStrategy, block_hashes};
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
@@ -292,18 +292,7 @@ impl Fleet {
 }
 
 fn engine_config(spec: &ModelSpec) -> EngineConfig {
-    let profile = spec.profile.spec();
-    EngineConfig {
-        num_blocks: profile.num_gpu_blocks(0.9, BLOCK_SIZE),
-        max_model_len: profile.max_model_len,
-        spec: profile,
-        timing: Timing::Modeled,
-        max_num_seqs: 256,
-        max_num_batched_tokens: 2048,
-        block_size: BLOCK_SIZE,
-        prefix_caching: true,
-        time_scale: 1.0,
-    }
+    EngineConfig::modeled(spec.profile.spec(), BLOCK_SIZE)
 }
 
 /// One model's queue: Switchyard's model queue, reduced to what placement depends on.

@@ -443,23 +443,10 @@ fn quantile(sorted: &[f64], p: f64) -> f64 {
     sorted[rank.clamp(1, sorted.len()) - 1]
 }
 
+/// Each row as it is measured, as a line of the table.
 fn print_rows(rows: &[Row]) {
     for r in rows {
-        eprintln!(
-            "{:6} {:13} load {:>5} {:4}  TTFT p50 {:7.3} s  p95 {:7.3} s  mean {:7.3} s  hit {:5.1} %  preempt {:5}  {:6.0} tok/GPU-s  {} req, {} refused",
-            r.scenario,
-            r.strategy.name(),
-            r.load,
-            r.model,
-            r.ttft_p50,
-            r.ttft_p95,
-            r.ttft_mean,
-            r.hit_rate * 100.0,
-            r.preemptions,
-            r.tokens_per_gpu_s,
-            r.requests,
-            r.refused,
-        );
+        eprint!("{}", line(r));
     }
 }
 
@@ -477,28 +464,33 @@ pub fn table(report: &RoutingReport) -> String {
         ))
     });
     for r in rows {
-        let load = if r.scenario == "mix" {
-            format!("{:.0} %", r.load * 100.0)
-        } else {
-            format!("{} clients", r.load)
-        };
-        s.push_str(&format!(
-            "| {} | {} | {} | {} | {:.2} | {:.2} | {:.2} | {:.1} % | {} | {:.0} | {} | {} |\n",
-            r.scenario,
-            load,
-            r.model,
-            r.strategy.name(),
-            r.ttft_p50,
-            r.ttft_p95,
-            r.ttft_mean,
-            r.hit_rate * 100.0,
-            r.preemptions,
-            r.tokens_per_gpu_s,
-            r.requests,
-            r.refused,
-        ));
+        s.push_str(&line(r));
     }
     s
+}
+
+/// One row of the table.
+fn line(r: &Row) -> String {
+    let load = if r.scenario == "mix" {
+        format!("{:.0} %", r.load * 100.0)
+    } else {
+        format!("{} clients", r.load)
+    };
+    format!(
+        "| {} | {} | {} | {} | {:.2} | {:.2} | {:.2} | {:.1} % | {} | {:.0} | {} | {} |\n",
+        r.scenario,
+        load,
+        r.model,
+        r.strategy.name(),
+        r.ttft_p50,
+        r.ttft_p95,
+        r.ttft_mean,
+        r.hit_rate * 100.0,
+        r.preemptions,
+        r.tokens_per_gpu_s,
+        r.requests,
+        r.refused,
+    )
 }
 
 #[cfg(test)]

@@ -15,18 +15,7 @@ use crate::sim::profile::Profile;
 use crate::sim::tokenizer::SimTokenizer;
 
 fn config(profile: Profile) -> EngineConfig {
-    let spec = profile.spec();
-    EngineConfig {
-        num_blocks: spec.num_gpu_blocks(0.9, BLOCK_SIZE),
-        max_model_len: spec.max_model_len,
-        spec,
-        timing: Timing::Modeled,
-        max_num_seqs: 256,
-        max_num_batched_tokens: 2048,
-        block_size: BLOCK_SIZE,
-        prefix_caching: true,
-        time_scale: 1.0,
-    }
+    EngineConfig::modeled(profile.spec(), BLOCK_SIZE)
 }
 
 fn params(tok: &Arc<SimTokenizer>, prompt_tokens: u32, max_tokens: u32) -> SeqParams {
