@@ -79,6 +79,9 @@ pub(super) struct Waiting {
     pub(super) api: Api,
     /// Its prompt, for routing.
     pub(super) route: Option<Arc<RouteKey>>,
+    /// Times a later waiter went first to a node holding more of its prompt
+    /// ([`Router::pick`]).
+    pub(super) passed: u32,
 }
 
 #[derive(Debug)]
@@ -496,6 +499,7 @@ impl QueueState {
             avoid,
             api,
             route,
+            passed: 0,
         };
         if front {
             self.waiting.push_front(entry);
@@ -580,7 +584,11 @@ impl QueueState {
                 return;
             };
             let node_id = candidates[chosen].node_id.to_owned();
-            let Some(w) = self.waiting.remove(i) else {
+            let j = i + self.better_waiter(i, &node_id);
+            if j != i {
+                self.waiting[i].passed += 1;
+            }
+            let Some(w) = self.waiting.remove(j) else {
                 return;
             };
             self.router.placed(&node_id, w.route.as_deref());
@@ -615,6 +623,19 @@ impl QueueState {
                 }
             }
         }
+    }
+
+    /// How far behind waiter `i` is the one to send to `node_id` instead ([`Router::pick`]):
+    /// only one that may run there (its API, not its failed node) is looked at.
+    fn better_waiter(&self, i: usize, node_id: &str) -> usize {
+        let Some(node) = self.nodes.get(node_id) else {
+            return 0;
+        };
+        let routes = self.waiting.range(i..).map(|w| {
+            let fits = w.avoid.as_deref() != Some(node_id) && node.handle.speaks(w.api);
+            fits.then_some(w.route.as_deref()).flatten()
+        });
+        self.router.pick(node_id, self.waiting[i].passed, routes)
     }
 
     /// Generations past their deadline leave with `capacity_exhausted`.

@@ -456,6 +456,7 @@ impl QueueState {
                     avoid: f.avoid,
                     api: f.api,
                     route: f.route,
+                    passed: 0,
                 }),
             }
         }

@@ -121,6 +121,8 @@ enum Msg {
 struct Pending {
     route: Arc<RouteKey>,
     since: Instant,
+    /// Times a later request went first ([`Router::pick`]).
+    passed: u32,
     reply: oneshot::Sender<Option<usize>>,
 }
 
@@ -226,6 +228,7 @@ impl Fleet {
         let asked = Pending {
             route,
             since: sent,
+            passed: 0,
             reply,
         };
         let node = match self.queues.get(model) {
@@ -385,10 +388,17 @@ impl Queue {
             let Some(node) = chosen.and_then(|c| open.get(c).copied()) else {
                 return;
             };
-            let Some(p) = self.waiting.pop_front() else {
+            let id = self.nodes[node].id.clone();
+            let routes = self.waiting.iter().map(|p| Some(&*p.route));
+            let j = self.router.pick(&id, head.passed, routes);
+            if j != 0
+                && let Some(first) = self.waiting.front_mut()
+            {
+                first.passed += 1;
+            }
+            let Some(p) = self.waiting.remove(j) else {
                 return;
             };
-            let id = self.nodes[node].id.clone();
             self.router.placed(&id, Some(&p.route));
             if p.reply.send(Some(node)).is_ok() {
                 self.nodes[node].in_flight += 1;

@@ -128,3 +128,45 @@ async fn a_node_replaced_by_a_new_connection_is_not_credited_with_its_old_cache(
     finish(&n2, "b", &mut b).await;
     drop(out1);
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_node_that_frees_its_slot_takes_the_waiting_prompt_it_holds() {
+    // One slot a node, both busy: two prompts wait. When n2 frees its slot it takes the
+    // second waiter, whose prompt it holds, not the head; the head goes to n1 next.
+    let h = harness_routed(8, 1, RoutingStrategy::CacheAware).await;
+    let (n1, mut out1) = connect(&h, "n1").await;
+    let (n2, mut out2) = connect(&h, "n2").await;
+    let mut a = start_routed(&h, "a", Some(route(1000))).await;
+    assert_eq!(assigned(&mut [&mut out1, &mut out2], "a").await, 0);
+    let mut b = start_routed(&h, "b", Some(route(2000))).await;
+    assert_eq!(assigned(&mut [&mut out1, &mut out2], "b").await, 1);
+    let mut head = start_routed(&h, "head", Some(route(3000))).await;
+    let mut second = start_routed(&h, "second", Some(route(2000))).await;
+    settle_a_moment().await;
+    finish(&n2, "b", &mut b).await;
+    assert_eq!(assigned(&mut [&mut out1, &mut out2], "second").await, 1);
+    finish(&n1, "a", &mut a).await;
+    assert_eq!(assigned(&mut [&mut out1, &mut out2], "head").await, 0);
+    finish(&n1, "head", &mut head).await;
+    finish(&n2, "second", &mut second).await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn least_loaded_serves_the_head_first() {
+    let h = harness_routed(8, 1, RoutingStrategy::LeastLoaded).await;
+    let (n1, mut out1) = connect(&h, "n1").await;
+    let (n2, mut out2) = connect(&h, "n2").await;
+    let mut a = start_routed(&h, "a", Some(route(1000))).await;
+    assert_eq!(assigned(&mut [&mut out1, &mut out2], "a").await, 0);
+    let mut b = start_routed(&h, "b", Some(route(2000))).await;
+    assert_eq!(assigned(&mut [&mut out1, &mut out2], "b").await, 1);
+    let mut head = start_routed(&h, "head", Some(route(3000))).await;
+    let mut second = start_routed(&h, "second", Some(route(2000))).await;
+    settle_a_moment().await;
+    finish(&n2, "b", &mut b).await;
+    assert_eq!(assigned(&mut [&mut out1, &mut out2], "head").await, 1);
+    finish(&n1, "a", &mut a).await;
+    assert_eq!(assigned(&mut [&mut out1, &mut out2], "second").await, 0);
+    finish(&n2, "head", &mut head).await;
+    finish(&n1, "second", &mut second).await;
+}

@@ -75,6 +75,12 @@ pub const AFFINITY_WEIGHT: f64 = 2.0;
 /// Prompts shorter than this many tokens count as this long: a fully cached short prompt
 /// saves a few milliseconds of prefill and should not outweigh load.
 pub const AFFINITY_FLOOR_TOKENS: u32 = 256;
+/// Waiters a node that frees a slot may look through, under `cache_aware`, for the one whose
+/// prompt it holds the most of (see [`Router::pick`]).
+pub const LOOK_AHEAD: usize = 16;
+/// Times a waiter may be passed over that way before it is served first, whatever it matches.
+pub const MAX_PASSED: u32 = 4;
+
 /// Sessions remembered per model (`x-session-id` → the node of its last request).
 pub const SESSIONS: usize = 65_536;
 
@@ -174,6 +180,37 @@ impl Router {
                 })
             }
         }
+    }
+
+    /// Under `cache_aware`, which of the first waiters (`routes`, in queue order; the first is
+    /// the one [`Router::choose`] placed on `node_id`) goes to `node_id` instead: the one whose
+    /// prompt it is predicted to hold the most tokens of, if that beats the first by a block,
+    /// unless the first was already passed over [`MAX_PASSED`] times. Index into `routes`.
+    /// At saturation every strategy would otherwise hand the head of the queue to the node
+    /// that just freed a slot, whatever that node holds.
+    pub fn pick<'a>(
+        &self,
+        node_id: &str,
+        first_passed: u32,
+        routes: impl Iterator<Item = Option<&'a RouteKey>>,
+    ) -> usize {
+        if self.strategy != RoutingStrategy::CacheAware || first_passed >= MAX_PASSED {
+            return 0;
+        }
+        let Some(index) = self.indices.get(node_id) else {
+            return 0;
+        };
+        let held = |r: Option<&RouteKey>| r.map_or(0, |r| r.tokens_of(index.matched(&r.blocks)));
+        let mut best = (0, 0u32);
+        for (i, r) in routes.take(LOOK_AHEAD).enumerate() {
+            let tokens = held(r);
+            if i == 0 {
+                best = (0, tokens);
+            } else if tokens > best.1.saturating_add(r.map_or(0, |r| r.block_size)) {
+                best = (i, tokens);
+            }
+        }
+        best.0
     }
 
     /// A request with `route` was dispatched to `node_id`: the node now holds its blocks,

@@ -221,3 +221,44 @@ fn an_index_is_as_large_as_the_node_cache() {
     // Only the 50 most recent blocks stay, and the prefix is the most recent: kept.
     assert_eq!(r.predicted("a", &p), 50 * 16);
 }
+
+#[test]
+fn a_node_that_frees_a_slot_takes_the_waiter_it_holds_the_most_of() {
+    let mut r = cache_aware();
+    let held = prompt(21, 100, 1, 110);
+    r.placed("a", Some(&held));
+    let head = prompt(22, 100, 2, 110);
+    let other = prompt(23, 100, 3, 110);
+    let same_group = prompt(21, 100, 4, 110);
+    let waiting = [Some(&head), Some(&other), Some(&same_group)];
+    assert_eq!(r.pick("a", 0, waiting.into_iter()), 2);
+    // Nothing held of any: the head.
+    assert_eq!(r.pick("b", 0, waiting.into_iter()), 0);
+    // A waiter without a prompt, or one that may not run there (None), is never preferred.
+    assert_eq!(r.pick("a", 0, [Some(&head), None].into_iter()), 0);
+}
+
+#[test]
+fn a_waiter_is_passed_over_a_bounded_number_of_times() {
+    let mut r = cache_aware();
+    let held = prompt(31, 100, 1, 110);
+    r.placed("a", Some(&held));
+    let head = prompt(32, 100, 2, 110);
+    let better = prompt(31, 100, 3, 110);
+    let waiting = [Some(&head), Some(&better)];
+    assert_eq!(r.pick("a", MAX_PASSED - 1, waiting.into_iter()), 1);
+    assert_eq!(r.pick("a", MAX_PASSED, waiting.into_iter()), 0);
+    // Beyond the look-ahead nothing is seen.
+    let mut far: Vec<Option<&RouteKey>> = vec![Some(&head); LOOK_AHEAD];
+    far.push(Some(&better));
+    assert_eq!(r.pick("a", 0, far.into_iter()), 0);
+}
+
+#[test]
+fn only_cache_aware_reorders_the_queue() {
+    let mut r = Router::new(RoutingStrategy::LeastLoaded, 10_000);
+    let held = prompt(41, 100, 1, 110);
+    r.placed("a", Some(&held));
+    let head = prompt(42, 100, 2, 110);
+    assert_eq!(r.pick("a", 0, [Some(&head), Some(&held)].into_iter()), 0);
+}
