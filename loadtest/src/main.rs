@@ -69,6 +69,10 @@ struct RoutingArgs {
     /// Where the results go [default: routing/ in the build directory].
     #[arg(long)]
     out: Option<PathBuf>,
+    /// `node_concurrency` of the llm-d shapes' nodes: 256 is no gateway queue (as behind
+    /// llm-d); less puts Switchyard's queue in front of the engines.
+    #[arg(long, default_value_t = 256)]
+    llmd_node_concurrency: u32,
 }
 
 #[derive(Debug, Args)]
@@ -535,6 +539,7 @@ async fn execute(cli: Cli) -> anyhow::Result<()> {
                     .window
                     .unwrap_or(Duration::from_secs(if quick { 60 } else { 600 })),
                 strategies: switchyard_loadtest::routing::Strategy::ALL.to_vec(),
+                llmd_node_concurrency: args.llmd_node_concurrency,
             };
             let command = std::env::args().collect::<Vec<_>>().join(" ");
             let report = tokio::task::spawn_blocking(move || {

@@ -48,6 +48,9 @@ pub struct RoutingOptions {
     pub window: Duration,
     /// Strategies compared.
     pub strategies: Vec<Strategy>,
+    /// `node_concurrency` of the llm-d shapes' nodes: 256 (vLLM's `--max-num-seqs`) is no
+    /// gateway queue, as behind llm-d; less puts a queue in front of the engines.
+    pub llmd_node_concurrency: u32,
 }
 
 /// One strategy on one model at one load.
@@ -342,7 +345,7 @@ async fn llmd(
         nodes: LLMD_NODES,
         // No gateway queue, as behind llm-d's: a node takes what its engine would (vLLM's
         // --max-num-seqs), so every request has every node to choose from.
-        capacity: 256,
+        capacity: opts.llmd_node_concurrency,
     }];
     let fleet = fleet::Fleet::start(&models, strategy, tokenizer);
     let end = (opts.warmup + opts.window).as_secs_f64();

@@ -14,6 +14,7 @@ fn opts(scenario: &str, strategies: Vec<Strategy>) -> RoutingOptions {
         warmup: Duration::from_secs(30),
         window: Duration::from_secs(60),
         strategies,
+        llmd_node_concurrency: 256,
     }
 }
 
