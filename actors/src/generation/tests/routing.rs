@@ -129,11 +129,10 @@ async fn a_node_replaced_by_a_new_connection_is_not_credited_with_its_old_cache(
     drop(out1);
 }
 
-#[tokio::test(start_paused = true)]
-async fn a_node_that_frees_its_slot_takes_the_waiting_prompt_it_holds() {
-    // One slot a node, both busy: two prompts wait. When n2 frees its slot it takes the
-    // second waiter, whose prompt it holds, not the head; the head goes to n1 next.
-    let h = harness_routed(8, 1, RoutingStrategy::CacheAware).await;
+/// One slot a node, both busy: `head` (a prompt nobody holds) and then `second` (the prompt
+/// n2 holds) wait; n2 frees its slot, then n1. Returns the nodes `head` and `second` went to.
+async fn two_waiters(strategy: RoutingStrategy) -> (usize, usize) {
+    let h = harness_routed(8, 1, strategy).await;
     let (n1, mut out1) = connect(&h, "n1").await;
     let (n2, mut out2) = connect(&h, "n2").await;
     let mut a = start_routed(&h, "a", Some(route(1000))).await;
@@ -144,29 +143,33 @@ async fn a_node_that_frees_its_slot_takes_the_waiting_prompt_it_holds() {
     let mut second = start_routed(&h, "second", Some(route(2000))).await;
     settle_a_moment().await;
     finish(&n2, "b", &mut b).await;
-    assert_eq!(assigned(&mut [&mut out1, &mut out2], "second").await, 1);
+    let first = if strategy == RoutingStrategy::CacheAware {
+        "second"
+    } else {
+        "head"
+    };
+    let on_n2 = assigned(&mut [&mut out1, &mut out2], first).await;
     finish(&n1, "a", &mut a).await;
-    assert_eq!(assigned(&mut [&mut out1, &mut out2], "head").await, 0);
-    finish(&n1, "head", &mut head).await;
-    finish(&n2, "second", &mut second).await;
+    let other = if first == "head" { "second" } else { "head" };
+    let on_n1 = assigned(&mut [&mut out1, &mut out2], other).await;
+    let nodes = [&n1, &n2];
+    let (head_node, second_node) = if first == "head" {
+        (on_n2, on_n1)
+    } else {
+        (on_n1, on_n2)
+    };
+    finish(nodes[head_node], "head", &mut head).await;
+    finish(nodes[second_node], "second", &mut second).await;
+    (head_node, second_node)
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_node_that_frees_its_slot_takes_the_waiting_prompt_it_holds() {
+    // n2 takes the second waiter, whose prompt it holds, not the head; the head goes to n1.
+    assert_eq!(two_waiters(RoutingStrategy::CacheAware).await, (0, 1));
 }
 
 #[tokio::test(start_paused = true)]
 async fn least_loaded_serves_the_head_first() {
-    let h = harness_routed(8, 1, RoutingStrategy::LeastLoaded).await;
-    let (n1, mut out1) = connect(&h, "n1").await;
-    let (n2, mut out2) = connect(&h, "n2").await;
-    let mut a = start_routed(&h, "a", Some(route(1000))).await;
-    assert_eq!(assigned(&mut [&mut out1, &mut out2], "a").await, 0);
-    let mut b = start_routed(&h, "b", Some(route(2000))).await;
-    assert_eq!(assigned(&mut [&mut out1, &mut out2], "b").await, 1);
-    let mut head = start_routed(&h, "head", Some(route(3000))).await;
-    let mut second = start_routed(&h, "second", Some(route(2000))).await;
-    settle_a_moment().await;
-    finish(&n2, "b", &mut b).await;
-    assert_eq!(assigned(&mut [&mut out1, &mut out2], "head").await, 1);
-    finish(&n1, "a", &mut a).await;
-    assert_eq!(assigned(&mut [&mut out1, &mut out2], "second").await, 0);
-    finish(&n2, "head", &mut head).await;
-    finish(&n1, "second", &mut second).await;
+    assert_eq!(two_waiters(RoutingStrategy::LeastLoaded).await, (1, 0));
 }
