@@ -105,7 +105,8 @@ fn at_least_word(at_least: &bool) -> &'static str {
 /// Counts the prompt of `body` with the model's tokenizer and chat template. The count plus
 /// the configured margin (and the tokens of tool definitions and other non-text fields an
 /// engine's template may render) bounds the prompt tokens a node may bill, and
-/// min(`max_tokens`, context) the completion tokens.
+/// min(`max_tokens`, context) the completion tokens. A chat prompt's full blocks of
+/// `block_size` tokens are hashed for routing (none with 0).
 pub async fn measure(
     prompts: &PromptCounter,
     trust: &TrustSettings,
@@ -113,12 +114,13 @@ pub async fn measure(
     body: &Value,
     prompt: &Prompt,
     max_tokens: u64,
+    block_size: u32,
 ) -> Result<Measured, MeasureError> {
     let Value::Object(body) = body else {
         return Err(MeasureError::NotAnObject);
     };
     let context = u64::from(model.max_context_tokens);
-    let count = match count(prompts, model, body, prompt, context).await {
+    let count = match count(prompts, model, body, prompt, context, block_size).await {
         Some(Ok(count)) => count,
         Some(Err(TokenizerError::Template(_))) => return Err(MeasureError::Template),
         Some(Err(e)) => {
@@ -163,11 +165,12 @@ async fn count(
     body: &Map<String, Value>,
     prompt: &Prompt,
     context: u64,
+    block_size: u32,
 ) -> Option<Result<crate::tokens::PromptCount, TokenizerError>> {
     match prompt {
         Prompt::Chat => {
             prompts
-                .count_chat(&model.name, body, context, model.block_size)
+                .count_chat(&model.name, body, context, block_size)
                 .await
         }
         Prompt::Texts {

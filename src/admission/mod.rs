@@ -17,7 +17,7 @@ use std::sync::Arc;
 use serde_json::Value;
 use switchyard_actors::error::Failure;
 use switchyard_actors::lifecycle::{Decision, Event, GenerationStore, NewGeneration, Status};
-use switchyard_actors::model_queue::{ModelQueueHandle, RouteKey};
+use switchyard_actors::model_queue::{ModelQueueHandle, RouteKey, RoutingStrategy};
 use switchyard_actors::ports::admission::{Admit, Ready};
 use switchyard_actors::ports::{Clock, Reservation, cost_of};
 
@@ -254,6 +254,12 @@ impl Admission {
     }
 
     async fn measure(&self, request: &Request) -> Result<Measured, MeasureError> {
+        // Only cache_aware routing reads a prompt's blocks: the others are not worth hashing.
+        let block_size = if self.0.config.routing == RoutingStrategy::CacheAware {
+            request.model.block_size
+        } else {
+            0
+        };
         measure(
             &self.0.prompts,
             &self.0.config.trust,
@@ -261,6 +267,7 @@ impl Admission {
             &request.engine_body,
             &request.prompt,
             request.max_tokens,
+            block_size,
         )
         .await
     }
