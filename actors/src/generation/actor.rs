@@ -21,6 +21,7 @@ use crate::metric_names::{
     ACTIVE_STREAMS, OUTPUT_TOKENS_PER_SECOND, QUEUE_WAIT_SECONDS, REQUESTS_TOTAL,
     SLOW_READERS_TOTAL, STALE_FRAMES_TOTAL, TTFT_SECONDS, USAGE_CLAMPED_TOTAL,
 };
+use crate::model_queue::Slot;
 use crate::node::{NodeHandle, Work};
 use crate::ports::Settlement;
 use crate::tasks::TaskGuard;
@@ -44,6 +45,9 @@ pub struct GenerationState {
     admit_reply: Option<RpcReplyPort<Result<(), Failure>>>,
     /// Armed deadlines, aborted when the actor stops.
     timers: Vec<ractor::concurrency::JoinHandle<Result<(), ractor::MessagingErr<GenerationMsg>>>>,
+    /// Node slots the queue counted for dispatches not yet handed to a node: each goes back
+    /// when the core gives it up, or with the actor.
+    slots: Vec<Slot>,
     /// Counts the live actor (leak detector).
     _guard: TaskGuard,
 }
@@ -77,6 +81,7 @@ impl Actor for GenerationActor {
             directory,
             admit_reply: None,
             timers: Vec::new(),
+            slots: Vec::new(),
             _guard: TaskGuard::new("generation"),
         })
     }
@@ -98,7 +103,10 @@ impl Actor for GenerationActor {
                 Input::Admit
             }
             GenerationMsg::Reserved(result) => Input::Reserved(result),
-            GenerationMsg::Dispatch { node } => Input::Dispatch { node },
+            GenerationMsg::Dispatch { node, slot } => {
+                state.slots.push(slot);
+                Input::Dispatch { node }
+            }
             GenerationMsg::QueueTimeout => Input::QueueTimeout,
             GenerationMsg::Accepted { attempt, from } => Input::Accepted { attempt, from },
             GenerationMsg::Chunk {
@@ -176,6 +184,12 @@ impl Actor for GenerationActor {
         }
         Ok(())
     }
+}
+
+/// The slot counted for a dispatch to `node_id`, if one is held.
+fn take_slot(slots: &mut Vec<Slot>, node_id: &str) -> Option<Slot> {
+    let i = slots.iter().position(|s| s.node_id() == node_id)?;
+    Some(slots.swap_remove(i))
 }
 
 impl GenerationState {
@@ -261,6 +275,10 @@ impl GenerationState {
                 };
                 let lease_ms = u64::try_from(self.args.timeouts.lease.as_millis()).ok();
                 let sent = node.assign(request_id, attempt, work, lease_ms, myself.clone());
+                if sent && let Some(slot) = take_slot(&mut self.slots, node.node_id()) {
+                    // The node's in-flight entry gives it back when the assignment ends.
+                    slot.handed_over();
+                }
                 if sent {
                     tracing::debug!(request_id = %request_id, node_id = node.node_id(), attempt, "dispatched");
                 }
@@ -279,7 +297,8 @@ impl GenerationState {
                 None
             }
             Effect::ReleaseSlot(node_id) => {
-                self.args.queue.released(&node_id);
+                // Dropped: back to the queue that counted it.
+                drop(take_slot(&mut self.slots, &node_id));
                 None
             }
             Effect::Settle {

@@ -182,6 +182,9 @@ pub enum GenerationMsg {
     Dispatch {
         /// The chosen node.
         node: NodeHandle,
+        /// The node's slot the queue counted: given back when dropped (the dispatch refused,
+        /// or lost with a generation that stopped), handed over with the assignment.
+        slot: crate::model_queue::Slot,
     },
     /// The queue deadline passed.
     QueueTimeout,

@@ -27,6 +27,7 @@ mod overlap;
 mod properties;
 mod routing;
 mod settled_metric;
+mod slots;
 mod trust;
 
 const MODEL: &str = "llama-3.1-8b-instruct";

@@ -10,7 +10,7 @@ use ractor::{Actor, ActorCell, ActorProcessingErr, ActorRef};
 use tokio::time::Instant;
 
 use super::cluster::QueueCluster;
-use super::msg::{ModelQueueHandle, NodeReport, QueueMsg, QueueStats};
+use super::msg::{ModelQueueHandle, NodeReport, QueueMsg, QueueStats, Slot};
 use super::routing::{NodeView, RouteKey, Router, RoutingStrategy};
 use crate::error::{ErrorCode, Failure};
 use crate::generation::GenerationMsg;
@@ -174,6 +174,8 @@ pub struct QueueState {
     pub(super) cluster: Option<super::follow::Membership>,
     /// Work still counted on nodes that left (see [`super::departed`]).
     pub(super) departed: super::departed::Departed,
+    /// This actor: the queue a dispatch's [`Slot`] goes back to.
+    pub(super) myself: ActorRef<QueueMsg>,
     _guard: TaskGuard,
 }
 
@@ -235,6 +237,7 @@ impl Actor for ModelQueueActor {
             me,
             cluster,
             departed: super::departed::Departed::default(),
+            myself,
             _guard: TaskGuard::new("model_queue"),
         })
     }
@@ -597,14 +600,13 @@ impl QueueState {
                     let Some(entry) = self.nodes.get_mut(&node_id) else {
                         return;
                     };
+                    // Counted now; a dispatch that does not arrive gives its slot back.
+                    entry.take(&self.me);
                     let msg = GenerationMsg::Dispatch {
                         node: entry.handle.clone(),
+                        slot: Slot::new(self.myself.clone(), &node_id),
                     };
-                    let sent = generation.cast(msg).is_ok();
-                    if sent {
-                        entry.take(&self.me);
-                    }
-                    sent
+                    generation.cast(msg).is_ok()
                 }
                 Waiter::Remote(replica) => {
                     let replica = replica.clone();

@@ -12,7 +12,7 @@ use tokio::time::Instant;
 use super::actor::{QueueState, Waiter, Waiting};
 use super::cluster::{QueueCluster, Role};
 use super::grant::Grants;
-use super::msg::QueueMsg;
+use super::msg::{QueueMsg, Slot};
 use super::routing::RouteKey;
 use crate::cluster::to_queue;
 use crate::cluster::{FromQueue, OnFailure, Outbox, QueueItem, QueueOwner, QueueReply, ToQueue};
@@ -653,14 +653,14 @@ impl QueueState {
                         if let Some((reply, _)) = f.verdict {
                             let _ = reply.send(Ok(()));
                         }
+                        // Counted now; a dispatch that does not arrive gives its slot back
+                        // (here and to the owner).
+                        n.take(&self.me);
                         let msg = GenerationMsg::Dispatch {
                             node: n.handle.clone(),
+                            slot: Slot::new(self.myself.clone(), &node_id),
                         };
-                        if f.generation.cast(msg).is_ok() {
-                            n.take(&self.me);
-                        } else {
-                            self.tell_owner(QueueItem::Released { node_id });
-                        }
+                        let _ = f.generation.cast(msg);
                     }
                     (Some(f), None) => {
                         // The node left this replica's view meanwhile: wait for another.

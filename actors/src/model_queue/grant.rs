@@ -19,6 +19,7 @@ use ractor::ActorRef;
 use tokio::time::Instant;
 
 use super::actor::QueueState;
+use super::msg::Slot;
 use super::routing::{AFFINITY_FLOOR_TOKENS, NodeView, RouteKey, RoutingStrategy};
 use crate::cluster::{QueueItem, QueueReply};
 use crate::generation::GenerationMsg;
@@ -93,19 +94,24 @@ impl QueueState {
         let Some(entry) = self.nodes.get_mut(&node_id) else {
             return false;
         };
+        // Counted before it is sent: a dispatch that does not arrive gives its slot back
+        // (the grant's place included).
+        entry.take(&self.me);
         let msg = GenerationMsg::Dispatch {
             node: entry.handle.clone(),
+            slot: Slot::new(self.myself.clone(), &node_id),
         };
+        if let Some(g) = self.grants_mut()
+            && let Some(h) = g.held.get_mut(&node_id)
+        {
+            h.used += 1;
+        }
         if generation.cast(msg).is_err() {
             return false;
         }
-        entry.take(&self.me);
         self.router.placed(&node_id, route);
         if let Some(g) = self.grants_mut() {
             g.started += 1;
-            if let Some(h) = g.held.get_mut(&node_id) {
-                h.used += 1;
-            }
         }
         true
     }

@@ -15,7 +15,7 @@ mod routing;
 
 pub use actor::{ModelQueueActor, NODES_RETURN_WITHIN, QueueArgs, QueueConfig};
 pub use cluster::{QueueCluster, Role};
-pub use msg::{ModelQueueHandle, NodeReport, QueueMsg, QueueStats};
+pub use msg::{ModelQueueHandle, NodeReport, QueueMsg, QueueStats, Slot};
 pub use routing::{
     MAX_BLOCKS, NodeView, PrefixIndex, RouteKey, Router, RoutingStrategy, block_hashes,
 };

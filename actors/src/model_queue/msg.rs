@@ -14,6 +14,44 @@ use crate::generation::GenerationMsg;
 use crate::node::{NodeHandle, NodeLoad};
 use crate::protocol::Api;
 
+/// One node slot a queue counted for one dispatch. Dropped, it goes back to that queue (the
+/// actor that counted it, never a restarted successor); handed over with the assignment, the
+/// node's end of the assignment gives it back instead. So a dispatch lost on its way — a
+/// generation stopping as it arrived, its mailbox dropped with it — cannot leak the slot:
+/// a PostgreSQL outage once filled every node's count that way with nothing running.
+#[derive(Debug)]
+pub struct Slot {
+    queue: Option<ActorRef<QueueMsg>>,
+    node_id: String,
+}
+
+impl Slot {
+    pub(crate) fn new(queue: ActorRef<QueueMsg>, node_id: &str) -> Self {
+        Self {
+            queue: Some(queue),
+            node_id: node_id.to_owned(),
+        }
+    }
+
+    /// The node it is a slot of.
+    pub fn node_id(&self) -> &str {
+        &self.node_id
+    }
+
+    /// The assignment went out: the node's in-flight entry gives the slot back from now on.
+    pub fn handed_over(mut self) {
+        self.queue = None;
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        if let Some(queue) = self.queue.take() {
+            let _ = queue.cast(QueueMsg::Released(std::mem::take(&mut self.node_id)));
+        }
+    }
+}
+
 /// A snapshot for operators and tests.
 #[derive(Debug, Clone, PartialEq)]
 pub struct QueueStats {

@@ -306,7 +306,7 @@ impl Stack {
                 "SWITCHYARD_OWNER_LEASE_SECS",
                 self.config.owner_lease_secs.to_string(),
             )
-            .env("RUST_LOG", "warn")
+            .env("RUST_LOG", process_log_filter())
             .stdout(Stdio::null())
             .stderr(log_file(&self.work, &format!("{id}.log"))?)
             .kill_on_drop(true)
@@ -359,7 +359,7 @@ impl Stack {
             // One GPU per simulated engine, so the cost report has hours to count.
             .args(["--gpus", "1", "--gpu-name", "NVIDIA L40S"])
             .env("SWITCHYARD_NODE_TOKEN", token)
-            .env("RUST_LOG", "warn")
+            .env("RUST_LOG", process_log_filter())
             .stdout(Stdio::null())
             .stderr(log_file(&self.work, &format!("{node_id}.log"))?)
             .kill_on_drop(true)
@@ -383,7 +383,7 @@ impl Stack {
             .args(["--ttft-ms", &model.ttft_ms.to_string()])
             .args(["--itl-ms", &model.itl_ms.to_string()])
             .args(["--time-scale", &self.config.time_scale.to_string()])
-            .env("RUST_LOG", "warn")
+            .env("RUST_LOG", process_log_filter())
             .stdout(Stdio::null())
             .stderr(log_file(&self.work, &format!("engine-{n}.log"))?)
             .kill_on_drop(true)
@@ -677,4 +677,10 @@ pub fn rss_bytes(pid: u32) -> Option<u64> {
         .parse()
         .ok()?;
     Some(kib * 1024)
+}
+
+/// What the drill's processes log: `warn`, or `SWITCHYARD_DRILL_LOG` (a `RUST_LOG` filter,
+/// e.g. `info,sqlx=warn` to follow a failing drill's requests in its kept logs).
+fn process_log_filter() -> String {
+    std::env::var("SWITCHYARD_DRILL_LOG").unwrap_or_else(|_| "warn".to_owned())
 }
