@@ -18,6 +18,7 @@ pub mod http;
 pub mod jwt;
 pub mod node_agent;
 pub mod quota;
+pub mod recent;
 pub mod server;
 pub mod sim;
 pub mod store;

@@ -110,7 +110,8 @@ fn metrics_handle() -> PrometheusHandle {
             };
             let recorder = builder.build_recorder();
             let handle = recorder.handle();
-            if metrics::set_global_recorder(recorder).is_err() {
+            // The console's last hour of the queues is copied from what is recorded here.
+            if metrics::set_global_recorder(crate::recent::Tee::new(recorder)).is_err() {
                 tracing::warn!("a metrics recorder was already installed");
             }
             handle

@@ -9,6 +9,8 @@ mod common;
 mod admin;
 #[path = "server/agent.rs"]
 mod agent;
+#[path = "server/console.rs"]
+mod console;
 #[path = "server/embeddings.rs"]
 mod embeddings;
 #[path = "server/failures.rs"]

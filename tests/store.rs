@@ -63,6 +63,8 @@ macro_rules! on_both {
     };
 }
 
+#[path = "store/console.rs"]
+mod console;
 #[path = "store/generations.rs"]
 mod generations;
 #[path = "store/ledger.rs"]

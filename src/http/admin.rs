@@ -94,7 +94,7 @@ impl FromRequestParts<Arc<AppState>> for Admin {
 /// Answers a store failure the caller did not handle itself. The cause is logged here, once,
 /// and never shown: an unreachable store is 503 with a fixed message; a refusal the checks
 /// above should have made impossible is a 400 that says nothing of the store.
-fn store_failed(op: &'static str) -> impl FnOnce(StoreError) -> ApiError {
+pub(super) fn store_failed(op: &'static str) -> impl FnOnce(StoreError) -> ApiError {
     move |e| match e {
         StoreError::NotFound => ApiError::new(ErrorCode::NotFound, "Not found."),
         StoreError::Conflict(_) | StoreError::Invalid(_) => {
@@ -114,7 +114,7 @@ fn store_failed(op: &'static str) -> impl FnOnce(StoreError) -> ApiError {
     }
 }
 
-fn invalid(param: &str, message: impl Into<String>) -> ApiError {
+pub(super) fn invalid(param: &str, message: impl Into<String>) -> ApiError {
     ApiError::new(ErrorCode::InvalidRequest, message).with_param(param)
 }
 
@@ -270,9 +270,20 @@ impl<'de> Deserialize<'de> for TeamRef {
     }
 }
 
+impl TeamRef {
+    /// `?team=`: an integer is always an id (team names cannot be integers).
+    pub(super) fn from_query(t: String) -> Self {
+        t.parse().map(TeamRef::Id).unwrap_or(TeamRef::Name(t))
+    }
+}
+
 /// The team `team` names; a name that breaks the naming rules is refused before the store
 /// is asked, since no team can have it.
-async fn resolve_team(state: &AppState, team: &TeamRef, param: &str) -> Result<Team, ApiError> {
+pub(super) async fn resolve_team(
+    state: &AppState,
+    team: &TeamRef,
+    param: &str,
+) -> Result<Team, ApiError> {
     let found = match team {
         TeamRef::Id(id) => state.store.team(*id).await,
         TeamRef::Name(name) => {
@@ -474,10 +485,8 @@ pub async fn list_keys(
     _admin: Admin,
     Query(q): Query<KeysQuery>,
 ) -> Result<Response, ApiError> {
-    let team_ref = match q.team {
-        // An integer is always an id (team names cannot be integers).
-        Some(t) => t.parse().map(TeamRef::Id).unwrap_or(TeamRef::Name(t)),
-        None => return Err(invalid("team", "`team` is required.")),
+    let Some(team_ref) = q.team.map(TeamRef::from_query) else {
+        return Err(invalid("team", "`team` is required."));
     };
     let team = resolve_team(&state, &team_ref, "team").await?;
     let keys = state
@@ -485,7 +494,23 @@ pub async fn list_keys(
         .api_keys(team.id)
         .await
         .map_err(store_failed("list keys"))?;
-    Ok(ok(StatusCode::OK, json!({ "data": keys })))
+    let last_used = state
+        .store
+        .keys_last_used(team.id)
+        .await
+        .map_err(store_failed("keys last used"))?;
+    let data: Vec<Value> = keys
+        .into_iter()
+        .map(|k| {
+            let at = last_used.get(&k.id).copied();
+            let mut v = json!(k);
+            if let Some(o) = v.as_object_mut() {
+                o.insert("last_used_at".to_owned(), json!(at));
+            }
+            v
+        })
+        .collect();
+    Ok(ok(StatusCode::OK, json!({ "data": data })))
 }
 
 /// Revokes a key: 200 `revoked: true` once the key is revoked, whether by this call or an

@@ -5,6 +5,7 @@
 pub mod access_log;
 mod admin;
 mod completions;
+mod console;
 mod embeddings;
 mod generations;
 pub use generations::{CANCEL_CHANNEL, CLIENT_BACK_CHANNEL, client_back};
@@ -51,7 +52,16 @@ pub fn router(state: Arc<AppState>) -> Router {
         )
         .route("/admin/keys", post(admin::create_key).get(admin::list_keys))
         .route("/admin/keys/{id}", delete(admin::revoke_key))
-        .route("/admin/credits", post(admin::add_credits))
+        .route(
+            "/admin/credits",
+            post(admin::add_credits).get(console::credits),
+        )
+        .route("/admin/usage", get(console::usage))
+        .route("/admin/queues", get(console::queues))
+        .route("/console", get(console::page))
+        .route("/console/", get(console::page))
+        .route("/console/app.js", get(console::script))
+        .route("/console/app.css", get(console::style))
         .route(
             "/admin/nodes",
             post(admin::create_node).get(admin::list_nodes),

@@ -14,6 +14,7 @@ pub mod generations_conformance;
 mod node_days;
 pub mod postgres;
 mod sql;
+pub mod usage;
 pub mod sqlite;
 
 use std::sync::Arc;
@@ -413,6 +414,28 @@ pub trait Store: Ledger + GenerationStore {
     /// Sets (or with `None` clears) the pool a node's GPU hours are priced in. `NotFound`
     /// for an unknown node, `Invalid` for a name [`valid_pool`] refuses.
     async fn set_node_pool(&self, id: &str, pool: Option<&str>) -> Result<(), StoreError>;
+
+    /// Settled usage per UTC day, team and model of the requests admitted in `[from, to)`, of
+    /// one team or of all, by day, team and model (the console's usage page). `Invalid`
+    /// unless `from < to`.
+    async fn usage_by_day(
+        &self,
+        from: DateTime<Utc>,
+        to: DateTime<Utc>,
+        team_id: Option<i64>,
+    ) -> Result<Vec<usage::UsageDay>, StoreError>;
+    /// A team's credit entries, newest first, at most `limit`.
+    async fn credit_entries(
+        &self,
+        team_id: i64,
+        limit: i64,
+    ) -> Result<Vec<usage::CreditEntry>, StoreError>;
+    /// When each of a team's keys last admitted a request (its newest ledger row); keys
+    /// never used are absent.
+    async fn keys_last_used(
+        &self,
+        team_id: i64,
+    ) -> Result<std::collections::BTreeMap<i64, DateTime<Utc>>, StoreError>;
 
     /// Succeeds when the database answers (`/readyz`).
     async fn ping(&self) -> Result<(), StoreError>;

@@ -207,7 +207,8 @@ where
     None
 }
 
-/// The Python interpreter of a throwaway venv that has the real `openai` package.
+/// The Python interpreter of a throwaway venv that has the real `openai` package (and
+/// `playwright`, which drives Debian's Chromium in the console's browser test).
 /// `scripts/test` prepares it; run on its own, a test makes it under `target/` (once, locked).
 pub fn python_with_openai() -> PathBuf {
     if let Ok(p) = std::env::var("SWITCHYARD_TEST_PYTHON") {
@@ -216,7 +217,7 @@ pub fn python_with_openai() -> PathBuf {
     let target = Path::new(env!("CARGO_MANIFEST_DIR")).join("target");
     let venv = target.join("test-venv");
     let python = venv.join("bin/python");
-    let ready = venv.join(".openai-ready");
+    let ready = venv.join(".openai-playwright-ready");
     let lock = target.join("test-venv.lock");
     let deadline = Instant::now() + Duration::from_secs(600);
     while !ready.exists() {
@@ -228,7 +229,7 @@ pub fn python_with_openai() -> PathBuf {
                     .status()
                     .is_ok_and(|s| s.success()))
                 && Command::new(&python)
-                    .args(["-m", "pip", "install", "-q", "openai>=1.50"])
+                    .args(["-m", "pip", "install", "-q", "openai>=1.50", "playwright"])
                     .status()
                     .is_ok_and(|s| s.success());
             if ok {

@@ -33,6 +33,7 @@ mod generations;
 mod ledger;
 mod node_days;
 mod rows;
+mod usage;
 #[allow(unused_imports)]
 use rows::*;
 
@@ -644,6 +645,33 @@ impl Store for PostgresStore {
 
     async fn set_node_pool(&self, id: &str, pool: Option<&str>) -> Result<(), StoreError> {
         self.set_node_pool_impl(id, pool).await
+    }
+
+    async fn usage_by_day(
+        &self,
+        from: DateTime<Utc>,
+        to: DateTime<Utc>,
+        team_id: Option<i64>,
+    ) -> Result<Vec<super::usage::UsageDay>, StoreError> {
+        if from >= to {
+            return Err(StoreError::Invalid("usage range: from must be before to".to_owned()));
+        }
+        self.usage_by_day_impl(from, to, team_id).await
+    }
+
+    async fn credit_entries(
+        &self,
+        team_id: i64,
+        limit: i64,
+    ) -> Result<Vec<super::usage::CreditEntry>, StoreError> {
+        self.credit_entries_impl(team_id, limit).await
+    }
+
+    async fn keys_last_used(
+        &self,
+        team_id: i64,
+    ) -> Result<std::collections::BTreeMap<i64, DateTime<Utc>>, StoreError> {
+        self.keys_last_used_impl(team_id).await
     }
 
     async fn ping(&self) -> Result<(), StoreError> {

@@ -1,0 +1,170 @@
+"""The operator's console in a real headless Chromium (Debian's, driven by Playwright).
+
+Usage: console_e2e.py BASE_URL ADMIN_TOKEN API_KEY SCREENSHOT_DIR
+
+Against a running demo fleet (two `small` nodes): signs in (a wrong token first), creates a team,
+adds credits and sees the balance and the history, creates a key and sees its plaintext exactly
+once, revokes it, drains a node and sees its state change, sends traffic with the demo's key and
+sees it in the usage table and charts, and opens the queues and reports. Fails on any page error,
+console error or CSP violation. Saves a screenshot of every page into SCREENSHOT_DIR and prints
+"console e2e: ok".
+"""
+import json
+import re
+import sys
+import urllib.request
+
+from playwright.sync_api import expect, sync_playwright
+
+BASE, ADMIN, API_KEY, SHOTS = sys.argv[1:5]
+TEAM = "console-e2e"
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+
+
+def chat(n):
+    """`n` small requests with the demo's key (as any client would send them)."""
+    for i in range(n):
+        body = json.dumps({
+            "model": "small",
+            "messages": [{"role": "user", "content": f"console traffic {i}"}],
+            "max_tokens": 8,
+        }).encode()
+        req = urllib.request.Request(
+            f"{BASE}/v1/chat/completions", data=body, method="POST",
+            headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            assert resp.status == 200, resp.status
+
+
+def shot(page, name):
+    page.screenshot(path=f"{SHOTS}/{name}.png", full_page=True)
+
+
+def main():
+    problems = []
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path="/usr/bin/chromium", args=CHROMIUM_ARGS)
+        page = browser.new_page(viewport={"width": 1280, "height": 800})
+        page.on("pageerror", lambda e: problems.append(f"page error: {e}"))
+        page.on("console", lambda m: m.type == "error" and problems.append(f"console: {m.text}"))
+        page.on("dialog", lambda d: d.accept())
+        page.set_default_timeout(15_000)
+
+        # Sign in: a wrong token is refused in words; the right one opens the console.
+        page.goto(f"{BASE}/console")
+        expect(page.locator("#signin-token")).to_be_visible()
+        expect(page.get_by_label("Admin token")).to_be_visible()
+        page.fill("#signin-token", "not-the-token")
+        page.click("#signin-submit")
+        expect(page.locator("#signin-error")).to_contain_text("not accepted")
+        shot(page, "signin")
+        page.fill("#signin-token", ADMIN)
+        page.click("#signin-submit")
+        expect(page.locator("#nav")).to_be_visible()
+        assert ADMIN not in page.content(), "the admin token is shown after sign-in"
+
+        # Teams: create one, add credits, see the balance and the history.
+        page.click("#nav-teams")
+        page.fill("#team-name", TEAM)
+        page.click("#create-team-submit")
+        row = page.locator("#teams-table tr", has_text=TEAM)
+        expect(row).to_have_count(1)
+        row.locator("button.team-credits").click()
+        expect(page.locator("#team-panel")).to_be_visible()
+        page.fill("#credits-amount", "12.5")
+        page.click("#credits-submit")
+        expect(page.locator("#team-balance")).to_contain_text("12.5")
+        expect(page.locator("#credits-history")).to_contain_text("12.5")
+        shot(page, "teams")
+
+        # Keys: create one for the new team; its plaintext is shown once, then never again.
+        page.click("#nav-keys")
+        page.select_option("#keys-team", label=TEAM)
+        page.fill("#key-rpm", "60")
+        page.click("#create-key-submit")
+        expect(page.locator("#new-key")).to_be_visible()
+        secret = page.locator("#new-key").inner_text().strip()
+        assert re.fullmatch(r"sk-sy-[A-Za-z0-9_-]{20,}", secret), secret
+        page.click("#new-key-done")
+        expect(page.locator("#new-key")).to_have_count(0)
+        assert secret not in page.content(), "the key's plaintext is still on the page"
+        key_row = page.locator("#keys-table tr[data-key]")
+        expect(key_row).to_have_count(1)
+        expect(key_row.locator(".key-status")).to_contain_text("active")
+        assert secret not in key_row.inner_text()
+        # Revoke it (the confirmation is accepted).
+        key_row.locator("button.revoke-key").click()
+        expect(key_row.locator(".key-status")).to_contain_text("revoked")
+        # Reloading the page shows the key revoked and still no plaintext.
+        page.reload()
+        expect(page.locator("#keys-table tr[data-key] .key-status")).to_contain_text("revoked")
+        assert secret not in page.content()
+        shot(page, "keys")
+
+        # Nodes: both ready; drain one and see its state change on the next poll.
+        page.click("#nav-nodes")
+        nodes = page.locator("#nodes-table tr[data-node]")
+        expect(nodes).to_have_count(2)
+        first = nodes.first
+        node_id = first.get_attribute("data-node")
+        expect(first.locator("td.node-state")).to_have_text("ready")
+        first.locator("button.drain-node").click()
+        drained = page.locator(f'#nodes-table tr[data-node="{node_id}"] td.node-state')
+        expect(drained).to_have_text("draining", timeout=20_000)
+        expect(page.locator(f'#nodes-table tr[data-node="{node_id}"] button.drain-node')).to_have_count(0)
+        shot(page, "nodes")
+
+        # Usage: traffic from the demo's key shows up for team `demo`, in the table and charts.
+        chat(4)
+        page.click("#nav-usage")
+        page.select_option("#usage-team", label="demo")
+        page.click("#usage-submit")
+        table = page.locator("#usage-table")
+        expect(table).to_contain_text("llama-3.1-8b-instruct")
+        expect(table).to_contain_text("demo")
+        expect(page.locator("#usage-tokens-chart svg")).to_have_count(1)
+        expect(page.locator("#usage-cost-chart svg")).to_have_count(1)
+        # The CSV export downloads the same rows.
+        with page.expect_download() as dl:
+            page.click("#usage-export")
+        csv = open(dl.value.path(), encoding="utf-8").read()
+        assert csv.startswith("day,team_id,team,model,requests"), csv[:200]
+        assert "llama-3.1-8b-instruct" in csv, csv
+        shot(page, "usage")
+
+        # Queues: the model's queue with its last hour.
+        page.click("#nav-queues")
+        queue = page.locator('section.queue[data-model="llama-3.1-8b-instruct"]')
+        expect(queue).to_be_visible()
+        expect(queue.locator(".queue-depth")).to_be_visible()
+        shot(page, "queues")
+
+        # Reports: the cost and drift reports render without an error.
+        page.click("#nav-reports")
+        page.click("#reports-submit")
+        expect(page.locator("#cost-models")).to_be_visible()
+        expect(page.locator("#drift-models")).to_be_visible()
+        expect(page.locator("#report-cost-msg")).not_to_have_class(re.compile(r"\berror\b"))
+        shot(page, "reports")
+
+        # Signing out forgets the token.
+        page.click("#signout")
+        expect(page.locator("#signin-token")).to_be_visible()
+        assert page.evaluate("sessionStorage.length") == 0
+        browser.close()
+
+    # Headless Chromium reports a CSP violation as a console error: none may happen.
+    assert not problems, "\n".join(problems)
+    print("console e2e: ok")
+
+
+if __name__ == "__main__":
+    main()
