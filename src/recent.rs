@@ -100,7 +100,9 @@ impl Recent {
         if n == 0 || NOT_REFUSED.contains(&code) {
             return;
         }
-        self.with_minute(model, |m| *m.refused.entry(code.to_owned()).or_default() += n);
+        self.with_minute(model, |m| {
+            *m.refused.entry(code.to_owned()).or_default() += n
+        });
     }
 
     /// The last hour of every model seen, oldest minute first; minutes older than the window

@@ -123,6 +123,10 @@ function table({ id, caption, columns, rows, empty = 'Nothing to show.', foot, r
 const nf = new Intl.NumberFormat();
 const nfDec = new Intl.NumberFormat(undefined, { maximumFractionDigits: 2 });
 const nfCompact = new Intl.NumberFormat(undefined, { notation: 'compact', maximumFractionDigits: 1 });
+// Axis ticks: compact for large values, a few significant digits for small ones (costs of a
+// few microcredits would otherwise all read 0).
+const nfSig = new Intl.NumberFormat(undefined, { maximumSignificantDigits: 3 });
+const tick = (v) => (Math.abs(v) >= 1000 ? nfCompact.format(v) : nfSig.format(v));
 const nfCredits = new Intl.NumberFormat(undefined, { minimumFractionDigits: 2, maximumFractionDigits: 6 });
 const nfPct = new Intl.NumberFormat(undefined, { style: 'percent', maximumFractionDigits: 0 });
 const nfUsd = new Intl.NumberFormat(undefined, { style: 'currency', currency: 'USD' });
@@ -936,7 +940,7 @@ function renderUsage(box, rows, f) {
       h('figcaption', null, 'Cost per team over the range'),
       rows.length ? hBars({
         items: teamsSorted.map(([t, e]) => ({ label: t, value: e.cost / 1e6, text: credits(e.cost) })),
-        format: (v) => nfCompact.format(v), axisLabel: 'Credits', label: costLabel,
+        format: tick, axisLabel: 'Credits', label: costLabel,
       }) : h('p', { class: 'muted' }, 'No usage in this range.'),
       rows.length > 0 && table({
         caption: 'Cost per team',

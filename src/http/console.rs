@@ -152,8 +152,10 @@ pub async fn usage(
             })
         })
         .collect();
-    Ok(axum::Json(json!({ "object": "usage_report", "from": from, "to": to, "data": data }))
-        .into_response())
+    Ok(
+        axum::Json(json!({ "object": "usage_report", "from": from, "to": to, "data": data }))
+            .into_response(),
+    )
 }
 
 /// The usage rows as CSV (RFC 4180: fields with a comma, quote or line break are quoted).

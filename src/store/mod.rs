@@ -14,8 +14,8 @@ pub mod generations_conformance;
 mod node_days;
 pub mod postgres;
 mod sql;
-pub mod usage;
 pub mod sqlite;
+pub mod usage;
 
 use std::sync::Arc;
 

@@ -11,7 +11,7 @@ use crate::common::{chat_body, drop_pg, fresh_pg, http, post_chat, run_python};
 
 const MODEL: &str = "llama-3.1-8b-instruct";
 
-async fn fleet(nodes: usize) -> (switchyard::demo::Fleet, String) {
+async fn fleet(nodes: u32) -> (switchyard::demo::Fleet, String) {
     let (url, db) = fresh_pg().await;
     let mut config = switchyard::demo::FleetConfig {
         nodes: vec![("small".into(), nodes)],
@@ -55,7 +55,10 @@ async fn the_console_is_served_and_its_reads_answer_from_the_ledger_and_the_queu
         let resp = http().get(format!("{base}{path}")).send().await.unwrap();
         assert_eq!(resp.status(), 200, "{path}");
         let h = resp.headers();
-        assert!(h["content-type"].to_str().unwrap().starts_with(kind), "{path}");
+        assert!(
+            h["content-type"].to_str().unwrap().starts_with(kind),
+            "{path}"
+        );
         let csp = h["content-security-policy"].to_str().unwrap();
         assert!(csp.contains("script-src 'self'") && csp.contains("frame-ancestors 'none'"));
         assert_eq!(h["x-content-type-options"], "nosniff");
@@ -104,8 +107,18 @@ async fn the_console_is_served_and_its_reads_answer_from_the_ledger_and_the_queu
 
     let csv = admin_get(&fleet, "/admin/usage?format=csv").await;
     assert_eq!(csv.status(), 200);
-    assert!(csv.headers()["content-type"].to_str().unwrap().starts_with("text/csv"));
-    assert!(csv.headers()["content-disposition"].to_str().unwrap().contains("attachment"));
+    assert!(
+        csv.headers()["content-type"]
+            .to_str()
+            .unwrap()
+            .starts_with("text/csv")
+    );
+    assert!(
+        csv.headers()["content-disposition"]
+            .to_str()
+            .unwrap()
+            .contains("attachment")
+    );
     let csv = csv.text().await.unwrap();
     let lines: Vec<&str> = csv.lines().collect();
     assert_eq!(
@@ -113,7 +126,10 @@ async fn the_console_is_served_and_its_reads_answer_from_the_ledger_and_the_queu
         "day,team_id,team,model,requests,prompt_tokens,completion_tokens,cost_microcredits"
     );
     assert_eq!(lines.len(), 2, "{csv}");
-    assert!(lines[1].contains(&format!(",demo,{MODEL},3,{prompt},{completion},")), "{csv}");
+    assert!(
+        lines[1].contains(&format!(",demo,{MODEL},3,{prompt},{completion},")),
+        "{csv}"
+    );
 
     for (query, param) in [
         ("format=xml", "format"),
@@ -186,7 +202,9 @@ async fn the_console_does_an_operators_day_in_a_real_browser() {
     )
     .await;
     assert!(out.contains("console e2e: ok"), "{out}");
-    for page in ["signin", "teams", "keys", "usage", "nodes", "queues", "reports"] {
+    for page in [
+        "signin", "teams", "keys", "usage", "nodes", "queues", "reports",
+    ] {
         let shot = shots.join(format!("{page}.png"));
         assert!(
             std::fs::metadata(&shot).is_ok_and(|m| m.len() > 10_000),

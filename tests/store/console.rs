@@ -60,14 +60,8 @@ async fn usage_is_summed_per_admission_day_team_and_model(db: &Db) {
     requests(&on_second, "a2", a, None, "m1", 3, (1, 1)).await;
     requests(&on_second, "b2", b, None, "m1", 1, (100, 100)).await;
     // Open and cancelled rows are not usage.
-    on_second
-        .reserve(&reservation("open", a))
-        .await
-        .unwrap();
-    on_second
-        .reserve(&reservation("gone", a))
-        .await
-        .unwrap();
+    on_second.reserve(&reservation("open", a)).await.unwrap();
+    on_second.reserve(&reservation("gone", a)).await.unwrap();
     on_second.cancel("gone").await.unwrap();
 
     let row = |d: DateTime<Utc>, team, model: &str, requests, p, c| UsageDay {

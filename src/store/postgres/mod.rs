@@ -654,7 +654,9 @@ impl Store for PostgresStore {
         team_id: Option<i64>,
     ) -> Result<Vec<super::usage::UsageDay>, StoreError> {
         if from >= to {
-            return Err(StoreError::Invalid("usage range: from must be before to".to_owned()));
+            return Err(StoreError::Invalid(
+                "usage range: from must be before to".to_owned(),
+            ));
         }
         self.usage_by_day_impl(from, to, team_id).await
     }

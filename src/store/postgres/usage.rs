@@ -10,8 +10,8 @@ use super::PostgresStore;
 use super::rows::unavailable;
 use crate::store::StoreError;
 use crate::store::usage::{
-    CREDIT_ENTRIES, CreditEntry, KEYS_LAST_USED, UsageDay, credit_entry_from_row,
-    usage_by_day_sql, usage_day_from_row,
+    CREDIT_ENTRIES, CreditEntry, KEYS_LAST_USED, UsageDay, credit_entry_from_row, usage_by_day_sql,
+    usage_day_from_row,
 };
 
 fn column<'r, T>(row: &'r sqlx::postgres::PgRow, name: &str) -> Result<T, StoreError>
@@ -29,8 +29,10 @@ impl PostgresStore {
         to: DateTime<Utc>,
         team_id: Option<i64>,
     ) -> Result<Vec<UsageDay>, StoreError> {
-        const SQL: &str =
-            usage_by_day_sql!("(created_at AT TIME ZONE 'UTC')::date", "$3::BIGINT IS NULL");
+        const SQL: &str = usage_by_day_sql!(
+            "(created_at AT TIME ZONE 'UTC')::date",
+            "$3::BIGINT IS NULL"
+        );
         sqlx::query(SQL)
             .bind(from)
             .bind(to)

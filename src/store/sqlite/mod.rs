@@ -758,7 +758,9 @@ impl Store for SqliteStore {
         team_id: Option<i64>,
     ) -> Result<Vec<super::usage::UsageDay>, StoreError> {
         if from >= to {
-            return Err(StoreError::Invalid("usage range: from must be before to".to_owned()));
+            return Err(StoreError::Invalid(
+                "usage range: from must be before to".to_owned(),
+            ));
         }
         self.usage_by_day_impl(from, to, team_id).await
     }

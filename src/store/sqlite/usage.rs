@@ -10,8 +10,8 @@ use super::rows::{col, opt_time, time, unavailable};
 use crate::store::StoreError;
 use crate::store::node_days::parse_day;
 use crate::store::usage::{
-    CREDIT_ENTRIES, CreditEntry, KEYS_LAST_USED, UsageDay, credit_entry_from_row,
-    usage_by_day_sql, usage_day_from_row,
+    CREDIT_ENTRIES, CreditEntry, KEYS_LAST_USED, UsageDay, credit_entry_from_row, usage_by_day_sql,
+    usage_day_from_row,
 };
 
 impl SqliteStore {
