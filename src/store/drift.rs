@@ -233,7 +233,7 @@ where
 }
 
 /// A [`split_sum!`] put back together.
-fn wide_sum<R>(row: &R, name: &str) -> Result<u128, StoreError>
+pub(super) fn wide_sum<R>(row: &R, name: &str) -> Result<u128, StoreError>
 where
     R: Row,
     for<'n> &'n str: ColumnIndex<R>,

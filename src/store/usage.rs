@@ -8,6 +8,7 @@ use serde::Serialize;
 use sqlx::{ColumnIndex, Decode, Row, Type};
 
 use super::StoreError;
+use super::drift::{get, wide_sum};
 
 /// Most entries of a team's credit history one call returns (newest first).
 pub const CREDIT_HISTORY_LIMIT: i64 = 200;
@@ -67,28 +68,14 @@ pub(super) const CREDIT_ENTRIES: &str = "SELECT id, team_id, amount_microcredits
 pub(super) const KEYS_LAST_USED: &str = "SELECT k.id AS key_id, (SELECT MAX(u.created_at) \
      FROM usage_ledger u WHERE u.key_id = k.id) AS last_used FROM api_keys k WHERE k.team_id = $1";
 
-fn get<'r, R, T>(row: &'r R, name: &str) -> Result<T, StoreError>
-where
-    R: Row,
-    for<'n> &'n str: ColumnIndex<R>,
-    T: Decode<'r, R::Database> + Type<R::Database>,
-{
-    row.try_get(name)
-        .map_err(|e| StoreError::Invalid(format!("column {name}: {e}")))
-}
-
+/// A [`split_sum!`](super::drift::split_sum) put back together, saturating at `u64::MAX`.
 fn wide<R>(row: &R, name: &str) -> Result<u64, StoreError>
 where
     R: Row,
     for<'n> &'n str: ColumnIndex<R>,
     for<'r> i64: Decode<'r, R::Database> + Type<R::Database>,
 {
-    let part = |suffix: &str| -> Result<u64, StoreError> {
-        let v: i64 = get(row, &format!("{name}_{suffix}"))?;
-        u64::try_from(v).map_err(|_| StoreError::Invalid(format!("column {name}: {v} < 0")))
-    };
-    let sum = (u128::from(part("hi")?) << 32) + u128::from(part("lo")?);
-    Ok(u64::try_from(sum).unwrap_or(u64::MAX))
+    Ok(u64::try_from(wide_sum(row, name)?).unwrap_or(u64::MAX))
 }
 
 /// A row of [`usage_by_day_sql`] whose day the caller read in its backend's type.
