@@ -434,8 +434,8 @@ pub fn banner(fleet: &Fleet, env_file: &Path) -> String {
 Try it:\n  curl -N {base}/chat/completions -H \"Authorization: Bearer {key}\" -H 'Content-Type: application/json' \\\n    \
 -d '{{\"model\":\"small\",\"messages\":[{{\"role\":\"user\",\"content\":\"Hello\"}}],\"max_tokens\":32,\"stream\":true}}'\n\n  \
 set -a; . {env}; set +a\n  python3 -c 'import openai; c=openai.OpenAI(); print(c.chat.completions.create(model=\"small\", messages=[{{\"role\":\"user\",\"content\":\"Hello\"}}], max_tokens=32).choices[0].message.content)'\n\n\
-Console: {console} (sign in with SWITCHYARD_ADMIN_TOKEN)\n\n{cluster}Ctrl-C stops the demo.",
-        console = format!("{}/console", fleet.server.base_url()),
+Console: {server}/console (sign in with SWITCHYARD_ADMIN_TOKEN)\n\n{cluster}Ctrl-C stops the demo.",
+        server = fleet.server.base_url(),
         cluster = cluster_lines(fleet),
         nodes = nodes.join(", "),
         env = env_file.display(),
