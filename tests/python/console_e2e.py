@@ -6,7 +6,8 @@ Against a running demo fleet (two `small` nodes): signs in (a wrong token first)
 adds credits and sees the balance and the history, creates a key and sees its plaintext exactly
 once, revokes it, drains a node and sees its state change (draining, then drained), sends traffic with the demo's key and
 sees it in the usage table and charts, and opens the queues and reports. Fails on any page error,
-console error or CSP violation. Saves a screenshot of every page into SCREENSHOT_DIR and prints
+console error or CSP violation, and on any page with an unlabelled control, a nameless
+button or link, a header cell without scope or a duplicate id. Saves a screenshot of every page into SCREENSHOT_DIR and prints
 "console e2e: ok".
 """
 import json
@@ -51,7 +52,31 @@ def choose_team(page, select, name):
     page.select_option(select, value=option.get_attribute("value"))
 
 
+# What every page must hold to for keyboard and screen-reader users: each form control has a
+# label, each button and link a name, each header cell a scope; no two elements share an id.
+ACCESSIBILITY = """() => {
+  const bad = [];
+  const shown = (e) => e.offsetParent !== null || e.getClientRects().length > 0;
+  for (const e of document.querySelectorAll('input, select, textarea')) {
+    if (e.type === 'hidden' || !shown(e)) continue;
+    const named = (e.labels && e.labels.length) || e.getAttribute('aria-label') || e.getAttribute('aria-labelledby');
+    if (!named) bad.push('unlabelled ' + e.tagName + '#' + e.id);
+  }
+  for (const e of document.querySelectorAll('button, a[href]')) {
+    if (shown(e) && !(e.textContent.trim() || e.getAttribute('aria-label'))) bad.push('nameless ' + e.tagName + '#' + e.id);
+  }
+  for (const th of document.querySelectorAll('th')) {
+    if (!th.getAttribute('scope')) bad.push('th without scope: ' + th.textContent.trim());
+  }
+  const ids = [...document.querySelectorAll('[id]')].map((e) => e.id);
+  for (const id of new Set(ids.filter((id, i) => ids.indexOf(id) !== i))) bad.push('duplicate id ' + id);
+  return bad;
+}"""
+
+
 def shot(page, name):
+    bad = page.evaluate(ACCESSIBILITY)
+    assert not bad, f"{name}: {bad}"
     page.screenshot(path=f"{SHOTS}/{name}.png", full_page=True)
 
 
