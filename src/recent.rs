@@ -59,7 +59,13 @@ impl Recent {
         let now = chrono::Utc::now();
         let epoch_minute = now.timestamp().div_euclid(60);
         let mut models = self.models.lock().unwrap_or_else(PoisonError::into_inner);
-        let minutes = models.entry(model.to_owned()).or_default();
+        // Looked up before inserting: this runs on every recorded value of the three metrics.
+        if !models.contains_key(model) {
+            models.insert(model.to_owned(), VecDeque::new());
+        }
+        let Some(minutes) = models.get_mut(model) else {
+            return;
+        };
         if minutes.back().is_none_or(|m| m.epoch_minute < epoch_minute) {
             let minute = chrono::DateTime::from_timestamp(epoch_minute * 60, 0)
                 .map(|t| t.to_rfc3339_opts(chrono::SecondsFormat::Secs, true))

@@ -1,5 +1,5 @@
-//! The operator's console: a small web page embedded in the binary (`src/console/`), served at
-//! `/console` under a strict Content-Security-Policy, that talks only to the admin API; and
+//! The operator's console: a small web page embedded in the binary (`src/console/`: the page,
+//! its ES modules and its style), served at `/console` under a strict Content-Security-Policy, that talks only to the admin API; and
 //! the admin API's reads it needs beyond the records — usage per day, team and model
 //! (`GET /admin/usage`, JSON or CSV), a team's credit history (`GET /admin/credits`) and the
 //! last hour of every model's queue (`GET /admin/queues`).
@@ -15,14 +15,32 @@ use serde::Deserialize;
 use serde_json::json;
 
 use super::admin::{Admin, TeamRef, invalid, resolve_team, store_failed};
-use super::error::{ApiError, Query};
+use super::error::{ApiError, Path, Query};
 use crate::recent::{Recent, WINDOW_MINUTES};
 use crate::server::AppState;
 use crate::store::usage::CREDIT_HISTORY_LIMIT;
+use switchyard_actors::error::ErrorCode;
 
 const PAGE: &str = include_str!("../console/index.html");
-const SCRIPT: &str = include_str!("../console/app.js");
-const STYLE: &str = include_str!("../console/app.css");
+
+const JS: &str = "text/javascript; charset=utf-8";
+
+/// The page's files under `/console/`: the entry module, the modules it imports, the style.
+const ASSETS: [(&str, &str, &str); 9] = [
+    ("app.js", JS, include_str!("../console/app.js")),
+    ("ui.js", JS, include_str!("../console/ui.js")),
+    ("charts.js", JS, include_str!("../console/charts.js")),
+    ("teams.js", JS, include_str!("../console/teams.js")),
+    ("keys.js", JS, include_str!("../console/keys.js")),
+    ("usage.js", JS, include_str!("../console/usage.js")),
+    ("live.js", JS, include_str!("../console/live.js")),
+    ("reports.js", JS, include_str!("../console/reports.js")),
+    (
+        "app.css",
+        "text/css; charset=utf-8",
+        include_str!("../console/app.css"),
+    ),
+];
 
 /// Everything the page loads comes from this origin; nothing runs inline; no framing.
 const CSP: &str = "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; \
@@ -62,14 +80,13 @@ pub async fn page() -> Response {
     asset("text/html; charset=utf-8", PAGE)
 }
 
-/// `GET /console/app.js`.
-pub async fn script() -> Response {
-    asset("text/javascript; charset=utf-8", SCRIPT)
-}
-
-/// `GET /console/app.css`.
-pub async fn style() -> Response {
-    asset("text/css; charset=utf-8", STYLE)
+/// `GET /console/{file}`: one of [`ASSETS`]; anything else is 404.
+pub async fn file(Path(name): Path<String>) -> Result<Response, ApiError> {
+    ASSETS
+        .iter()
+        .find(|(file, _, _)| *file == name)
+        .map(|(_, content_type, body)| asset(content_type, body))
+        .ok_or_else(|| ApiError::new(ErrorCode::NotFound, "No such file.").with_param("file"))
 }
 
 #[derive(Debug, Deserialize)]

@@ -60,8 +60,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/admin/queues", get(console::queues))
         .route("/console", get(console::page))
         .route("/console/", get(console::page))
-        .route("/console/app.js", get(console::script))
-        .route("/console/app.css", get(console::style))
+        .route("/console/{file}", get(console::file))
         .route(
             "/admin/nodes",
             post(admin::create_node).get(admin::list_nodes),

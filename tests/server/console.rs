@@ -50,6 +50,7 @@ async fn the_console_is_served_and_its_reads_answer_from_the_ledger_and_the_queu
     for (path, kind) in [
         ("/console", "text/html"),
         ("/console/app.js", "text/javascript"),
+        ("/console/ui.js", "text/javascript"),
         ("/console/app.css", "text/css"),
     ] {
         let resp = http().get(format!("{base}{path}")).send().await.unwrap();
@@ -63,6 +64,12 @@ async fn the_console_is_served_and_its_reads_answer_from_the_ledger_and_the_queu
         assert!(csp.contains("script-src 'self'") && csp.contains("frame-ancestors 'none'"));
         assert_eq!(h["x-content-type-options"], "nosniff");
     }
+    let unknown = http()
+        .get(format!("{base}/console/secrets.js"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(unknown.status(), 404);
     let page = http().get(format!("{base}/console")).send().await.unwrap();
     let page = page.text().await.unwrap();
     assert!(page.contains("/console/app.js") && !page.contains("<script>"));
