@@ -1,6 +1,6 @@
 //! The operator's console: a small web page embedded in the binary (`src/console/`: the page,
-//! its ES modules and its style), served at `/console` under a strict Content-Security-Policy, that talks only to the admin API; and
-//! the admin API's reads it needs beyond the records — usage per day, team and model
+//! its ES modules and its style), served at `/console` under a strict Content-Security-Policy,
+//! that talks only to the admin API; and the admin API's reads it needs beyond the records — usage per day, team and model
 //! (`GET /admin/usage`, JSON or CSV), a team's credit history (`GET /admin/credits`) and the
 //! last hour of every model's queue (`GET /admin/queues`).
 
