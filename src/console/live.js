@@ -126,7 +126,8 @@ export async function pageQueues(ctx) {
   const updated = h('p', { id: 'queues-updated', class: 'muted', 'aria-live': 'off' }, 'Loading…');
   const msg = msgEl('queues-msg');
   const list = h('div', { id: 'queues-list', class: 'queues' });
-  root.append(updated, msg, list);
+  const early = h('div', { id: 'queues-before-model' });
+  root.append(updated, msg, list, early);
   const shown = new Map(); // model -> its card
 
   async function load() {
@@ -145,6 +146,7 @@ export async function pageQueues(ctx) {
         return card;
       });
       if (!models.length) list.append(h('p', { class: 'muted empty' }, 'No model queues.'));
+      fill(early, beforeModel(r.before_model || []));
       stamp(updated, msg, ` · refreshed every 5 seconds; history covers ${Math.round(windowMs / 60000)} minutes`);
     } catch (err) {
       sayError(msg, err);
@@ -162,15 +164,6 @@ function queueCard(q, windowMs) {
     .filter((p) => Number.isFinite(p.t));
   const peak = (k) => Math.max(0, ...minutes.map((m) => m[k] ?? 0));
   const lastMin = minutes[minutes.length - 1];
-  const refused = new Map();
-  for (const m of minutes) {
-    for (const [code, n] of Object.entries(m.refused || {})) {
-      const e = refused.get(code) || { hour: 0, last: 0 };
-      e.hour += n;
-      if (m === lastMin) e.last += n;
-      refused.set(code, e);
-    }
-  }
   const dispatched = minutes.reduce((a, m) => a + (m.dispatched || 0), 0);
   const nodes = Array.isArray(q.nodes) ? (q.nodes.join(', ') || 'none') : num(q.nodes);
   const lastWait = lastMin?.wait_mean_seconds;
@@ -190,10 +183,35 @@ function queueCard(q, windowMs) {
         sparkline(pts('depth_max'), { start, end, label: depthLabel })),
       h('figure', null, h('figcaption', null, `Mean wait, seconds (peak ${nfDec.format(peak('wait_mean_seconds'))})`),
         sparkline(pts('wait_mean_seconds'), { start, end, label: waitLabel }))),
-    refused.size ? table({
-      caption: 'Refusals by error code',
-      columns: [{ label: 'Code' }, { label: 'Last hour', num: true },
-        { label: lastMin ? `Latest minute (${hhmm.format(new Date(lastMin.minute))})` : 'Latest minute', num: true }],
-      rows: [...refused].sort((a, b) => b[1].hour - a[1].hour).map(([code, e]) => [h('code', null, code), num(e.hour), num(e.last)]),
-    }) : h('p', { class: 'muted' }, 'No refusals in the last hour.'));
+    refusals(minutes, 'Refusals by error code'));
+}
+
+// The requests refused by code over the hour and in its latest minute, as a table.
+function refusals(minutes, caption) {
+  const lastMin = minutes[minutes.length - 1];
+  const refused = new Map();
+  for (const m of minutes) {
+    for (const [code, n] of Object.entries(m.refused || {})) {
+      const e = refused.get(code) || { hour: 0, last: 0 };
+      e.hour += n;
+      if (m === lastMin) e.last += n;
+      refused.set(code, e);
+    }
+  }
+  if (!refused.size) return h('p', { class: 'muted' }, 'No refusals in the last hour.');
+  return table({
+    caption,
+    columns: [{ label: 'Code' }, { label: 'Last hour', num: true },
+      { label: lastMin ? `Latest minute (${hhmm.format(new Date(lastMin.minute))})` : 'Latest minute', num: true }],
+    rows: [...refused].sort((a, b) => b[1].hour - a[1].hour).map(([code, e]) => [h('code', null, code), num(e.hour), num(e.last)]),
+  });
+}
+
+// Requests refused before a model was known: authentication, rate and token limits,
+// malformed bodies — where a throttled key shows first.
+function beforeModel(minutes) {
+  return h('section', { class: 'panel', 'aria-labelledby': 'before-model-title' },
+    h('h3', { id: 'before-model-title' }, 'Refused before a model was chosen'),
+    h('p', { class: 'hint' }, 'Authentication, rate and token limits, malformed requests.'),
+    refusals(minutes, 'Refusals before a model, by error code'));
 }

@@ -13,6 +13,7 @@ button or link, a header cell without scope or a duplicate id. Saves a screensho
 import json
 import re
 import sys
+import urllib.error
 import urllib.request
 
 from playwright.sync_api import expect, sync_playwright
@@ -72,6 +73,20 @@ ACCESSIBILITY = """() => {
   for (const id of new Set(ids.filter((id, i) => ids.indexOf(id) !== i))) bad.push('duplicate id ' + id);
   return bad;
 }"""
+
+
+def refused_request():
+    """One request with a key that does not exist: refused before it names a model."""
+    req = urllib.request.Request(
+        f"{BASE}/v1/chat/completions", method="POST",
+        data=json.dumps({"model": "small", "messages": [{"role": "user", "content": "x"}]}).encode(),
+        headers={"Authorization": "Bearer sk-sy-not-a-key", "Content-Type": "application/json"})
+    try:
+        urllib.request.urlopen(req, timeout=30)
+    except urllib.error.HTTPError as e:
+        assert e.code == 401, e.code
+    else:
+        raise AssertionError("a made-up key was accepted")
 
 
 def shot(page, name):
@@ -177,8 +192,10 @@ def main():
         assert "llama-3.1-8b-instruct" in csv, csv
         shot(page, "usage")
 
-        # Queues: the model's queue with its last hour.
+        # Queues: the model's queue with its last hour, and the refusals before any model.
+        refused_request()
         page.click("#nav-queues")
+        expect(page.locator("#queues-before-model")).to_contain_text("unauthorized")
         queue = page.locator('section.queue[data-model="llama-3.1-8b-instruct"]')
         expect(queue).to_be_visible()
         expect(queue.locator(".queue-depth")).to_be_visible()

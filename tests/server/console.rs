@@ -163,7 +163,24 @@ async fn the_console_is_served_and_its_reads_answer_from_the_ledger_and_the_queu
     let keys = admin_json(&fleet, "/admin/keys?team=demo").await;
     assert!(keys["data"][0]["last_used_at"].is_string(), "{keys}");
 
+    // A request refused before it names a model is counted apart, by its code.
+    let refused = http()
+        .post(format!("{base}/v1/chat/completions"))
+        .bearer_auth("sk-sy-not-a-key")
+        .json(&chat_body("small", "x", 4, false))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(refused.status(), 401);
+
     let queues = admin_json(&fleet, "/admin/queues").await;
+    let unauthorized: u64 = queues["before_model"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|m| m["refused"]["unauthorized"].as_u64())
+        .sum();
+    assert!(unauthorized >= 1, "{queues}");
     assert_eq!(queues["window_seconds"], 3600);
     let small = queues["data"]
         .as_array()
