@@ -36,6 +36,14 @@ async fn requests(
     }
 }
 
+/// A store on `db` whose clock says `at`.
+async fn clocked(db: &Db, at: DateTime<Utc>) -> Arc<dyn Store> {
+    db.concrete()
+        .await
+        .with_clock(Arc::new(FixedClock(at)))
+        .store()
+}
+
 fn day(y: i32, m: u32, d: u32) -> DateTime<Utc> {
     Utc.with_ymd_and_hms(y, m, d, 0, 0, 0).unwrap()
 }
@@ -43,16 +51,8 @@ fn day(y: i32, m: u32, d: u32) -> DateTime<Utc> {
 async fn usage_is_summed_per_admission_day_team_and_model(db: &Db) {
     let first = day(2026, 11, 30) + chrono::TimeDelta::hours(23);
     let second = day(2026, 12, 1) + chrono::TimeDelta::minutes(5);
-    let on_first = db
-        .concrete()
-        .await
-        .with_clock(Arc::new(FixedClock(first)))
-        .store();
-    let on_second = db
-        .concrete()
-        .await
-        .with_clock(Arc::new(FixedClock(second)))
-        .store();
+    let on_first = clocked(db, first).await;
+    let on_second = clocked(db, second).await;
     let a = funded(on_first.as_ref(), "usage-a", 1_000_000).await;
     let b = funded(on_first.as_ref(), "usage-b", 1_000_000).await;
     requests(&on_first, "a1", a, None, "m1", 2, (10, 5)).await;
@@ -126,16 +126,8 @@ async fn credit_history_is_newest_first_and_capped(store: Arc<dyn Store>) {
 async fn keys_last_used_names_each_used_key_with_its_newest_request(db: &Db) {
     let early = day(2026, 11, 2);
     let late = day(2026, 11, 3) + chrono::TimeDelta::milliseconds(1_234);
-    let then = db
-        .concrete()
-        .await
-        .with_clock(Arc::new(FixedClock(early)))
-        .store();
-    let now = db
-        .concrete()
-        .await
-        .with_clock(Arc::new(FixedClock(late)))
-        .store();
+    let then = clocked(db, early).await;
+    let now = clocked(db, late).await;
     let team = funded(then.as_ref(), "last-used", 1_000_000).await;
     let used = then
         .create_api_key(new_key(team, "sk-sy-used-key"))

@@ -757,11 +757,7 @@ impl Store for SqliteStore {
         to: DateTime<Utc>,
         team_id: Option<i64>,
     ) -> Result<Vec<super::usage::UsageDay>, StoreError> {
-        if from >= to {
-            return Err(StoreError::Invalid(
-                "usage range: from must be before to".to_owned(),
-            ));
-        }
+        super::drift::check_range(from, to)?;
         self.usage_by_day_impl(from, to, team_id).await
     }
 
