@@ -73,6 +73,19 @@ struct RoutingArgs {
     /// llm-d); less puts Switchyard's queue in front of the engines.
     #[arg(long, default_value_t = 256)]
     llmd_node_concurrency: u32,
+    /// Shared system prompts of the llm-d shapes.
+    #[arg(long, default_value_t = switchyard_loadtest::routing::LLMD_GROUPS)]
+    llmd_groups: u64,
+    /// Tokens of each shared system prompt of the llm-d shapes.
+    #[arg(long, default_value_t = switchyard_loadtest::routing::LLMD_SYSTEM)]
+    llmd_system: u32,
+    /// Tokens of each llm-d request's own question.
+    #[arg(long, default_value_t = switchyard_loadtest::routing::LLMD_QUESTION)]
+    llmd_question: u32,
+    /// Strategies compared, comma-separated: round_robin, least_loaded, cache_aware, oracle
+    /// [default: all].
+    #[arg(long, value_delimiter = ',')]
+    strategies: Vec<String>,
 }
 
 #[derive(Debug, Args)]
@@ -538,8 +551,20 @@ async fn execute(cli: Cli) -> anyhow::Result<()> {
                 window: args
                     .window
                     .unwrap_or(Duration::from_secs(if quick { 60 } else { 600 })),
-                strategies: switchyard_loadtest::routing::Strategy::ALL.to_vec(),
+                strategies: if args.strategies.is_empty() {
+                    switchyard_loadtest::routing::Strategy::ALL.to_vec()
+                } else {
+                    args.strategies
+                        .iter()
+                        .map(|s| s.parse())
+                        .collect::<Result<_, _>>()?
+                },
                 llmd_node_concurrency: args.llmd_node_concurrency,
+                llmd_shape: switchyard_loadtest::routing::LlmdShape {
+                    groups: args.llmd_groups,
+                    system: args.llmd_system,
+                    question: args.llmd_question,
+                },
             };
             let command = std::env::args().collect::<Vec<_>>().join(" ");
             let report = tokio::task::spawn_blocking(move || {

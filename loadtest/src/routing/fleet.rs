@@ -68,6 +68,20 @@ impl Strategy {
     }
 }
 
+impl std::str::FromStr for Strategy {
+    type Err = anyhow::Error;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Strategy::ALL
+            .into_iter()
+            .find(|st| st.name() == s)
+            .ok_or_else(|| {
+                anyhow::anyhow!(
+                    "unknown strategy `{s}` (round_robin, least_loaded, cache_aware, oracle)"
+                )
+            })
+    }
+}
+
 /// One model's part of the fleet.
 #[derive(Debug, Clone)]
 pub struct ModelSpec {

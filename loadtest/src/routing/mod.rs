@@ -7,9 +7,10 @@
 //!   no prompt were ever cached;
 //! - **llm-d**: the shape of llm-d's published prefix-cache benchmark: 8 × 8B, 512 clients in a
 //!   closed loop, 150 groups of a 6,000-token system prompt, each request one of them plus a
-//!   1,200-token question of its own, 900 tokens out.
+//!   1,200-token question of its own, 900 tokens out (the prompt lengths are options, so the
+//!   shape can be swept from where a fleet holds its clients to where it cannot).
 //!
-//! The figures: TTFT p50/p95/mean per model (queue wait included), the prefix-cache hit rate
+//! The figures: TTFT p50/p95/mean per model and for the whole mix (queue wait included), the prefix-cache hit rate
 //! (prompt tokens read from a node's cache / prompt tokens), preemptions, and output tokens
 //! per GPU-second; `routing.json`, a markdown table and `routing.png`.
 
@@ -51,6 +52,30 @@ pub struct RoutingOptions {
     /// `node_concurrency` of the llm-d shapes' nodes: 256 (vLLM's `--max-num-seqs`) is no
     /// gateway queue, as behind llm-d; less puts a queue in front of the engines.
     pub llmd_node_concurrency: u32,
+    /// The llm-d shapes' prompts.
+    pub llmd_shape: LlmdShape,
+}
+
+/// The prompts of the llm-d shapes: `groups` shared system prompts of `system` tokens, each
+/// request one of them plus a `question` of its own.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct LlmdShape {
+    /// Shared system prompts.
+    pub groups: u64,
+    /// Tokens of each.
+    pub system: u32,
+    /// Tokens of a request's own question.
+    pub question: u32,
+}
+
+impl Default for LlmdShape {
+    fn default() -> Self {
+        Self {
+            groups: LLMD_GROUPS,
+            system: LLMD_SYSTEM,
+            question: LLMD_QUESTION,
+        }
+    }
 }
 
 /// One strategy on one model at one load.
@@ -99,6 +124,8 @@ pub struct RoutingReport {
     pub window_s: f64,
     /// Each model's capacity in the mix (100 % load), sessions per second.
     pub capacity_sessions_per_s: Vec<(String, f64)>,
+    /// The llm-d shapes' prompts.
+    pub llmd_shape: LlmdShape,
     /// Every figure.
     pub rows: Vec<Row>,
     /// Real seconds the whole benchmark took.
@@ -214,6 +241,7 @@ pub fn run(opts: &RoutingOptions, command: String) -> anyhow::Result<RoutingRepo
         warmup_s: opts.warmup.as_secs_f64(),
         window_s: opts.window.as_secs_f64(),
         capacity_sessions_per_s: capacities,
+        llmd_shape: opts.llmd_shape,
         rows,
         wall_s: started.elapsed().as_secs_f64(),
     };
@@ -353,6 +381,7 @@ async fn llmd(
     for c in 0..LLMD_CLIENTS {
         let fleet = fleet.clone();
         let seed = opts.seed;
+        let shape = opts.llmd_shape;
         clients.spawn(async move {
             let mut rng = ChaCha8Rng::seed_from_u64(seed ^ ((c as u64) << 20));
             // Clients start over the first seconds, not all in one instant.
@@ -360,8 +389,9 @@ async fn llmd(
             tokio::time::sleep(Duration::from_secs_f64(start)).await;
             let mut i = 0u64;
             while fleet.now() < end {
-                let group = rand::Rng::random_range(&mut rng, 0..LLMD_GROUPS);
-                let turn = shared_prefix_turn(&mut rng, group, LLMD_SYSTEM, LLMD_QUESTION, output);
+                let group = rand::Rng::random_range(&mut rng, 0..shape.groups);
+                let turn =
+                    shared_prefix_turn(&mut rng, group, shape.system, shape.question, output);
                 fleet.request(0, &turn, ((c as u64) << 32) | i).await;
                 i += 1;
             }
@@ -388,53 +418,90 @@ fn rows(
 ) -> Vec<Row> {
     let from = opts.warmup.as_secs_f64();
     let to = from + opts.window.as_secs_f64();
-    let window = opts.window.as_secs_f64();
-    let records = fleet.records();
-    let stats = fleet.stats();
-    models
+    let records: Vec<Record> = fleet
+        .records()
+        .into_iter()
+        .filter(|r| r.sent >= from && r.sent < to)
+        .collect();
+    let preemptions: Vec<u64> = fleet
+        .stats()
+        .iter()
+        .map(|s| s.iter().map(|e| e.preemptions).sum())
+        .collect();
+    let gpus = |spec: &ModelSpec| spec.nodes as f64 * spec.profile.spec().gpus as f64;
+    let row = |model: &str, of: &[&Record], preemptions: u64, gpus: f64| {
+        let mut row = Row::of(of, opts.window.as_secs_f64(), gpus);
+        row.scenario = scenario.to_owned();
+        row.strategy = strategy;
+        row.load = load;
+        row.model = model.to_owned();
+        row.preemptions = preemptions;
+        row
+    };
+    let mut out: Vec<Row> = models
         .iter()
         .enumerate()
         .map(|(m, spec)| {
-            let mine: Vec<&Record> = records
-                .iter()
-                .filter(|r| r.model == m && r.sent >= from && r.sent < to)
-                .collect();
-            let mut ttft: Vec<f64> = mine.iter().filter_map(|r| r.ttft).collect();
-            ttft.sort_by(f64::total_cmp);
-            let answered = ttft.len();
-            let sum: f64 = ttft.iter().sum();
-            let prompt: u64 = mine.iter().map(|r| u64::from(r.prompt)).sum();
-            let cached: u64 = mine.iter().map(|r| u64::from(r.cached)).sum();
-            let output: u64 = mine.iter().map(|r| u64::from(r.output)).sum();
-            let gpus = spec.nodes as f64 * spec.profile.spec().gpus as f64;
-            let q = |p: f64| quantile(&ttft, p);
-            Row {
-                scenario: scenario.to_owned(),
-                strategy,
-                load,
-                model: spec.name.to_owned(),
-                requests: mine.len() as u64,
-                refused: mine.iter().filter(|r| r.ttft.is_none()).count() as u64,
-                ttft_p50: q(0.5),
-                ttft_p95: q(0.95),
-                ttft_mean: if answered == 0 {
-                    0.0
-                } else {
-                    sum / answered as f64
-                },
-                hit_rate: if prompt == 0 {
-                    0.0
-                } else {
-                    cached as f64 / prompt as f64
-                },
-                preemptions: stats
-                    .get(m)
-                    .map_or(0, |s| s.iter().map(|e| e.preemptions).sum()),
-                tokens_per_gpu_s: output as f64 / (gpus * window),
-                output_tokens_per_s: output as f64 / window,
-            }
+            let mine: Vec<&Record> = records.iter().filter(|r| r.model == m).collect();
+            row(
+                spec.name,
+                &mine,
+                preemptions.get(m).copied().unwrap_or(0),
+                gpus(spec),
+            )
         })
-        .collect()
+        .collect();
+    // The whole fleet's traffic as one: what a caller of the mix sees.
+    if models.len() > 1 {
+        let all: Vec<&Record> = records.iter().collect();
+        out.push(row(
+            ALL_MODELS,
+            &all,
+            preemptions.iter().sum(),
+            models.iter().map(gpus).sum(),
+        ));
+    }
+    out
+}
+
+/// The `model` of the rows that pool every model's requests.
+pub const ALL_MODELS: &str = "all";
+
+impl Row {
+    /// The figures of `records` over a window of `window` seconds on `gpus` GPUs; the labels
+    /// and preemptions are the caller's.
+    fn of(records: &[&Record], window: f64, gpus: f64) -> Row {
+        let mut ttft: Vec<f64> = records.iter().filter_map(|r| r.ttft).collect();
+        ttft.sort_by(f64::total_cmp);
+        let answered = ttft.len();
+        let sum: f64 = ttft.iter().sum();
+        let prompt: u64 = records.iter().map(|r| u64::from(r.prompt)).sum();
+        let cached: u64 = records.iter().map(|r| u64::from(r.cached)).sum();
+        let output: u64 = records.iter().map(|r| u64::from(r.output)).sum();
+        Row {
+            scenario: String::new(),
+            strategy: Strategy::RoundRobin,
+            load: 0.0,
+            model: String::new(),
+            requests: records.len() as u64,
+            refused: records.iter().filter(|r| r.ttft.is_none()).count() as u64,
+            ttft_p50: quantile(&ttft, 0.5),
+            ttft_p95: quantile(&ttft, 0.95),
+            ttft_mean: if answered == 0 {
+                0.0
+            } else {
+                sum / answered as f64
+            },
+            hit_rate: if prompt == 0 {
+                0.0
+            } else {
+                cached as f64 / prompt as f64
+            },
+            preemptions: 0,
+            tokens_per_gpu_s: output as f64 / (gpus * window),
+            output_tokens_per_s: output as f64 / window,
+        }
+    }
 }
 
 /// The `p` quantile of `sorted` (nearest rank); 0 when empty.

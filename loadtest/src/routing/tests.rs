@@ -15,6 +15,7 @@ fn opts(scenario: &str, strategies: Vec<Strategy>) -> RoutingOptions {
         window: Duration::from_secs(60),
         strategies,
         llmd_node_concurrency: 256,
+        llmd_shape: LlmdShape::default(),
     }
 }
 
@@ -57,6 +58,35 @@ fn cache_aware_keeps_conversations_on_their_cache_and_matches_the_oracle() {
     assert!(ca.ttft_p95 < rr.ttft_p95, "{ca:?} {rr:?}");
     assert!(rows.iter().all(|r| r.refused == 0), "{rows:?}");
     assert_eq!(ca.preemptions, 0);
+    // The fleet's row pools every model's requests: its p95 lies between theirs.
+    for s in Strategy::ALL {
+        let all = row(&rows, s, ALL_MODELS);
+        let models: Vec<&Row> = rows
+            .iter()
+            .filter(|r| r.strategy == s && r.model != ALL_MODELS)
+            .collect();
+        assert_eq!(models.len(), 3);
+        assert_eq!(all.requests, models.iter().map(|r| r.requests).sum::<u64>());
+        let lo = models.iter().map(|r| r.ttft_p95).fold(f64::MAX, f64::min);
+        let hi = models.iter().map(|r| r.ttft_p95).fold(0.0, f64::max);
+        assert!(
+            lo <= all.ttft_p95 && all.ttft_p95 <= hi,
+            "{all:?} {models:?}"
+        );
+    }
+    let (rr, ca) = (
+        row(&rows, Strategy::RoundRobin, ALL_MODELS),
+        row(&rows, Strategy::CacheAware, ALL_MODELS),
+    );
+    assert!(ca.ttft_p95 < rr.ttft_p95, "{ca:?} {rr:?}");
+}
+
+#[test]
+fn strategies_parse_by_their_table_names() {
+    for s in Strategy::ALL {
+        assert_eq!(s.name().parse::<Strategy>().unwrap(), s);
+    }
+    assert!("random".parse::<Strategy>().is_err());
 }
 
 #[test]
@@ -82,6 +112,23 @@ fn on_a_shared_prefix_fleet_cache_aware_serves_more_than_round_robin() {
         "{ca:?} {rr:?}"
     );
     assert!(ca[0].hit_rate > rr[0].hit_rate + 0.3, "{ca:?} {rr:?}");
+    // The shape is the options': with questions of 100 tokens instead of 1,200 the shared
+    // prefix is more of every prompt, and more of it is read from the cache.
+    let short = RoutingOptions {
+        llmd_shape: LlmdShape {
+            question: 100,
+            ..LlmdShape::default()
+        },
+        ..opts.clone()
+    };
+    let ca_short = runtime().unwrap().block_on(llmd(
+        &short,
+        "llm-d-short",
+        LLMD_SHORT_OUTPUT,
+        Strategy::CacheAware,
+        tok.clone(),
+    ));
+    assert!(ca_short[0].hit_rate > ca[0].hit_rate, "{ca_short:?} {ca:?}");
 }
 
 #[test]
@@ -93,6 +140,7 @@ fn the_table_has_a_line_per_row() {
         warmup_s: 1.0,
         window_s: 1.0,
         capacity_sessions_per_s: vec![],
+        llmd_shape: LlmdShape::default(),
         rows: vec![Row {
             scenario: "mix".into(),
             strategy: Strategy::CacheAware,
