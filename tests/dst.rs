@@ -214,7 +214,7 @@ fn env_u64(name: &str) -> Option<u64> {
 }
 
 /// Seeds that once broke an invariant (each names what it found), run every time.
-const REGRESSIONS: [u64; 12] = [
+const REGRESSIONS: [u64; 15] = [
     // A resent `done` settled as an orphan while its relayed first copy awaited the ack of
     // a generation that lived on and fenced that attempt.
     217, 711,
@@ -235,6 +235,10 @@ const REGRESSIONS: [u64; 12] = [
     // it held and forgot the slots counted there, and filled it from zero on its return
     // while the assignments relayed before the stall arrived and ran (5 on a node of 4).
     1170, 1307,
+    // The same stall, with the node's generations told it was lost and their slots counted
+    // free before their relayed `assign`s arrived: the node's socket now refuses an `assign`
+    // past its capacity.
+    1195, 1675, 2195,
 ];
 
 /// The seeds of one half of the run: `DST_SEED` alone (in the first half), or `DST_SEEDS`

@@ -131,6 +131,11 @@ impl ReplicaActors {
                 clock: args.clock.clone(),
                 trust: args.trust,
                 accounting: args.accounting.clone(),
+                capacity: args
+                    .models
+                    .iter()
+                    .map(|(model, config)| (model.clone(), config.node_capacity))
+                    .collect(),
             },
             supervision.nodes.clone(),
         ));

@@ -43,6 +43,8 @@ pub struct NodeShared {
     pub trust: NodeTrust,
     /// Where node sockets' heartbeats are accounted per node and day.
     pub accounting: Option<Arc<dyn NodeAccounting>>,
+    /// Assignments of each model one node may carry at once (the queues' `node_capacity`).
+    pub capacity: BTreeMap<String, u32>,
 }
 
 impl NodeShared {
@@ -67,6 +69,10 @@ impl NodeShared {
             protocol,
             gpus: 0,
             accounting: self.accounting.clone(),
+            capacity: models
+                .iter()
+                .filter_map(|m| self.capacity.get(m).map(|c| (m.clone(), *c)))
+                .collect(),
         }
     }
 }

@@ -19,6 +19,7 @@ use crate::ports::memory::{MapCoordinator, MemoryLedger, RowStatus, reservation}
 use crate::ports::{Coordinator, Reservation, SystemClock};
 use crate::protocol::{NodeFrame, ServerFrame};
 
+mod capacity;
 mod departed;
 mod fuzz;
 mod leaving;
@@ -77,14 +78,14 @@ async fn harness_routed(
 }
 
 async fn connect(h: &Harness, id: &str) -> (NodeHandle, mpsc::Receiver<ServerFrame>) {
-    connect_speaking(h, id, crate::protocol::PROTOCOL_VERSION).await
+    connect_with(h, id, crate::protocol::PROTOCOL_VERSION, BTreeMap::new()).await
 }
 
-/// A node whose agent speaks `protocol`.
-async fn connect_speaking(
+async fn connect_with(
     h: &Harness,
     id: &str,
     protocol: u32,
+    capacity: BTreeMap<String, u32>,
 ) -> (NodeHandle, mpsc::Receiver<ServerFrame>) {
     let (tx, rx) = mpsc::channel(64);
     let args = NodeArgs {
@@ -103,6 +104,7 @@ async fn connect_speaking(
         protocol,
         gpus: 0,
         accounting: None,
+        capacity,
     };
     let node = NodeActor::start(args).await.unwrap();
     tokio::time::sleep(Duration::from_millis(1)).await; // let the queue see it
@@ -739,8 +741,8 @@ async fn a_refusal_crossing_a_cancel_ends_at_once_and_spends_nothing() {
 async fn mid_upgrade_work_only_new_agents_run_goes_to_them_and_never_holds_up_chat() {
     use crate::protocol::Api;
     let h = harness(8, 1).await;
-    let (_old, mut old_out) = connect_speaking(&h, "n0", 1).await;
-    let (_new, mut new_out) = connect_speaking(&h, "n1", 2).await;
+    let (_old, mut old_out) = connect_with(&h, "n0", 1, BTreeMap::new()).await;
+    let (_new, mut new_out) = connect_with(&h, "n1", 2, BTreeMap::new()).await;
     let unbounded = crate::ports::UsageBounds::UNBOUNDED;
     let t = Timeouts::default();
     // A completion goes to the only node that can run it, though the other is idle too.

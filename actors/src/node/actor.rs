@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use ractor::{Actor, ActorCell, ActorProcessingErr, ActorRef};
 
+use super::frames::{relays_to, release, route};
 use super::link::{self, Dest, Link, Transport};
 use super::meter::UptimeMeter;
 use super::msg::{NodeHandle, NodeLoad, NodeMsg, Violation, Work};
@@ -80,6 +81,9 @@ pub struct NodeArgs {
     pub gpus: u32,
     /// Where the socket's heartbeats are accounted per node and day; `None`: not accounted.
     pub accounting: Option<Arc<dyn NodeAccounting>>,
+    /// Assignments of each model the node may carry at once (its queue's `node_capacity`;
+    /// a model not named has no limit here). Enforced where the node's socket is.
+    pub capacity: BTreeMap<String, u32>,
 }
 
 /// One assignment the node is carrying.
@@ -346,8 +350,15 @@ pub(super) fn send(state: &mut NodeState, myself: &ActorRef<NodeMsg>, frame: Ser
 }
 
 /// Sends an assignment and records where its frames go. One the node cannot take (it is
-/// draining, its link is gone) is answered `not_sent` at once: proven never started, the
-/// generation may retry elsewhere.
+/// draining, its link is gone, or — where its socket is — it already carries its capacity of
+/// the model) is answered `not_sent` at once: proven never started, the generation may retry
+/// elsewhere.
+///
+/// The socket's actor sees every assignment the node carries, from every replica, so it is
+/// the one place a node's capacity holds whatever the queues believe. They can believe too
+/// little: an `assign` relayed just before its owner's link to Redis stalled arrives late,
+/// after the other replicas dropped the node, forgot their count on it and filled it again
+/// (the simulation, seeds 1195, 1675, 2195).
 pub(super) async fn assign(
     state: &mut NodeState,
     myself: &ActorRef<NodeMsg>,
@@ -366,6 +377,9 @@ pub(super) async fn assign(
     let (request_id, attempt, model) = (request_id.clone(), *attempt, model.clone());
     let refused = if state.draining {
         Some("the node is draining")
+    } else if at_capacity(state, &model) {
+        metrics::counter!(STALE_FRAMES_TOTAL, "reason" => "over_capacity").increment(1);
+        Some("the node carries its capacity of this model")
     } else if !state.transport.send(frame) {
         link::dropped(state, myself, "the node's link is closed or full");
         Some("the node's connection is gone")
@@ -385,6 +399,23 @@ pub(super) async fn assign(
             accepted: false,
         },
     );
+}
+
+/// Whether the node, where its socket is, already carries `model`'s capacity (a proxy knows
+/// only its own replica's share, and leaves the count to the socket's actor).
+fn at_capacity(state: &NodeState, model: &str) -> bool {
+    if !matches!(state.transport, Transport::Socket { .. }) {
+        return false;
+    }
+    let Some(&capacity) = state.args.capacity.get(model) else {
+        return false;
+    };
+    let carried = state
+        .in_flight
+        .values()
+        .filter(|f| f.model == model)
+        .count();
+    carried >= usize::try_from(capacity).unwrap_or(usize::MAX)
 }
 
 /// The socket's replica adds the heartbeat's interval to the node's day (a proxy's heartbeat
@@ -724,69 +755,5 @@ pub(super) async fn violation(
     if state.violations.len() > tolerated {
         tracing::error!(node_id = %node, violations = state.violations.len(), ?window, "too many protocol violations; disconnecting the node (revoke its token to keep it out)");
         myself.stop(Some("too many protocol violations".into()));
-    }
-}
-
-/// The replica whose generation holds this attempt, when it is not on this one.
-fn relays_to(state: &NodeState, request_id: &str, attempt: u64) -> Option<String> {
-    match state
-        .in_flight
-        .get(request_id)
-        .filter(|f| f.attempt == attempt)
-    {
-        Some(f) => match &f.dest {
-            Dest::Replica(replica) => Some(replica.clone()),
-            Dest::Local(_) | Dest::Orphaned => None,
-        },
-        // A `done` sent again while its first copy, relayed, still waits for that replica's
-        // ack: it goes the same way. Settled here instead, it would bill an attempt the
-        // generation may have fenced meanwhile (found by the simulation, seed 217).
-        None => link::awaiting_ack(state, request_id, attempt),
-    }
-}
-
-/// Forgets an assignment and gives its slot back to the model's queue (when this replica's
-/// queue dispatched it).
-pub(super) fn release(state: &mut NodeState, request_id: &str) {
-    // Only this replica's own dispatches count in its queue: another replica's assignment
-    // is given back by that replica's proxy.
-    if let Some(f) = state.in_flight.remove(request_id)
-        && matches!(f.dest, Dest::Local(_))
-        && let Some(queue) = state.args.queues.get(&f.model)
-    {
-        queue.released(&state.args.node_id);
-    }
-}
-
-/// Sends a message to the generation a frame belongs to: the assignment's own actor, or a
-/// live generation in the directory (a `done` resent after a reconnect, or a frame naming
-/// another node's request: every message carries this node's handle, and the generation
-/// accepts it only from the node that holds that attempt). False when no generation is alive
-/// to take it.
-pub(super) fn route(state: &NodeState, request_id: &str, attempt: u64, msg: GenerationMsg) -> bool {
-    if let Some(f) = state
-        .in_flight
-        .get(request_id)
-        .filter(|f| f.attempt == attempt)
-        && let Dest::Local(generation) = &f.dest
-    {
-        match generation.cast(msg) {
-            Ok(()) => return true,
-            Err(ractor::MessagingErr::SendErr(msg)) => {
-                return route_directory(state, request_id, msg);
-            }
-            Err(_) => return false,
-        }
-    }
-    route_directory(state, request_id, msg)
-}
-
-fn route_directory(state: &NodeState, request_id: &str, msg: GenerationMsg) -> bool {
-    match state.args.directory.get(request_id) {
-        Some(generation) => generation.cast(msg).is_ok(),
-        None => {
-            metrics::counter!(STALE_FRAMES_TOTAL, "reason" => "no_generation").increment(1);
-            false
-        }
     }
 }

@@ -6,6 +6,7 @@
 //! carried that its node is lost.
 
 mod actor;
+mod frames;
 mod link;
 pub mod meter;
 mod msg;

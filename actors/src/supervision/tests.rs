@@ -124,6 +124,7 @@ async fn connect(h: &Harness, id: &str) -> (NodeHandle, mpsc::Receiver<ServerFra
         protocol: crate::protocol::PROTOCOL_VERSION,
         gpus: 0,
         accounting: None,
+        capacity: BTreeMap::new(),
     };
     let node = h.sup.nodes.start(args).await.unwrap();
     settle().await;

@@ -8,7 +8,7 @@
 //! `SWITCHYARD_FUZZ_CASES=20000 cargo test -p switchyard-actors fuzz` at length (plain
 //! `cargo test`: nextest stops a test after 5 minutes).
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 
 use proptest::prelude::*;
 
@@ -161,6 +161,7 @@ async fn run(ops: Vec<Op>) {
         protocol: crate::protocol::PROTOCOL_VERSION,
         gpus: 0,
         accounting: None,
+        capacity: BTreeMap::new(),
     })
     .await
     .unwrap();
