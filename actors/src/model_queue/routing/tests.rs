@@ -124,6 +124,22 @@ fn a_hot_prefix_spills_only_when_its_node_has_no_room_and_then_is_cached_twice()
 }
 
 #[test]
+fn a_hot_full_node_stops_drawing_its_prefixes_to_it() {
+    let mut r = cache_aware();
+    let system = |own| prompt(4, 200, own, 220);
+    r.placed("a", Some(&system(0)));
+    // a holds the prefix and carries 30 against a mean of 13: with KV to spare it still
+    // takes the group; with its cache full it is hot, and the group spills.
+    let roomy = [view("a", 30, 0.6), view("b", 5, 0.5), view("c", 5, 0.5)];
+    assert_eq!(r.choose(Some(&system(1)), &roomy), Some(0));
+    let full = [view("a", 30, 0.95), view("b", 5, 0.5), view("c", 5, 0.5)];
+    assert_ne!(r.choose(Some(&system(2)), &full), Some(0));
+    // Full but not carrying more than twice its share: the cache still draws.
+    let busy = [view("a", 20, 0.95), view("b", 10, 0.9), view("c", 10, 0.9)];
+    assert_eq!(r.choose(Some(&system(3)), &busy), Some(0));
+}
+
+#[test]
 fn different_prefixes_spread_instead_of_piling_on_one_node() {
     let mut r = cache_aware();
     let mut in_flight = [0u32; 4];
