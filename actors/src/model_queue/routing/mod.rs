@@ -6,10 +6,11 @@
 //!
 //! KV pressure counts against a node as load, never against its cache: a prompt whose
 //! prefix a node holds needs fewer new blocks there than anywhere else, so under pressure
-//! affinity matters more, not less — except on a node that is hot, full and carrying more
-//! than twice the fleet's mean ([`OVERLOAD_FACTOR`]), whose cache stops drawing work. (An earlier version discounted the cache of a node above
-//! 80 % KV use; in the routing benchmark's oversubscribed llm-d shape every node sits there,
-//! the discount turned `cache_aware` into `least_loaded`, and throughput fell by a third.)
+//! affinity matters more, not less — except on a node that is full and carrying more than
+//! twice the mean ([`OVERLOAD_FACTOR`]), whose cache stops drawing work. (An earlier version
+//! discounted the cache of every node above 80 % KV use; in the routing benchmark's
+//! oversubscribed llm-d shape every node sits there, the discount turned `cache_aware` into
+//! `least_loaded`, and throughput fell by a third.)
 
 pub mod prefix;
 
@@ -179,7 +180,7 @@ impl Router {
                 } else {
                     0
                 };
-                let hot = hot_above(nodes);
+                let hot_above = hot_above(nodes);
                 best(nodes, start, |i, n| {
                     let mut tokens = cached.get(i).copied().unwrap_or(0);
                     if let (Some(s), Some(r)) = (sticky, route)
@@ -190,7 +191,7 @@ impl Router {
                     }
                     let prompt = route.map_or(0, |r| r.prompt_tokens);
                     let waiting = n.engine_waiting as f64 / f64::from(n.capacity.max(1));
-                    let hot = f64::from(n.in_flight) > hot && n.kv_cache_usage >= OVERLOAD_KV;
+                    let hot = f64::from(n.in_flight) > hot_above && n.kv_cache_usage >= OVERLOAD_KV;
                     let drawn = if hot { 0.0 } else { affinity(tokens, prompt) };
                     drawn * AFFINITY_WEIGHT - load(n) - 0.5 * waiting
                 })
