@@ -10,9 +10,10 @@
 //!   1,200-token question of its own, 900 tokens out (the prompt lengths are options, so the
 //!   shape can be swept from where a fleet holds its clients to where it cannot).
 //!
-//! The figures: TTFT p50/p95/mean per model and for the whole mix (queue wait included), the prefix-cache hit rate
-//! (prompt tokens read from a node's cache / prompt tokens), preemptions, and output tokens
-//! per GPU-second; `routing.json`, a markdown table and `routing.png`.
+//! The figures: TTFT p50/p95/mean per model and for the whole mix (queue wait included), the
+//! prefix-cache hit rate (prompt tokens read from a node's cache / prompt tokens),
+//! preemptions, and output tokens per GPU-second; `routing.json`, a markdown table and
+//! `routing.png`.
 
 pub mod fleet;
 mod plot;
