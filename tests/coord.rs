@@ -173,6 +173,39 @@ async fn redis_passes_the_conformance_suite() {
 }
 
 #[tokio::test]
+async fn memory_tokens_survive_losing_everything() {
+    let c = MemoryCoordinator::new();
+    conformance::tokens_survive_losing_everything(&c, "amnesia:", || async {
+        c.lose_everything();
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+}
+
+/// Redis restarted empty, as far as one coordinator's keys go: every key of the namespace
+/// deleted under it (the shared test Redis cannot be flushed).
+#[tokio::test]
+async fn redis_tokens_survive_losing_everything() {
+    in_namespace("amnesia", |ns| async move {
+        let c = ns.connect().await;
+        let lose = || async {
+            let mut raw = ns.raw().await;
+            let keys = ns.keys(&mut raw).await;
+            assert!(!keys.is_empty(), "the check wrote nothing to lose");
+            let _: () = redis::cmd("DEL")
+                .arg(&keys)
+                .query_async(&mut raw)
+                .await
+                .unwrap();
+        };
+        conformance::tokens_survive_losing_everything(&c, "amnesia:", lose)
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+    })
+    .await;
+}
+
+#[tokio::test]
 async fn connect_coordinator_picks_redis_when_given_a_url() {
     let memory = connect_coordinator(None, "ignored:").await.unwrap();
     memory
@@ -411,15 +444,23 @@ async fn keys_live_under_the_prefix_and_prefixes_do_not_collide() {
             .unwrap();
         assert_eq!(neighbour.get_hash("node:a").await.unwrap(), None);
         assert_eq!(neighbour.incr("rl:7:rpm", 1, ttl).await.unwrap(), 1);
-        assert_eq!(
-            neighbour
-                .acquire_lease("lease:budget:3", "r2", ttl)
-                .await
-                .unwrap(),
-            Some(1)
-        );
+        // Its own counter: a fresh token, floored at Redis's clock, never the neighbour's
+        // next one.
+        let mine = raw_fence(&mut raw, &format!("{p}f:lease:budget:3")).await;
+        let theirs = neighbour
+            .acquire_lease("lease:budget:3", "r2", ttl)
+            .await
+            .unwrap()
+            .unwrap();
+        assert!(theirs > 0);
+        assert_eq!(raw_fence(&mut raw, &format!("{p}f:lease:budget:3")).await, mine);
     })
     .await;
+}
+
+/// The fencing counter at `key`, read straight from Redis.
+async fn raw_fence(raw: &mut MultiplexedConnection, key: &str) -> u64 {
+    redis::cmd("GET").arg(key).query_async(raw).await.unwrap()
 }
 
 #[tokio::test]

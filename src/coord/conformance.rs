@@ -350,6 +350,63 @@ pub async fn lease_tokens_survive_delete(c: &dyn Coordinator, prefix: &str) -> O
     Ok(())
 }
 
+/// The store loses everything (a Redis without persistence restarted, a node replaced):
+/// every token issued afterwards, a lease's or a claimed hash's, is above every token issued
+/// before — replicas remember those, and would refuse a new owner's messages as old for
+/// good — and the holder of a claimed hash that nobody claimed since may still refresh it,
+/// while a later claim still fences it out. `lose` empties the store the caller's way.
+pub async fn tokens_survive_losing_everything<F, Fut>(
+    c: &dyn Coordinator,
+    prefix: &str,
+    lose: F,
+) -> Outcome
+where
+    F: FnOnce() -> Fut,
+    Fut: std::future::Future<Output = ()>,
+{
+    const CHECK: &str = "tokens_survive_losing_everything";
+    let lease = format!("{prefix}lease:amnesia");
+    let key = format!("{prefix}hash:amnesia");
+    let mut before = 0;
+    for i in 0..3 {
+        let holder = format!("owner-{i}");
+        before = granted(CHECK, c.acquire_lease(&lease, &holder, LONG).await?)?;
+        c.release_lease(&lease, &holder).await?;
+    }
+    before = before.max(granted(CHECK, c.acquire_lease(&lease, "held", LONG).await?)?);
+    c.claim_hash(&key, &hash(&[("owner", "a")]), LONG).await?;
+    let held = c.claim_hash(&key, &hash(&[("owner", "b")]), LONG).await?;
+    before = before.max(held);
+
+    lose().await;
+    expect_eq(CHECK, c.get_hash(&key).await?, None)?;
+    expect_eq(CHECK, c.lease_holder(&lease).await?, None)?;
+    // The holder of the claim refreshes it: nobody claimed it since.
+    expect_eq(
+        CHECK,
+        c.put_hash_fenced(&key, &hash(&[("owner", "b")]), held, LONG)
+            .await?,
+        true,
+    )?;
+    let claimed = c.claim_hash(&key, &hash(&[("owner", "c")]), LONG).await?;
+    expect(CHECK, claimed > before, || {
+        format!("a claim after the loss got {claimed}, not above {before}")
+    })?;
+    expect_eq(
+        CHECK,
+        c.put_hash_fenced(&key, &hash(&[("owner", "b")]), held, LONG)
+            .await?,
+        false,
+    )?;
+    let taken = granted(CHECK, c.acquire_lease(&lease, "after", LONG).await?)?;
+    expect(CHECK, taken > before, || {
+        format!("a lease after the loss got {taken}, not above {before}")
+    })?;
+    c.release_lease(&lease, "after").await?;
+    c.delete(&key).await?;
+    Ok(())
+}
+
 /// `incr` adds (also negative amounts), starts from zero, and keeps the expiry it got at
 /// creation: a fixed window ends on time however often it is hit.
 pub async fn counter_sums_and_keeps_first_expiry(c: &dyn Coordinator, prefix: &str) -> Outcome {

@@ -3,14 +3,14 @@
 //! leases, fire-and-forget pub/sub) so code tested against it behaves the same in production.
 
 use std::collections::BTreeMap;
-use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
 use async_trait::async_trait;
 use tokio::sync::mpsc::{self, UnboundedReceiver, UnboundedSender};
 use tokio::time::Instant;
 
-use switchyard_actors::ports::{CoordError, Coordinator, LimitVerdict};
+use switchyard_actors::ports::{Clock, CoordError, Coordinator, LimitVerdict, SystemClock};
 
 fn verdict(admitted: bool, count: usize, wait_ms: i64) -> LimitVerdict {
     LimitVerdict {
@@ -25,8 +25,9 @@ fn verdict(admitted: bool, count: usize, wait_ms: i64) -> LimitVerdict {
 const SWEEP_EVERY_WRITES: u32 = 1024;
 
 /// In-process coordination with Redis's semantics. Time is tokio's clock, so tests on a
-/// paused runtime travel through TTLs instantly.
-#[derive(Debug, Default)]
+/// paused runtime travel through TTLs instantly; fencing tokens are floored at the wall
+/// clock, as Redis's scripts floor them at its `TIME`.
+#[derive(Debug)]
 pub struct MemoryCoordinator {
     /// Everything behind one lock, never held across an `.await`: each operation is atomic,
     /// as a Redis command or script is.
@@ -34,6 +35,14 @@ pub struct MemoryCoordinator {
     /// Woken on every journal append, so blocked [`Coordinator::read_events`] calls look
     /// again (each rechecks its own key; appends are rare next to the lock's cost).
     appended: tokio::sync::Notify,
+    /// The wall clock that floors fencing tokens (see [`Inner::next_fence`]).
+    clock: Arc<dyn Clock>,
+}
+
+impl Default for MemoryCoordinator {
+    fn default() -> Self {
+        Self::with_clock(Arc::new(SystemClock))
+    }
 }
 
 #[derive(Debug, Default)]
@@ -42,7 +51,8 @@ struct Inner {
     keys: BTreeMap<String, Entry>,
     /// Last fencing token handed out per lease name. Kept apart from `keys` and never
     /// expired, so a token stays larger than every earlier one even after the lease key
-    /// expires or is deleted.
+    /// expires or is deleted; lost only with everything else ([`MemoryCoordinator::lose_everything`]),
+    /// after which the wall-clock floor keeps new tokens above the old ones.
     fences: BTreeMap<String, u64>,
     /// Live subscribers per channel, in subscription order.
     channels: BTreeMap<String, Vec<UnboundedSender<Vec<u8>>>>,
@@ -100,6 +110,15 @@ fn wrong_type(key: &str, found: &Value, wanted: &str) -> CoordError {
 }
 
 impl Inner {
+    /// The next fencing token of `name`: one past the last, and never below the wall clock in
+    /// microseconds (`floor`), so tokens issued after the store lost everything stay above
+    /// those issued before, as the Redis scripts' `next_fence` does with Redis's `TIME`.
+    fn next_fence(&mut self, name: &str, floor: u64) -> u64 {
+        let fence = self.fences.entry(name.to_owned()).or_insert(0);
+        *fence = fence.saturating_add(1).max(floor);
+        *fence
+    }
+
     /// The live entry at `key`; an expired one is removed first, as Redis does on access.
     fn live(&mut self, key: &str, now: Instant) -> Option<&mut Entry> {
         if self.keys.get(key).is_some_and(|e| !e.is_live(now)) {
@@ -144,6 +163,31 @@ impl MemoryCoordinator {
     /// An empty coordinator.
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// An empty coordinator whose fencing tokens are floored at `clock`'s wall time (a
+    /// simulation passes its own).
+    pub fn with_clock(clock: Arc<dyn Clock>) -> Self {
+        Self {
+            inner: Mutex::new(Inner::default()),
+            appended: tokio::sync::Notify::new(),
+            clock,
+        }
+    }
+
+    /// Everything is lost at once, as when a Redis without persistence restarts: every key,
+    /// fencing counter and journal goes, and every subscription ends (its receiver closes,
+    /// as a dropped Redis connection ends its subscriptions).
+    pub fn lose_everything(&self) {
+        let mut inner = self.lock();
+        *inner = Inner::default();
+        drop(inner);
+        self.appended.notify_waiters();
+    }
+
+    /// The wall clock in microseconds: the floor of every new fencing token.
+    fn fence_floor(&self) -> u64 {
+        u64::try_from(self.clock.wall().timestamp_micros()).unwrap_or(0)
     }
 
     /// Runs `f` on the sorted set at `key` (created empty), which expires `ttl` from now.
@@ -276,10 +320,9 @@ impl Coordinator for MemoryCoordinator {
         ttl: Duration,
     ) -> Result<u64, CoordError> {
         let now = Instant::now();
+        let floor = self.fence_floor();
         let mut inner = self.lock();
-        let fence = inner.fences.entry(key.to_owned()).or_insert(0);
-        *fence += 1;
-        let token = *fence;
+        let token = inner.next_fence(key, floor);
         inner.put_fenced_hash(key, fields, token, now + ttl);
         inner.note_write(now);
         Ok(token)
@@ -294,8 +337,14 @@ impl Coordinator for MemoryCoordinator {
     ) -> Result<bool, CoordError> {
         let now = Instant::now();
         let mut inner = self.lock();
-        if inner.fences.get(key) != Some(&fence) {
-            return Ok(false);
+        match inner.fences.get(key) {
+            // Lost with everything else: no claim since, so the holder's token is still
+            // the latest (a later claim goes past it).
+            None => {
+                inner.fences.insert(key.to_owned(), fence);
+            }
+            Some(latest) if *latest != fence => return Ok(false),
+            Some(_) => {}
         }
         inner.put_fenced_hash(key, fields, fence, now + ttl);
         inner.note_write(now);
@@ -320,6 +369,7 @@ impl Coordinator for MemoryCoordinator {
         ttl: Duration,
     ) -> Result<Option<u64>, CoordError> {
         let now = Instant::now();
+        let floor = self.fence_floor();
         let mut inner = self.lock();
         if let Some(entry) = inner.live(name, now) {
             return match &entry.value {
@@ -336,9 +386,7 @@ impl Coordinator for MemoryCoordinator {
                 other => Err(wrong_type(name, other, "lease")),
             };
         }
-        let fence = inner.fences.entry(name.to_owned()).or_insert(0);
-        *fence += 1;
-        let token = *fence;
+        let token = inner.next_fence(name, floor);
         inner.keys.insert(
             name.to_owned(),
             Entry {

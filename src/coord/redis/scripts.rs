@@ -23,14 +23,35 @@ return 1
     )
 });
 
+/// The next fencing token of the counter at the given key, as a decimal string: one past
+/// the last, and never below Redis's clock in microseconds. A counter alone restarts at 1
+/// when Redis comes back empty (a node replaced, a pod rescheduled, no persistence), below
+/// the tokens every replica remembers, and their owners' messages would be refused as old
+/// for good; the clock makes a token issued after the restart larger than any issued
+/// before it (tokens are issued far slower than one a microsecond), provided the clock of
+/// the Redis that comes back is not behind its predecessor's by more than the outage lasted
+/// (NTP keeps hosts within milliseconds; docs/operations.md says so). Microseconds since
+/// 1970 stay below 2^53, so Lua's doubles hold them exactly.
+const NEXT_FENCE: &str = r"
+local function next_fence(key)
+  local now = redis.call('TIME')
+  local floor = tonumber(now[1]) * 1000000 + tonumber(now[2])
+  local last = tonumber(redis.call('GET', key) or '0')
+  local token = string.format('%d', math.max(last + 1, floor))
+  redis.call('SET', key, token)
+  return token
+end
+";
+
 /// `acquire_lease`. KEYS[1] the lease, KEYS[2] its fencing counter; ARGV[1] owner, ARGV[2]
-/// TTL in ms. Free: INCR the fence and take it. Held by the owner: renew, same token. Held by
+/// TTL in ms. Free: take it with the next fence ([`NEXT_FENCE`]). Held by the owner: renew, same token. Held by
 /// another: nil. Any other kind at the key: an error (GET itself fails on a hash). A renewal
 /// returns the stored digits as a string, so a token Lua's doubles cannot hold is an error
 /// on parsing, never a rounded token.
 pub(super) static ACQUIRE_LEASE: LazyLock<Script> = LazyLock::new(|| {
     Script::new(
-        r"
+        &(NEXT_FENCE.to_owned()
+            + r"
 local held = redis.call('GET', KEYS[1])
 if held then
   local token, owner = string.match(held, '^lease:(%d+):(.*)$')
@@ -43,10 +64,10 @@ if held then
   end
   return false
 end
-local token = redis.call('INCR', KEYS[2])
-redis.call('SET', KEYS[1], 'lease:' .. string.format('%d', token) .. ':' .. ARGV[1], 'PX', ARGV[2])
+local token = next_fence(KEYS[2])
+redis.call('SET', KEYS[1], 'lease:' .. token .. ':' .. ARGV[1], 'PX', ARGV[2])
 return token
-",
+"),
     )
 });
 
@@ -171,13 +192,13 @@ return added
 
 /// `claim_hash`: a new owner takes the hash. KEYS[1] the hash, KEYS[2] its fencing counter
 /// (shared with the leases of the same name); ARGV[1] TTL in ms, then field, value, …. The
-/// counter goes up, the hash is replaced whole with the fields and `fence` = the new token,
+/// counter moves to the next fence ([`NEXT_FENCE`]), the hash is replaced whole with the fields and `fence` = the new token,
 /// which goes back as a string (Lua's doubles would round a large one).
 pub(super) static CLAIM_HASH: LazyLock<Script> = LazyLock::new(|| {
     Script::new(
-        r"
-local token = redis.call('INCR', KEYS[2])
-local fence = string.format('%d', token)
+        &(NEXT_FENCE.to_owned()
+            + r"
+local fence = next_fence(KEYS[2])
 redis.call('DEL', KEYS[1])
 for i = 2, #ARGV, 200 do
   redis.call('HSET', KEYS[1], unpack(ARGV, i, math.min(i + 199, #ARGV)))
@@ -185,7 +206,7 @@ end
 redis.call('HSET', KEYS[1], 'fence', fence)
 redis.call('PEXPIRE', KEYS[1], ARGV[1])
 return fence
-",
+"),
     )
 });
 
@@ -195,7 +216,12 @@ return fence
 pub(super) static PUT_HASH_FENCED: LazyLock<Script> = LazyLock::new(|| {
     Script::new(
         r"
-if redis.call('GET', KEYS[2]) ~= ARGV[2] then
+local latest = redis.call('GET', KEYS[2])
+if not latest then
+  -- Redis lost its data (restarted empty): no claim was made since, so the holder's token
+  -- is still the latest, and a later claim goes past it (NEXT_FENCE).
+  redis.call('SET', KEYS[2], ARGV[2])
+elseif latest ~= ARGV[2] then
   return 0
 end
 redis.call('DEL', KEYS[1])
