@@ -453,7 +453,10 @@ async fn keys_live_under_the_prefix_and_prefixes_do_not_collide() {
             .unwrap()
             .unwrap();
         assert!(theirs > 0);
-        assert_eq!(raw_fence(&mut raw, &format!("{p}f:lease:budget:3")).await, mine);
+        assert_eq!(
+            raw_fence(&mut raw, &format!("{p}f:lease:budget:3")).await,
+            mine
+        );
     })
     .await;
 }

@@ -373,7 +373,10 @@ where
         before = granted(CHECK, c.acquire_lease(&lease, &holder, LONG).await?)?;
         c.release_lease(&lease, &holder).await?;
     }
-    before = before.max(granted(CHECK, c.acquire_lease(&lease, "held", LONG).await?)?);
+    before = before.max(granted(
+        CHECK,
+        c.acquire_lease(&lease, "held", LONG).await?,
+    )?);
     c.claim_hash(&key, &hash(&[("owner", "a")]), LONG).await?;
     let held = c.claim_hash(&key, &hash(&[("owner", "b")]), LONG).await?;
     before = before.max(held);
