@@ -43,6 +43,9 @@ pub const LISTENER_REFUSALS_TOTAL: &str = "switchyard_listener_refusals_total";
 pub const ACTOR_RESTARTS_TOTAL: &str = "switchyard_actor_restarts_total";
 /// Counter: messages from a model queue's former owner dropped by their fencing token.
 pub const QUEUE_FENCED_TOTAL: &str = "switchyard_queue_fenced_total";
+/// Counter: slots a model queue counted on a node that the replica holding the node's socket
+/// did not see it carry, given back (a release lost between replicas), by `model`.
+pub const QUEUE_SLOTS_RECLAIMED_TOTAL: &str = "switchyard_queue_slots_reclaimed_total";
 /// Counter: tokens billed by successful settles, by `model` and `kind` (`prompt`,
 /// `completion`); its rate against the engines' own token counters shows drift as it happens.
 pub const SETTLED_TOKENS_TOTAL: &str = "switchyard_settled_tokens_total";
@@ -68,6 +71,7 @@ pub fn zero_known_series<'a>(models: impl IntoIterator<Item = &'a str>) {
     }
     for model in models {
         metrics::counter!(QUEUE_FENCED_TOTAL, "model" => model.to_owned()).increment(0);
+        metrics::counter!(QUEUE_SLOTS_RECLAIMED_TOTAL, "model" => model.to_owned()).increment(0);
     }
     let code = crate::error::ErrorCode::QuotaServiceUnavailable.as_str();
     metrics::counter!(REQUESTS_TOTAL, "model" => "", "code" => code).increment(0);

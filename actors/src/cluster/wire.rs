@@ -1,5 +1,7 @@
 //! What replicas say to each other about nodes, as JSON over the coordinator's pub/sub.
 
+use std::collections::BTreeMap;
+
 use serde::{Deserialize, Serialize};
 use serde_json::value::RawValue;
 
@@ -51,6 +53,11 @@ pub struct Announcement {
     pub kv_cache_usage: f64,
     /// Assignments it carries, from every replica.
     pub in_flight: u64,
+    /// The same by model, then by the replica whose generation holds each: what every
+    /// queue's count of the node is squared with ([`crate::model_queue`]'s `carried`). Empty
+    /// from a replica older than the field.
+    #[serde(default)]
+    pub carried: BTreeMap<String, BTreeMap<String, u32>>,
 }
 
 /// On [`super::to_node`]: commands from one replica's proxy of the node, numbered.

@@ -98,6 +98,8 @@ pub(super) struct NodeEntry {
     pub(super) granted: BTreeMap<String, u32>,
     /// As the owner: when its grants were last recalled (none since).
     pub(super) recalled: Option<Instant>,
+    /// Slots taken lately, which the node's socket may not show yet ([`super::carried`]).
+    pub(super) recent: super::carried::Recent,
 }
 
 impl NodeEntry {
@@ -110,6 +112,7 @@ impl NodeEntry {
             suspended: false,
             granted: BTreeMap::new(),
             recalled: None,
+            recent: super::carried::Recent::default(),
         }
     }
 
@@ -141,9 +144,10 @@ impl NodeEntry {
         }
     }
 
-    /// One more of `replica`'s.
-    pub(super) fn take(&mut self, replica: &str) {
+    /// One more of `replica`'s, taken at `now`.
+    pub(super) fn take(&mut self, replica: &str, now: Instant) {
         *self.running.entry(replica.to_owned()).or_default() += 1;
+        self.recent.took(replica, now);
     }
 
     /// One fewer of `replica`'s.
@@ -333,6 +337,7 @@ impl Actor for ModelQueueActor {
                     n.load = load;
                 }
             }
+            QueueMsg::NodeCarries(id, carried) => state.node_carries(&id, &carried),
             QueueMsg::Released(id) => {
                 let me = state.me.clone();
                 state.give_back(&id, &me);
@@ -601,7 +606,7 @@ impl QueueState {
                         return;
                     };
                     // Counted now; a dispatch that does not arrive gives its slot back.
-                    entry.take(&self.me);
+                    entry.take(&self.me, self.args.clock.now());
                     let msg = GenerationMsg::Dispatch {
                         node: entry.handle.clone(),
                         slot: Slot::new(self.myself.clone(), &node_id),

@@ -301,8 +301,9 @@ impl QueueState {
             epoch,
             n,
         });
+        let now = self.args.clock.now();
         if sent && let Some(n) = self.nodes.get_mut(node) {
-            n.take(replica);
+            n.take(replica, now);
         }
         sent
     }
@@ -596,6 +597,7 @@ impl QueueState {
     }
 
     fn reply(&mut self, reply: QueueReply, fence: u64, model: &str) {
+        let now = self.args.clock.now();
         let Some(m) = self.cluster.as_mut() else {
             return;
         };
@@ -655,7 +657,7 @@ impl QueueState {
                         }
                         // Counted now; a dispatch that does not arrive gives its slot back
                         // (here and to the owner).
-                        n.take(&self.me);
+                        n.take(&self.me, now);
                         let msg = GenerationMsg::Dispatch {
                             node: n.handle.clone(),
                             slot: Slot::new(self.myself.clone(), &node_id),

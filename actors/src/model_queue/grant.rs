@@ -96,7 +96,7 @@ impl QueueState {
         };
         // Counted before it is sent: a dispatch that does not arrive gives its slot back
         // (the grant's place included).
-        entry.take(&self.me);
+        entry.take(&self.me, self.args.clock.now());
         let msg = GenerationMsg::Dispatch {
             node: entry.handle.clone(),
             slot: Slot::new(self.myself.clone(), &node_id),

@@ -5,6 +5,7 @@
 //! cluster one replica's queue decides for all of them ([`cluster`]).
 
 mod actor;
+mod carried;
 pub mod cluster;
 mod departed;
 mod follow;

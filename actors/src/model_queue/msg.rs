@@ -2,6 +2,7 @@
 //! at the queue through a slot its supervisor rebinds after a restart, so generations and
 //! node actors keep one handle for the life of the replica.
 
+use std::collections::BTreeMap;
 use std::sync::{Arc, PoisonError, RwLock};
 
 use ractor::{ActorRef, RpcReplyPort};
@@ -106,6 +107,9 @@ pub enum QueueMsg {
     NodeDown(NodeHandle),
     /// A node's heartbeat.
     NodeLoad(String, NodeLoad),
+    /// What the replica holding a node's socket says it carries of this model, by the
+    /// replica whose generation holds each assignment: counts above it are squared down.
+    NodeCarries(String, BTreeMap<String, u32>),
     /// A node finished an assignment of this model.
     Released(String),
     /// A node takes no new work.
@@ -260,6 +264,12 @@ impl ModelQueueHandle {
 
     pub(crate) fn node_load(&self, node_id: &str, load: NodeLoad) {
         self.cast(QueueMsg::NodeLoad(node_id.to_owned(), load));
+    }
+
+    /// What the node's socket carries of this model, by replica (its heartbeat, or the
+    /// announcement of the replica holding it).
+    pub(crate) fn node_carries(&self, node_id: &str, carried: BTreeMap<String, u32>) {
+        self.cast(QueueMsg::NodeCarries(node_id.to_owned(), carried));
     }
 
     pub(crate) fn released(&self, node_id: &str) {

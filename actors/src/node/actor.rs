@@ -481,6 +481,9 @@ pub(super) async fn on_frame(state: &mut NodeState, myself: &ActorRef<NodeMsg>, 
                 running,
                 kv_cache_usage: kv,
             };
+            if matches!(state.transport, Transport::Socket { .. }) {
+                link::tell_carried(state, &link::carried(state));
+            }
             for (model, queue) in &state.args.queues {
                 queue.node_load(&state.args.node_id, state.load);
                 metrics::gauge!(NODE_KV_CACHE_USAGE, "node" => state.args.node_id.clone(), "model" => model.clone())

@@ -14,13 +14,12 @@ use super::actor::{NodeState, assign, on_frame, send, violation};
 use super::msg::NodeMsg;
 use super::orphan::{Forward, settle_orphan};
 use crate::cluster::{
-    Announcement, Command, FromNode, NODES_CHANNEL, NodeNews, OnFailure, Outbox, ToNode, node_key,
-    to_node, to_replica,
+    Announcement, Command, FromNode, NODES_CHANNEL, NodeNews, OnFailure, Outbox, ToNode, listen,
+    node_key, to_node, to_replica,
 };
 use crate::generation::GenerationMsg;
 use crate::metric_names::{NODES_LOST_TOTAL, STALE_FRAMES_TOTAL};
 use crate::protocol::{NodeFrame, ServerFrame, decode_node_frame};
-use crate::tasks::TaskGuard;
 
 /// How long `node:{id}` lives without a heartbeat (three 5 s heartbeats).
 const NODE_KEY_TTL: Duration = Duration::from_secs(15);
@@ -118,26 +117,26 @@ pub(super) async fn open(
             // The node's loss counter exists from its registration on, so the first loss is
             // an increase Prometheus can see.
             metrics::counter!(NODES_LOST_TOTAL, "node" => args.node_id.clone()).increment(0);
-            let mut commands = args.coordinator.subscribe(&to_node(&args.node_id)).await?;
+            // Heard again after the coordinator's pub/sub connection drops: a socket deaf to
+            // the other replicas' commands makes every proxy of the node give up on it.
             let me = myself.clone();
-            let listener = tokio::spawn(async move {
-                let _guard = TaskGuard::new("node_commands");
-                while let Some(payload) = commands.recv().await {
-                    match serde_json::from_slice::<ToNode>(&payload) {
-                        Ok(batch) => {
-                            if me.cast(NodeMsg::Commands(batch)).is_err() {
-                                return;
-                            }
-                        }
-                        Err(_) => {
-                            tracing::warn!(
-                                bytes = payload.len(),
-                                "unreadable command batch from a replica"
-                            );
-                        }
+            let channel = to_node(&args.node_id);
+            let listener = listen(
+                args.coordinator.clone(),
+                channel,
+                "node_commands",
+                move |payload| match serde_json::from_slice::<ToNode>(&payload) {
+                    Ok(batch) => me.cast(NodeMsg::Commands(batch)).is_ok(),
+                    Err(_) => {
+                        tracing::warn!(
+                            bytes = payload.len(),
+                            "unreadable command batch from a replica"
+                        );
+                        true
                     }
-                }
-            });
+                },
+            )
+            .await?;
             let fields = owner_fields(&args.replica_id, &args.models, 0, 0);
             let fence = match args
                 .coordinator
@@ -228,12 +227,42 @@ pub(super) async fn announce(state: &NodeState) {
         running: state.load.running,
         kv_cache_usage: state.load.kv_cache_usage,
         in_flight: state.in_flight.len() as u64,
+        carried: carried(state),
     });
     let Ok(payload) = serde_json::to_vec(&news) else {
         return;
     };
     if let Err(e) = state.args.coordinator.publish(NODES_CHANNEL, payload).await {
         tracing::warn!(error = %e, "could not announce a node to the cluster");
+    }
+}
+
+/// What the node carries where its socket is, by model and by the replica whose generation
+/// holds each assignment (an orphaned one, whose replica stopped listening, is nobody's).
+pub(super) fn carried(state: &NodeState) -> BTreeMap<String, BTreeMap<String, u32>> {
+    let mut carried: BTreeMap<String, BTreeMap<String, u32>> = BTreeMap::new();
+    for f in state.in_flight.values() {
+        let replica = match &f.dest {
+            Dest::Local(_) => state.args.replica_id.as_str(),
+            Dest::Replica(r) => r.as_str(),
+            Dest::Orphaned => continue,
+        };
+        *carried
+            .entry(f.model.clone())
+            .or_default()
+            .entry(replica.to_owned())
+            .or_default() += 1;
+    }
+    carried
+}
+
+/// Every queue of the node hears what it carries (`ModelQueueHandle::node_carries`).
+pub(super) fn tell_carried(state: &NodeState, carried: &BTreeMap<String, BTreeMap<String, u32>>) {
+    for (model, queue) in &state.args.queues {
+        queue.node_carries(
+            &state.args.node_id,
+            carried.get(model).cloned().unwrap_or_default(),
+        );
     }
 }
 
@@ -325,6 +354,7 @@ pub(super) async fn news(state: &mut NodeState, myself: &ActorRef<NodeMsg>, news
             queue.node_draining(&state.args.node_id);
         }
     }
+    tell_carried(state, &news.carried);
     // The owner's heartbeat, as this proxy's own.
     let heartbeat = NodeFrame::Heartbeat {
         queue_depth: news.queue_depth,

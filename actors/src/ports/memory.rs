@@ -285,9 +285,36 @@ mod map_coordinator {
 
     use crate::ports::{CoordError, Coordinator, LimitVerdict};
 
-    /// Just enough coordination for node actors: heartbeats land in a map.
+    /// Just enough coordination for node actors: heartbeats land in a map. Pub/sub carries
+    /// nothing unless made [`MapCoordinator::with_pubsub`]; its subscriptions stay open
+    /// either way until [`MapCoordinator::drop_subscriptions`] (a dropped connection).
     #[derive(Debug, Default)]
-    pub(crate) struct MapCoordinator(Mutex<BTreeMap<String, BTreeMap<String, String>>>);
+    pub(crate) struct MapCoordinator(
+        Mutex<BTreeMap<String, BTreeMap<String, String>>>,
+        Mutex<PubSub>,
+    );
+
+    #[derive(Debug, Default)]
+    pub(crate) struct PubSub {
+        /// Messages reach subscribers (otherwise every publish reaches nobody).
+        delivers: bool,
+        /// Subscribers by channel.
+        channels: BTreeMap<String, Vec<mpsc::UnboundedSender<Vec<u8>>>>,
+    }
+
+    impl MapCoordinator {
+        /// One whose pub/sub delivers messages.
+        pub(crate) fn with_pubsub() -> Self {
+            let c = Self::default();
+            c.1.lock().unwrap().delivers = true;
+            c
+        }
+
+        /// Every subscription ends, as when the pub/sub connection drops.
+        pub(crate) fn drop_subscriptions(&self) {
+            self.1.lock().unwrap().channels.clear();
+        }
+    }
 
     #[async_trait]
     impl Coordinator for MapCoordinator {
@@ -406,11 +433,27 @@ mod map_coordinator {
                 wait_ms: 0,
             })
         }
-        async fn publish(&self, _: &str, _: Vec<u8>) -> Result<usize, CoordError> {
-            Ok(0)
+        async fn publish(&self, channel: &str, payload: Vec<u8>) -> Result<usize, CoordError> {
+            let mut pubsub = self.1.lock().unwrap();
+            if !pubsub.delivers {
+                return Ok(0);
+            }
+            let subs = pubsub.channels.entry(channel.to_owned()).or_default();
+            subs.retain(|s| s.send(payload.clone()).is_ok());
+            Ok(subs.len())
         }
-        async fn subscribe(&self, _: &str) -> Result<mpsc::UnboundedReceiver<Vec<u8>>, CoordError> {
-            Ok(mpsc::unbounded_channel().1)
+        async fn subscribe(
+            &self,
+            channel: &str,
+        ) -> Result<mpsc::UnboundedReceiver<Vec<u8>>, CoordError> {
+            let (tx, rx) = mpsc::unbounded_channel();
+            let mut pubsub = self.1.lock().unwrap();
+            pubsub
+                .channels
+                .entry(channel.to_owned())
+                .or_default()
+                .push(tx);
+            Ok(rx)
         }
     }
 }
