@@ -210,8 +210,8 @@ fn switchyard_bin(bin: Option<PathBuf>) -> anyhow::Result<PathBuf> {
 #[derive(Debug, Args)]
 struct DrillArgs {
     /// The drill (`peak-200`, `kill-replica`, `kill-engine`, `restart-all`, `redis-down`,
-    /// `spot-reclaim`, `abandon-10k`, `cut-node`, `postgres-down`, `max-streams-500`), or
-    /// `all`.
+    /// `spot-reclaim`, `abandon-10k`, `cut-node`, `postgres-down`, `max-streams-500`,
+    /// `redis-restart-empty`, `freeze-socket-holder`, `kill-queue-owner`), or `all`.
     name: String,
     #[command(flatten)]
     stack: StackArgs,

@@ -129,6 +129,25 @@ async fn max_streams_500() {
     short("max-streams-500").await;
 }
 
+/// Redis restarted empty under load that keeps both nodes full: one queue owner everyone
+/// follows, both nodes full again within 30 s, nobody stranded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_restart_empty() {
+    short("redis-restart-empty").await;
+}
+
+/// The replica holding both nodes' sockets frozen past its leases, then woken.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn freeze_socket_holder() {
+    short("freeze-socket-holder").await;
+}
+
+/// The queue's owner, holding a node's socket, killed under load.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_queue_owner() {
+    short("kill-queue-owner").await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_bank_check_balances_under_random_faults() {
     let opts = DrillOptions {

@@ -7,6 +7,7 @@ mod bank;
 mod drills;
 mod faults;
 mod ledger;
+mod owners;
 mod peak;
 mod proxy;
 mod stack;
@@ -40,6 +41,9 @@ pub const DRILLS: &[&str] = &[
     "cut-node",
     "postgres-down",
     "max-streams-500",
+    "redis-restart-empty",
+    "freeze-socket-holder",
+    "kill-queue-owner",
 ];
 
 /// How to run drills.
@@ -201,6 +205,13 @@ async fn run_one(name: &str, opts: &DrillOptions, shape: PeakShape) -> anyhow::R
         "cut-node" => faults::cut_node(&mut stack, opts, &bar, &mut found).await,
         "postgres-down" => faults::postgres_down(&mut stack, opts, &bar, &mut found).await,
         "peak-200" => peak::peak_200(&mut stack, opts, &bar, &mut found, shape).await,
+        "redis-restart-empty" => {
+            owners::redis_restart_empty(&mut stack, opts, &bar, &mut found).await
+        }
+        "freeze-socket-holder" => {
+            owners::freeze_socket_holder(&mut stack, opts, &bar, &mut found).await
+        }
+        "kill-queue-owner" => owners::kill_queue_owner(&mut stack, opts, &bar, &mut found).await,
         _ => faults::max_streams(&mut stack, opts, &bar, &mut found).await,
     };
     if let Err(e) = &outcome {
@@ -237,6 +248,9 @@ fn drill_config(name: &str) -> StackConfig {
             cut_database: true,
             ..short_deadlines()
         },
+        "redis-restart-empty" | "kill-queue-owner" => owners::stack(None),
+        // Both nodes' sockets on the replica that freezes; the first replica owns the queue.
+        "freeze-socket-holder" => owners::stack(Some(1)),
         _ => StackConfig {
             replicas: 2,
             nodes: 2,

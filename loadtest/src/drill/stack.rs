@@ -50,6 +50,9 @@ pub struct StackConfig {
     pub cut_node: bool,
     /// The replicas reach PostgreSQL through a proxy the drill can cut.
     pub cut_database: bool,
+    /// Every node dials this replica first (the others after it); `None`: node `n` dials
+    /// replica `n % replicas` first.
+    pub nodes_dial_first: Option<usize>,
 }
 
 impl StackConfig {
@@ -77,6 +80,7 @@ impl Default for StackConfig {
             owner_lease_secs: 1,
             cut_node: false,
             cut_database: false,
+            nodes_dial_first: None,
         }
     }
 }
@@ -334,8 +338,9 @@ impl Stack {
         let engine = self.spawn_engine(n, port)?;
         self.engines.push(Some(engine));
         wait_port(port).await?;
+        let first = self.config.nodes_dial_first.unwrap_or(n);
         let mut servers: Vec<String> = (0..self.replicas.len())
-            .map(|i| self.replicas[(n + i) % self.replicas.len()].url.clone())
+            .map(|i| self.replicas[(first + i) % self.replicas.len()].url.clone())
             .collect();
         if n == 0 && self.config.cut_node {
             let target = self.replicas[0]
@@ -486,6 +491,82 @@ impl Stack {
         wait_healthy(&self.http, &replica.url).await?;
         self.replicas[i] = replica;
         Ok(())
+    }
+
+    /// Stops replica `i` with SIGSTOP (a VM stall, a long pause): its sockets stay open and
+    /// silent until [`Self::resume_replica`].
+    pub async fn pause_replica(&self, i: usize) -> anyhow::Result<()> {
+        self.signal_replica(i, "STOP").await
+    }
+
+    /// Lets a paused replica run again (SIGCONT).
+    pub async fn resume_replica(&self, i: usize) -> anyhow::Result<()> {
+        self.signal_replica(i, "CONT").await
+    }
+
+    async fn signal_replica(&self, i: usize, signal: &str) -> anyhow::Result<()> {
+        let pid = self.replicas[i]
+            .child
+            .as_ref()
+            .and_then(Child::id)
+            .context("the replica is not running")?;
+        let status = Command::new("kill")
+            .args([format!("-{signal}"), pid.to_string()])
+            .status()
+            .await?;
+        if !status.success() {
+            bail!("kill -{signal} {pid}: {status}");
+        }
+        Ok(())
+    }
+
+    /// The index of the replica whose id is `id`.
+    pub fn replica_index(&self, id: &str) -> Option<usize> {
+        self.replicas.iter().position(|r| r.id == id)
+    }
+
+    /// `GET path` on replica `url` with the admin token.
+    pub async fn admin_get(&self, url: &str, path: &str) -> anyhow::Result<Value> {
+        Ok(self
+            .http
+            .get(format!("{url}{path}"))
+            .bearer_auth(&self.admin)
+            .timeout(Duration::from_secs(5))
+            .send()
+            .await?
+            .error_for_status()?
+            .json()
+            .await?)
+    }
+
+    /// The replica owning `model`'s queue, as replica `url` knows it (`GET /admin/queues`).
+    pub async fn queue_owner(&self, url: &str, model: &str) -> anyhow::Result<Option<String>> {
+        let queues = self.admin_get(url, "/admin/queues").await?;
+        Ok(queues["data"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .find(|q| q["model"] == model)
+            .and_then(|q| q["owner"].as_str().map(str::to_owned)))
+    }
+
+    /// The replica holding each node's socket, as replica `url` knows it (`GET /admin/nodes`).
+    pub async fn socket_holders(
+        &self,
+        url: &str,
+    ) -> anyhow::Result<std::collections::BTreeMap<String, String>> {
+        let nodes = self.admin_get(url, "/admin/nodes").await?;
+        Ok(nodes["data"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|n| {
+                Some((
+                    n["node_id"].as_str()?.to_owned(),
+                    n["owner_replica"].as_str()?.to_owned(),
+                ))
+            })
+            .collect())
     }
 
     /// `POST /admin/nodes/{id}/drain` through the first live replica.
