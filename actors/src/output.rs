@@ -152,6 +152,80 @@ pub enum BadDelta {
     /// `logprobs` that are neither null nor an object.
     #[error("logprobs of the wrong type")]
     Logprobs,
+    /// JSON nested deeper than [`MAX_RELAYED_DEPTH`].
+    #[error("nested too deep")]
+    Depth,
+    /// A `\u` escape of half a UTF-16 surrogate pair, without its other half.
+    #[error("lone surrogate escape")]
+    Surrogate,
+}
+
+/// How deep the JSON a node relays (a delta's unknown fields, its logprobs) may nest. An
+/// engine's delta nests four or five levels (`tool_calls[].function`, `logprobs.content[]
+/// .top_logprobs[]`); a client's JSON parser may recurse per level (serde_json's `Value`
+/// stops at 128), so a node is not allowed to hand it more than 64.
+pub const MAX_RELAYED_DEPTH: usize = 64;
+
+/// Checks JSON text that is relayed to clients as its bytes: nested at most
+/// [`MAX_RELAYED_DEPTH`], and every `\u` escape of a UTF-16 surrogate part of a pair (a lone
+/// one is not a character; strict parsers refuse it). `text` must already be valid JSON: this
+/// reads only what the parse that checked it let through unexamined. It walks the bytes once
+/// without recursion, so no input can exhaust the stack.
+pub fn check_relayed(text: &str) -> Result<(), BadDelta> {
+    let bytes = text.as_bytes();
+    let mut depth = 0usize;
+    let mut in_string = false;
+    let mut i = 0;
+    while let Some(&b) = bytes.get(i) {
+        i += 1;
+        if !in_string {
+            match b {
+                b'{' | b'[' => {
+                    depth += 1;
+                    if depth > MAX_RELAYED_DEPTH {
+                        return Err(BadDelta::Depth);
+                    }
+                }
+                b'}' | b']' => depth = depth.saturating_sub(1),
+                b'"' => in_string = true,
+                _ => {}
+            }
+            continue;
+        }
+        match b {
+            b'"' => in_string = false,
+            b'\\' => {
+                let escaped = bytes.get(i).copied();
+                i += 1;
+                if escaped != Some(b'u') {
+                    continue;
+                }
+                let unit = hex4(bytes, i).ok_or(BadDelta::Shape)?;
+                i += 4;
+                match unit {
+                    0xD800..=0xDBFF => {
+                        let pair = bytes.get(i..i + 2) == Some(b"\\u".as_slice())
+                            && hex4(bytes, i + 2)
+                                .is_some_and(|low| (0xDC00..=0xDFFF).contains(&low));
+                        if !pair {
+                            return Err(BadDelta::Surrogate);
+                        }
+                        i += 6;
+                    }
+                    0xDC00..=0xDFFF => return Err(BadDelta::Surrogate),
+                    _ => {}
+                }
+            }
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
+/// The four hex digits at `at`, as a UTF-16 code unit.
+fn hex4(bytes: &[u8], at: usize) -> Option<u16> {
+    let digits = std::str::from_utf8(bytes.get(at..at + 4)?).ok()?;
+    u16::from_str_radix(digits, 16).ok()
 }
 
 /// One piece of output, as the generation hands it to the response.
@@ -188,7 +262,10 @@ impl Piece {
     pub fn from_wire(delta: WireDelta, logprobs: Option<RawJson>) -> Result<Self, BadDelta> {
         let logprobs = match logprobs {
             Some(l) if l.is_null() => None,
-            Some(l) if l.get().starts_with('{') => Some(l),
+            Some(l) if l.get().starts_with('{') => {
+                check_relayed(l.get())?;
+                Some(l)
+            }
             Some(_) => return Err(BadDelta::Logprobs),
             None => None,
         };
@@ -201,6 +278,7 @@ impl Piece {
             }
             WireDelta::Object(raw) => raw,
         };
+        check_relayed(raw.get())?;
         let fields: Fields = serde_json::from_str(raw.get()).map_err(|_| BadDelta::Shape)?;
         // A line break can only be whitespace between tokens here (inside a JSON string it is
         // escaped), but copied into an SSE `data:` field it would split the event over several
@@ -476,6 +554,69 @@ mod tests {
             Piece::from_wire(wire("{}"), RawJson::parse("[1]")),
             Err(BadDelta::Logprobs)
         );
+    }
+
+    #[test]
+    fn relayed_json_nested_too_deep_or_with_lone_surrogates_is_refused() {
+        let nested = |depth: usize| {
+            format!(
+                r#"{{"content":"a","x":{}1{}}}"#,
+                "[".repeat(depth),
+                "]".repeat(depth)
+            )
+        };
+        // The delta object itself is one level.
+        assert!(Piece::from_wire(wire(&nested(MAX_RELAYED_DEPTH - 1)), None).is_ok());
+        assert_eq!(
+            Piece::from_wire(wire(&nested(MAX_RELAYED_DEPTH)), None),
+            Err(BadDelta::Depth)
+        );
+        // 10^5 levels: refused without recursing (a RawValue lets any depth through).
+        assert_eq!(
+            Piece::from_wire(wire(&nested(100_000)), None),
+            Err(BadDelta::Depth)
+        );
+        let deep_logprobs = RawJson::parse(&format!(
+            r#"{{"content":{}0{}}}"#,
+            "[".repeat(1000),
+            "]".repeat(1000)
+        ));
+        assert_eq!(
+            Piece::from_wire(wire("{}"), deep_logprobs),
+            Err(BadDelta::Depth)
+        );
+        // Brackets inside strings are text, not nesting.
+        let text = format!(r#"{{"content":"{}"}}"#, "[{".repeat(500));
+        assert!(Piece::from_wire(wire(&text), None).is_ok());
+        for lone in [
+            r#"{"x":"\ud800"}"#,
+            r#"{"x":"\ud800a"}"#,
+            r#"{"x":"\udbff\u0041"}"#,
+            r#"{"x":"\udc00"}"#,
+            r#"{"x":"a\uDFFF"}"#,
+            r#"{"\ud800":1}"#,
+        ] {
+            assert_eq!(
+                Piece::from_wire(wire(lone), None),
+                Err(BadDelta::Surrogate),
+                "{lone}"
+            );
+        }
+        assert_eq!(
+            Piece::from_wire(
+                wire("{}"),
+                RawJson::parse(r#"{"content":[{"token":"\ud83d"}]}"#)
+            ),
+            Err(BadDelta::Surrogate)
+        );
+        for fine in [
+            r#"{"x":"\ud83d\ude00"}"#,
+            r#"{"x":"\\ud800"}"#,
+            r#"{"x":"\u00e9\"\\"}"#,
+            r#"{"content":"\uD83D\uDE00"}"#,
+        ] {
+            assert!(Piece::from_wire(wire(fine), None).is_ok(), "{fine}");
+        }
     }
 
     #[test]
