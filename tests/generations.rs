@@ -7,6 +7,8 @@
 
 mod common;
 
+#[path = "generations/bounds.rs"]
+mod bounds;
 #[path = "generations/cancel.rs"]
 mod cancel;
 #[path = "generations/fencing.rs"]

@@ -703,3 +703,78 @@ async fn the_embedded_mode_resumes_on_its_one_replica() {
     assert_eq!(json_of(all.last().unwrap())["usage"]["output_tokens"], 100);
     f.shutdown(Duration::from_secs(2)).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_last_event_id_past_the_end_is_refused_or_gets_the_end_never_nothing() {
+    let f = common::fleet(&[("small", 1)], 1.0, |_| {}).await;
+    let base = f.server.base_url();
+    let generations = format!("{base}/v1/generations");
+    let whole = Frames::new(submit(&generations, &f.api_key, "past-1", &body(20, true)).await)
+        .rest()
+        .await;
+    assert_whole(&whole);
+    let id = json_of(&whole[0])["generation_id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let end = whole.last().unwrap().id.unwrap();
+    let path = format!("{base}/v1/generations/{id}/events");
+
+    // Finished: past its terminal event is 400, before any stream starts.
+    for past in [end + 1, 1_000_000_000] {
+        let resp = events(&path, &f.api_key, Some(past)).await;
+        assert_eq!(resp.status(), 400, "Last-Event-ID {past}");
+        let err: Value = resp.json().await.unwrap();
+        assert_eq!(err["error"]["code"], "invalid_request", "{err}");
+        assert_eq!(err["error"]["param"], "Last-Event-ID");
+    }
+    // At the terminal event the client has everything; just before it, it gets the end.
+    let at_end = Frames::new(events(&path, &f.api_key, Some(end)).await)
+        .rest()
+        .await;
+    assert_eq!(at_end, Vec::<Frame>::new());
+    let before = Frames::new(events(&path, &f.api_key, Some(end - 1)).await)
+        .rest()
+        .await;
+    assert_eq!(before, whole[whole.len() - 1..].to_vec());
+
+    // Running: what it will have is not known yet, so the stream follows it and, past its
+    // end, still ends with its terminal event (numbered as it was).
+    let mut running =
+        Frames::new(submit(&generations, &f.api_key, "past-2", &body(100, true)).await);
+    let created = running.next().await.unwrap();
+    let id = json_of(&created)["generation_id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let path = format!("{base}/v1/generations/{id}/events");
+    let resumed = Frames::new(events(&path, &f.api_key, Some(1_000_000)).await)
+        .rest()
+        .await;
+    let first = running.rest().await;
+    assert_eq!(resumed.len(), 1, "{resumed:?}");
+    assert_eq!(resumed[0], *first.last().unwrap());
+    assert_eq!(resumed[0].name.as_deref(), Some("generation.completed"));
+
+    // A keyed chat completion resumed past its end the same way: its `[DONE]`.
+    let chat = json!({"model": "small", "messages": [{"role": "user", "content": "hi"}],
+                      "max_tokens": 100, "stream": true});
+    let chat_url = format!("{base}/v1/chat/completions");
+    let mut live = Frames::new(submit(&chat_url, &f.api_key, "past-3", &chat).await);
+    live.next().await.unwrap();
+    let retry = http()
+        .post(&chat_url)
+        .bearer_auth(&f.api_key)
+        .header("idempotency-key", "past-3")
+        .header("last-event-id", "1000000")
+        .json(&chat)
+        .send()
+        .await
+        .unwrap();
+    let resumed = Frames::new(retry).rest().await;
+    let first = live.rest().await;
+    assert_eq!(resumed.len(), 1, "{resumed:?}");
+    assert_eq!(resumed[0].data, "[DONE]");
+    assert_eq!(resumed[0].id, first.last().unwrap().id);
+    f.shutdown(Duration::from_secs(2)).await;
+}

@@ -52,6 +52,11 @@ pub const SETTLED_TOKENS_TOTAL: &str = "switchyard_settled_tokens_total";
 /// Gauge: unix time of a node's last heartbeat on the replica holding its socket, by `node`.
 pub const NODE_LAST_HEARTBEAT_TIMESTAMP_SECONDS: &str =
     "switchyard_node_last_heartbeat_timestamp_seconds";
+/// Counter: reports of a node that could not be true and were clamped or left out of the cost
+/// and drift reports, by `kind`: `gpus` (a registration with more than
+/// `MAX_GPUS_PER_NODE` GPUs), `prompt_counter`, `generation_counter` (an engine counter step
+/// faster than `MAX_ENGINE_TOKENS_PER_SECOND`).
+pub const NODE_REPORT_ANOMALIES_TOTAL: &str = "switchyard_node_report_anomalies_total";
 
 /// Counter: nodes the replica holding their socket dropped without their having drained (the
 /// socket closed or failed, or heartbeats stopped), by `node`. A node that said `draining` (its

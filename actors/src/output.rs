@@ -10,6 +10,8 @@ use serde::de::Error as _;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use serde_json::value::RawValue;
 
+use crate::protocol::Api;
+
 /// JSON kept as the bytes it arrived as.
 #[derive(Clone)]
 pub struct RawJson(Box<RawValue>);
@@ -152,6 +154,174 @@ pub enum BadDelta {
     /// `logprobs` that are neither null nor an object.
     #[error("logprobs of the wrong type")]
     Logprobs,
+    /// JSON nested deeper than [`MAX_RELAYED_DEPTH`].
+    #[error("nested too deep")]
+    Depth,
+    /// A `\u` escape of half a UTF-16 surrogate pair, without its other half.
+    #[error("lone surrogate escape")]
+    Surrogate,
+}
+
+/// How deep the JSON a node relays (a delta's unknown fields, its logprobs) may nest. An
+/// engine's delta nests four or five levels (`tool_calls[].function`, `logprobs.content[]
+/// .top_logprobs[]`); a client's JSON parser may recurse per level (serde_json's `Value`
+/// stops at 128), so a node is not allowed to hand it more than 64.
+pub const MAX_RELAYED_DEPTH: usize = 64;
+
+/// Checks JSON text that is relayed to clients as its bytes: nested at most
+/// [`MAX_RELAYED_DEPTH`], and every `\u` escape of a UTF-16 surrogate part of a pair (a lone
+/// one is not a character; strict parsers refuse it). `text` must already be valid JSON: this
+/// reads only what the parse that checked it let through unexamined. It walks the bytes once
+/// without recursion, so no input can exhaust the stack.
+pub fn check_relayed(text: &str) -> Result<(), BadDelta> {
+    let bytes = text.as_bytes();
+    let mut depth = 0usize;
+    let mut in_string = false;
+    let mut i = 0;
+    while let Some(&b) = bytes.get(i) {
+        i += 1;
+        if !in_string {
+            match b {
+                b'{' | b'[' => {
+                    depth += 1;
+                    if depth > MAX_RELAYED_DEPTH {
+                        return Err(BadDelta::Depth);
+                    }
+                }
+                b'}' | b']' => depth = depth.saturating_sub(1),
+                b'"' => in_string = true,
+                _ => {}
+            }
+            continue;
+        }
+        match b {
+            b'"' => in_string = false,
+            b'\\' => {
+                let escaped = bytes.get(i).copied();
+                i += 1;
+                if escaped != Some(b'u') {
+                    continue;
+                }
+                let unit = hex4(bytes, i).ok_or(BadDelta::Shape)?;
+                i += 4;
+                match unit {
+                    0xD800..=0xDBFF => {
+                        let pair = bytes.get(i..i + 2) == Some(b"\\u".as_slice())
+                            && hex4(bytes, i + 2)
+                                .is_some_and(|low| (0xDC00..=0xDFFF).contains(&low));
+                        if !pair {
+                            return Err(BadDelta::Surrogate);
+                        }
+                        i += 6;
+                    }
+                    0xDC00..=0xDFFF => return Err(BadDelta::Surrogate),
+                    _ => {}
+                }
+            }
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
+/// The four hex digits at `at`, as a UTF-16 code unit.
+fn hex4(bytes: &[u8], at: usize) -> Option<u16> {
+    let digits = std::str::from_utf8(bytes.get(at..at + 4)?).ok()?;
+    u16::from_str_radix(digits, 16).ok()
+}
+
+/// Slack every output bound allows beyond its per-unit figure: a first delta's `role`, a
+/// finish, an engine's extra fields.
+pub const OUTPUT_SLACK_BYTES: u64 = 64 << 10;
+
+/// Bytes one token may take as a node sends it (the delta object around it, the token's text
+/// JSON-escaped, a tool call fragment's `index`/`id`/`function`): an engine's delta for one
+/// token is well under 100 bytes; no tokenizer has a token whose escaped text nears this.
+pub const BYTES_PER_TOKEN: u64 = 1 << 10;
+
+/// Bytes one logprob entry may take (`token`, `logprob`, `bytes`), per token and per
+/// alternative asked for.
+pub const BYTES_PER_LOGPROB: u64 = 512;
+
+/// Alternatives per token counted at most (`top_logprobs`, a legacy `logprobs`): vLLM's
+/// default `--max-logprobs`, OpenAI's limit.
+pub const MAX_TOP_LOGPROBS: u64 = 20;
+
+/// Dimensions of an embedding counted per input. The configuration does not know a model's
+/// dimensions, so the bound is generous: 8,192 is more than any served embedding model has
+/// (bge-m3 1,024, OpenAI's largest 3,072, e5-mistral 4,096).
+pub const EMBEDDING_DIMENSIONS: u64 = 8192;
+
+/// Bytes one embedding value may take: a float as JSON (`-1.2345678901234567e-05,` is 24)
+/// or in base64 (5.3 bytes).
+pub const BYTES_PER_DIMENSION: u64 = 32;
+
+/// Bytes around one embedding (`{"object":"embedding","index":…,"embedding":[…]}`).
+pub const BYTES_PER_EMBEDDING: u64 = 256;
+
+/// The most output, in bytes as they arrive from the node (each chunk's delta and logprobs,
+/// [`Piece::size`]), that a request allows: past it the node sent more than an engine can
+/// for this request, and the generation ends as a `completion_over_bound` violation before
+/// anything more is held. `completion_tokens` and `prompt_tokens` are the request's billing
+/// bounds ([`crate::ports::UsageBounds`]).
+///
+/// - Embeddings: `inputs × (BYTES_PER_EMBEDDING + EMBEDDING_DIMENSIONS × BYTES_PER_DIMENSION)
+///   + OUTPUT_SLACK_BYTES` (about 256 KiB per input).
+/// - Chat and legacy completions: `tokens × per_token + OUTPUT_SLACK_BYTES`, where `tokens` is
+///   `completion_tokens`, plus `prompt_tokens` when the engine is asked to send the prompt
+///   back (`echo`, `prompt_logprobs`), and `per_token` is `BYTES_PER_TOKEN`, plus
+///   `BYTES_PER_LOGPROB × (1 + top)` when logprobs are asked for (`top`: `top_logprobs`, or a
+///   legacy integer `logprobs`, at most `MAX_TOP_LOGPROBS`).
+pub fn output_bound(
+    api: Api,
+    body: &serde_json::Value,
+    completion_tokens: u64,
+    prompt_tokens: u64,
+) -> u64 {
+    if api == Api::Embeddings {
+        let per_input = BYTES_PER_EMBEDDING + EMBEDDING_DIMENSIONS * BYTES_PER_DIMENSION;
+        return embedding_inputs(body)
+            .saturating_mul(per_input)
+            .saturating_add(OUTPUT_SLACK_BYTES);
+    }
+    let field = |name: &str| body.get(name).filter(|v| !v.is_null());
+    let echoes = field("echo").is_some_and(|v| v != &serde_json::Value::Bool(false))
+        || field("prompt_logprobs").is_some();
+    let tokens = if echoes {
+        completion_tokens.saturating_add(prompt_tokens)
+    } else {
+        completion_tokens
+    };
+    let top = match field("logprobs") {
+        // Chat: `logprobs: true` and `top_logprobs: N`.
+        Some(serde_json::Value::Bool(true)) => Some(
+            field("top_logprobs")
+                .and_then(serde_json::Value::as_u64)
+                .unwrap_or(0),
+        ),
+        Some(serde_json::Value::Bool(false)) | None => None,
+        // Legacy completions: `logprobs: N`; anything else an engine refuses, counted as
+        // the most it could mean.
+        Some(v) => Some(v.as_u64().unwrap_or(MAX_TOP_LOGPROBS)),
+    };
+    let per_token = match top.or(field("prompt_logprobs").map(|_| MAX_TOP_LOGPROBS)) {
+        Some(top) => BYTES_PER_TOKEN + BYTES_PER_LOGPROB * (1 + top.min(MAX_TOP_LOGPROBS)),
+        None => BYTES_PER_TOKEN,
+    };
+    tokens
+        .saturating_mul(per_token)
+        .saturating_add(OUTPUT_SLACK_BYTES)
+}
+
+/// How many embeddings an embeddings body asks for: one per string or token id list in
+/// `input` (one for a single string or a single list of ids).
+fn embedding_inputs(body: &serde_json::Value) -> u64 {
+    match body.get("input") {
+        Some(serde_json::Value::Array(items)) if items.iter().any(|i| !i.is_number()) => {
+            u64::try_from(items.len()).unwrap_or(u64::MAX)
+        }
+        _ => 1,
+    }
 }
 
 /// One piece of output, as the generation hands it to the response.
@@ -188,7 +358,10 @@ impl Piece {
     pub fn from_wire(delta: WireDelta, logprobs: Option<RawJson>) -> Result<Self, BadDelta> {
         let logprobs = match logprobs {
             Some(l) if l.is_null() => None,
-            Some(l) if l.get().starts_with('{') => Some(l),
+            Some(l) if l.get().starts_with('{') => {
+                check_relayed(l.get())?;
+                Some(l)
+            }
             Some(_) => return Err(BadDelta::Logprobs),
             None => None,
         };
@@ -201,6 +374,7 @@ impl Piece {
             }
             WireDelta::Object(raw) => raw,
         };
+        check_relayed(raw.get())?;
         let fields: Fields = serde_json::from_str(raw.get()).map_err(|_| BadDelta::Shape)?;
         // A line break can only be whitespace between tokens here (inside a JSON string it is
         // escaped), but copied into an SSE `data:` field it would split the event over several
@@ -476,6 +650,108 @@ mod tests {
             Piece::from_wire(wire("{}"), RawJson::parse("[1]")),
             Err(BadDelta::Logprobs)
         );
+    }
+
+    #[test]
+    fn relayed_json_nested_too_deep_or_with_lone_surrogates_is_refused() {
+        let nested = |depth: usize| {
+            format!(
+                r#"{{"content":"a","x":{}1{}}}"#,
+                "[".repeat(depth),
+                "]".repeat(depth)
+            )
+        };
+        // The delta object itself is one level.
+        assert!(Piece::from_wire(wire(&nested(MAX_RELAYED_DEPTH - 1)), None).is_ok());
+        assert_eq!(
+            Piece::from_wire(wire(&nested(MAX_RELAYED_DEPTH)), None),
+            Err(BadDelta::Depth)
+        );
+        // 10^5 levels: refused without recursing (a RawValue lets any depth through).
+        assert_eq!(
+            Piece::from_wire(wire(&nested(100_000)), None),
+            Err(BadDelta::Depth)
+        );
+        let deep_logprobs = RawJson::parse(&format!(
+            r#"{{"content":{}0{}}}"#,
+            "[".repeat(1000),
+            "]".repeat(1000)
+        ));
+        assert_eq!(
+            Piece::from_wire(wire("{}"), deep_logprobs),
+            Err(BadDelta::Depth)
+        );
+        // Brackets inside strings are text, not nesting.
+        let text = format!(r#"{{"content":"{}"}}"#, "[{".repeat(500));
+        assert!(Piece::from_wire(wire(&text), None).is_ok());
+        for lone in [
+            r#"{"x":"\ud800"}"#,
+            r#"{"x":"\ud800a"}"#,
+            r#"{"x":"\udbff\u0041"}"#,
+            r#"{"x":"\udc00"}"#,
+            r#"{"x":"a\uDFFF"}"#,
+            r#"{"\ud800":1}"#,
+        ] {
+            assert_eq!(
+                Piece::from_wire(wire(lone), None),
+                Err(BadDelta::Surrogate),
+                "{lone}"
+            );
+        }
+        assert_eq!(
+            Piece::from_wire(
+                wire("{}"),
+                RawJson::parse(r#"{"content":[{"token":"\ud83d"}]}"#)
+            ),
+            Err(BadDelta::Surrogate)
+        );
+        for fine in [
+            r#"{"x":"\ud83d\ude00"}"#,
+            r#"{"x":"\\ud800"}"#,
+            r#"{"x":"\u00e9\"\\"}"#,
+            r#"{"content":"\uD83D\uDE00"}"#,
+        ] {
+            assert!(Piece::from_wire(wire(fine), None).is_ok(), "{fine}");
+        }
+    }
+
+    #[test]
+    fn the_output_bound_follows_the_request() {
+        use serde_json::json;
+        let slack = OUTPUT_SLACK_BYTES;
+        let input = 256 + 8192 * 32;
+        let embed = |body| output_bound(Api::Embeddings, &body, 0, 10);
+        assert_eq!(embed(json!({"input": "a"})), input + slack);
+        assert_eq!(embed(json!({"input": [1, 2, 3]})), input + slack);
+        assert_eq!(embed(json!({"input": ["a", "b"]})), 2 * input + slack);
+        assert_eq!(embed(json!({"input": [[1], [2], [3]]})), 3 * input + slack);
+        let chat = |body| output_bound(Api::Chat, &body, 5, 100);
+        assert_eq!(chat(json!({})), 5 * 1024 + slack);
+        assert_eq!(chat(json!({"logprobs": false})), 5 * 1024 + slack);
+        assert_eq!(
+            chat(json!({"logprobs": true})),
+            5 * (1024 + 512) + slack,
+            "the chosen token's entry"
+        );
+        assert_eq!(
+            chat(json!({"logprobs": true, "top_logprobs": 5})),
+            5 * (1024 + 512 * 6) + slack
+        );
+        assert_eq!(
+            chat(json!({"logprobs": true, "top_logprobs": 1_000_000})),
+            5 * (1024 + 512 * 21) + slack,
+            "alternatives counted up to 20"
+        );
+        assert_eq!(
+            chat(json!({"echo": true})),
+            105 * 1024 + slack,
+            "the prompt sent back"
+        );
+        let legacy = |body| output_bound(Api::Completions, &body, 5, 100);
+        assert_eq!(legacy(json!({"logprobs": 3})), 5 * (1024 + 512 * 4) + slack);
+        assert_eq!(legacy(json!({"logprobs": null})), 5 * 1024 + slack);
+        // Unbounded rows (before bounds existed) saturate instead of overflowing.
+        assert_eq!(output_bound(Api::Chat, &json!({}), u64::MAX, 0), u64::MAX);
     }
 
     #[test]

@@ -175,20 +175,30 @@ pub async fn usage(
     )
 }
 
-/// The usage rows as CSV (RFC 4180: fields with a comma, quote or line break are quoted).
+/// One CSV field: quoted when it holds a comma, quote or line break (RFC 4180), and
+/// prefixed with `'` when it starts with `=`, `+`, `-`, `@`, a tab or a CR, which a
+/// spreadsheet would read as a formula (OWASP's CSV injection advice): a team's name is
+/// whatever an admin typed, and the file is opened by someone else.
+fn csv_field(s: &str) -> String {
+    let s = if s.starts_with(['=', '+', '-', '@', '\t', '\r']) {
+        format!("'{s}")
+    } else {
+        s.to_owned()
+    };
+    if s.contains([',', '"', '\n', '\r']) {
+        format!("\"{}\"", s.replace('"', "\"\""))
+    } else {
+        s
+    }
+}
+
+/// The usage rows as CSV (text fields through [`csv_field`]).
 fn usage_csv(
     rows: &[crate::store::usage::UsageDay],
     name: &dyn Fn(i64) -> String,
     from: DateTime<Utc>,
     to: DateTime<Utc>,
 ) -> Response {
-    let field = |s: &str| {
-        if s.contains([',', '"', '\n', '\r']) {
-            format!("\"{}\"", s.replace('"', "\"\""))
-        } else {
-            s.to_owned()
-        }
-    };
     let mut out = String::from(
         "day,team_id,team,model,requests,prompt_tokens,completion_tokens,cost_microcredits\r\n",
     );
@@ -198,8 +208,8 @@ fn usage_csv(
             "{},{},{},{},{},{},{},{}\r\n",
             r.day,
             r.team_id,
-            field(&name(r.team_id)),
-            field(&r.model),
+            csv_field(&name(r.team_id)),
+            csv_field(&r.model),
             r.requests,
             r.prompt_tokens,
             r.completion_tokens,
@@ -275,4 +285,55 @@ pub async fn queues(
         "before_model": before_model,
     }))
     .into_response())
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    #[test]
+    fn csv_cells_that_a_spreadsheet_would_run_are_quoted_out() {
+        for (name, cell) in [
+            (
+                "=HYPERLINK(\"http://x\")",
+                "\"'=HYPERLINK(\"\"http://x\"\")\"",
+            ),
+            ("+1+1", "'+1+1"),
+            ("-2+3", "'-2+3"),
+            ("@SUM(A1)", "'@SUM(A1)"),
+            ("\t=1", "'\t=1"),
+            ("\r=1", "\"'\r=1\""),
+            ("=1,2", "\"'=1,2\""),
+            ("demo", "demo"),
+            ("a=b", "a=b"),
+            ("", ""),
+        ] {
+            assert_eq!(csv_field(name), cell, "{name:?}");
+        }
+    }
+
+    #[tokio::test]
+    async fn the_usage_export_writes_a_formula_team_name_as_text() {
+        let day = chrono::NaiveDate::from_ymd_opt(2026, 11, 6).unwrap();
+        let rows = [crate::store::usage::UsageDay {
+            day,
+            team_id: 7,
+            model: "m".into(),
+            requests: 1,
+            prompt_tokens: 2,
+            completion_tokens: 3,
+            cost_microcredits: 4,
+        }];
+        let name = |_: i64| "=cmd|' /C calc'!A0".to_owned();
+        let response = usage_csv(&rows, &name, Utc::now(), Utc::now());
+        let body = axum::body::to_bytes(response.into_body(), 1 << 20)
+            .await
+            .unwrap();
+        let text = String::from_utf8(body.to_vec()).unwrap();
+        assert_eq!(
+            text.lines().nth(1),
+            Some("2026-11-06,7,'=cmd|' /C calc'!A0,m,1,2,3,4")
+        );
+    }
 }

@@ -15,9 +15,11 @@ use switchyard_actors::error::ErrorCode;
 use super::error::ApiError;
 use futures::{SinkExt, StreamExt};
 use subtle::ConstantTimeEq;
+use switchyard_actors::metric_names::NODE_REPORT_ANOMALIES_TOTAL;
 use switchyard_actors::node::{NodeHandle, Violation};
 use switchyard_actors::protocol::{
-    Malformed, NodeFrame, OLDEST_PROTOCOL_VERSION, PROTOCOL_VERSION, ServerFrame, decode_node_frame,
+    Gpu, Malformed, NodeFrame, OLDEST_PROTOCOL_VERSION, PROTOCOL_VERSION, ServerFrame,
+    decode_node_frame,
 };
 use switchyard_actors::tasks::TaskGuard;
 use tokio::sync::mpsc;
@@ -229,6 +231,7 @@ async fn register(
     if known.is_empty() {
         return Err(("the node serves no model this server knows".into(), None));
     }
+    let gpus = believed_gpus(&node_id, gpus);
     let gpu_count = u32::try_from(gpus.len()).unwrap_or(u32::MAX);
     let gpus = serde_json::to_value(&gpus).unwrap_or_default();
     let at = state.clock.wall();
@@ -248,7 +251,43 @@ async fn register(
     })
 }
 
+/// The most GPUs one node is believed to have: the largest servers hold 8 or 16, so more than
+/// this is a broken or hostile registration, which must not move the cost report (GPU hours
+/// are connected time × GPUs) without bound.
+pub const MAX_GPUS_PER_NODE: usize = 64;
+
+/// The GPUs a registration is believed about: its first [`MAX_GPUS_PER_NODE`]; more are
+/// left out, logged and counted (`switchyard_node_report_anomalies_total{kind="gpus"}`).
+fn believed_gpus(node_id: &str, mut gpus: Vec<Gpu>) -> Vec<Gpu> {
+    if gpus.len() > MAX_GPUS_PER_NODE {
+        tracing::warn!(%node_id, registered = gpus.len(), kept = MAX_GPUS_PER_NODE, "a node registered more GPUs than any node has; the rest are left out");
+        metrics::counter!(NODE_REPORT_ANOMALIES_TOTAL, "kind" => "gpus").increment(1);
+        gpus.truncate(MAX_GPUS_PER_NODE);
+    }
+    gpus
+}
+
 async fn send(socket: &mut WebSocket, frame: &ServerFrame) -> Result<(), axum::Error> {
     let text = serde_json::to_string(frame).unwrap_or_default();
     socket.send(Message::Text(text.into())).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_registration_is_believed_about_64_gpus_at_most() {
+        let gpu = |index| Gpu {
+            index,
+            name: "NVIDIA L40S".into(),
+            memory_mib: 46_068,
+        };
+        let eight: Vec<Gpu> = (0..8).map(gpu).collect();
+        assert_eq!(believed_gpus("n", eight.clone()), eight);
+        let claimed: Vec<Gpu> = (0..12_000).map(gpu).collect();
+        let kept = believed_gpus("n", claimed);
+        assert_eq!(kept.len(), MAX_GPUS_PER_NODE);
+        assert_eq!(kept.last().map(|g| g.index), Some(63));
+    }
 }

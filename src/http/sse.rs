@@ -33,7 +33,7 @@ use switchyard_actors::ports::Coordinator;
 use super::error::ApiError;
 use crate::server::AppState;
 use crate::store::Store;
-pub(super) use body::{SseEvents, SseText, Step, response};
+pub(super) use body::{Primed, SseEvents, SseText, Step, response};
 
 /// How often a comment is sent while nothing else is.
 pub const KEEP_ALIVE: Duration = Duration::from_secs(5);
@@ -346,7 +346,23 @@ impl Renderer {
         if self.render.include_usage {
             self.emit(out, |r, buf| r.usage_chunk(usage, buf));
         }
+        self.ending();
         self.emit(out, |_, buf| buf.put_slice(b"[DONE]"));
+        self.ended = true;
+    }
+
+    /// Before the last payload (`[DONE]` or the error): a resuming client that says it has
+    /// payloads past it (numbers the stream never had) gets it anyway, since a stream ending
+    /// without it tells the client to resume again, forever.
+    fn ending(&mut self) {
+        if self.skip_through.is_some_and(|last| last > self.next) {
+            self.skip_through = None;
+        }
+    }
+
+    fn fail(&mut self, failure: &Failure, out: &mut SseText) {
+        self.ending();
+        self.emit(out, |r, buf| r.error(failure, buf));
         self.ended = true;
     }
 
@@ -358,17 +374,13 @@ impl Renderer {
             }
             Some(GenEvent::Finished(usage)) => self.finish(&usage, finish_reason(&usage), out),
             Some(GenEvent::Cancelled(usage)) => self.finish(&usage, CANCELLED, out),
-            Some(GenEvent::Failed(failure)) => {
-                self.emit(out, |r, buf| r.error(&failure, buf));
-                self.ended = true;
-            }
+            Some(GenEvent::Failed(failure)) => self.fail(&failure, out),
             None => {
                 let failure = Failure::new(
                     ErrorCode::ModelBackendError,
                     "The generation ended unexpectedly.",
                 );
-                self.emit(out, |r, buf| r.error(&failure, buf));
-                self.ended = true;
+                self.fail(&failure, out);
             }
         }
     }

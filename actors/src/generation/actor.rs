@@ -73,6 +73,12 @@ impl Actor for GenerationActor {
             timeouts: args.timeouts,
             bounds: args.reservation.bounds,
             estimated_prompt_tokens: args.reservation.estimated_prompt_tokens,
+            output_bytes: crate::output::output_bound(
+                args.api,
+                &args.body,
+                args.reservation.bounds.completion_tokens,
+                args.reservation.bounds.prompt_tokens,
+            ),
             recorded: args.lifecycle.is_some(),
         };
         Ok(GenerationState {

@@ -4,6 +4,7 @@
 
 use std::time::Duration;
 
+use crate::metric_names::NODE_REPORT_ANOMALIES_TOTAL;
 use crate::protocol::EngineCounters;
 
 /// The heartbeat interval agents use (SPEC section 7).
@@ -11,6 +12,13 @@ pub const HEARTBEAT_INTERVAL: Duration = Duration::from_secs(5);
 /// The longest gap between two heartbeats counted as uptime: past it the node was silent,
 /// and a silent node is not counted as serving.
 pub const MAX_COUNTED_GAP: Duration = HEARTBEAT_INTERVAL.saturating_mul(3);
+
+/// Tokens per second one engine's counter can grow by at most, prompt or generation: far
+/// above any node (an 8B replica on an L40S decodes about 1,500 tokens/s and prefills tens
+/// of thousands). A step larger than this over the time since the previous heartbeat is not
+/// work but a broken or hostile report (a counter jumping 0 ↔ 2^64−1): it is left out of the
+/// node's day and counted in `switchyard_node_report_anomalies_total`.
+pub const MAX_ENGINE_TOKENS_PER_SECOND: u64 = 1_000_000;
 
 /// What one heartbeat adds to the node's day.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -34,6 +42,23 @@ pub struct UptimeMeter {
     counters: Option<EngineCounters>,
     /// Time counted but not yet reported (under a second).
     carry: Duration,
+    /// When [`Self::counters`] were read.
+    counted_at: Option<tokio::time::Instant>,
+}
+
+/// `delta`, unless it is more than `most`: then nothing, counted as an anomaly of `kind`.
+fn plausible(delta: u64, most: u64, kind: &'static str) -> u64 {
+    if delta <= most {
+        return delta;
+    }
+    tracing::warn!(
+        kind,
+        delta,
+        most,
+        "an engine counter grew faster than any engine can; left out of the reports"
+    );
+    metrics::counter!(NODE_REPORT_ANOMALIES_TOTAL, "kind" => kind).increment(1);
+    0
 }
 
 /// Growth of a cumulative counter: a value below the previous one means the engine restarted
@@ -52,13 +77,30 @@ impl UptimeMeter {
         counters: Option<EngineCounters>,
     ) -> Option<Interval> {
         let previous = self.last.replace(now);
+        // The most either counter can have grown since the counters were last read (a whole
+        // second at least: heartbeats arrive close together after a reconnect).
+        let since = self
+            .counted_at
+            .map_or(Duration::ZERO, |at| now.saturating_duration_since(at));
+        let most = MAX_ENGINE_TOKENS_PER_SECOND.saturating_mul(since.as_secs().saturating_add(1));
         let (prompt_tokens, generation_tokens) = match (self.counters, counters) {
             (Some(before), Some(after)) => (
-                counter_delta(before.prompt_tokens, after.prompt_tokens),
-                counter_delta(before.generation_tokens, after.generation_tokens),
+                plausible(
+                    counter_delta(before.prompt_tokens, after.prompt_tokens),
+                    most,
+                    "prompt_counter",
+                ),
+                plausible(
+                    counter_delta(before.generation_tokens, after.generation_tokens),
+                    most,
+                    "generation_counter",
+                ),
             ),
             _ => (0, 0),
         };
+        if counters.is_some() {
+            self.counted_at = Some(now);
+        }
         if counters.is_some() {
             self.counters = counters;
         }
@@ -116,6 +158,35 @@ mod tests {
         m.beat(t, c(900, 900));
         let i = m.beat(t + Duration::from_secs(5), c(4, 12)).unwrap();
         assert_eq!((i.prompt_tokens, i.generation_tokens), (4, 12));
+    }
+
+    #[test]
+    fn counters_jumping_to_the_top_and_back_add_nothing() {
+        let t = tokio::time::Instant::now();
+        let mut m = UptimeMeter::default();
+        m.beat(t, c(0, 0));
+        let mut added = (0, 0);
+        for k in 1..=20u64 {
+            let v = if k % 2 == 1 { u64::MAX } else { 0 };
+            let i = m.beat(t + Duration::from_secs(5 * k), c(v, v)).unwrap();
+            added.0 += i.prompt_tokens;
+            added.1 += i.generation_tokens;
+        }
+        assert_eq!(added, (0, 0), "no step of 2^64-1 in 5 s is work");
+        // Real work after it counts again, and a long silence allows more growth.
+        let i = m.beat(t + Duration::from_secs(105), c(1500, 7500)).unwrap();
+        assert_eq!((i.prompt_tokens, i.generation_tokens), (1500, 7500));
+        let i = m
+            .beat(t + Duration::from_secs(705), c(1500 + 500_000_000, 7500))
+            .unwrap();
+        assert_eq!(i.prompt_tokens, 500_000_000, "600 s allow 6 * 10^8");
+        let i = m
+            .beat(
+                t + Duration::from_secs(710),
+                c(1500 + 500_000_000 + 7_000_000, 7500),
+            )
+            .unwrap();
+        assert_eq!(i.prompt_tokens, 0, "7 * 10^6 in 5 s is not");
     }
 
     #[test]

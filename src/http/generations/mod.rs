@@ -155,7 +155,8 @@ pub async fn events(
                 ApiError::unavailable("The generation's events cannot be read right now.")
             })?;
         match (journaled.is_empty(), last) {
-            (false, _) => Ok(journal_stream(&state, &rec.id, last)),
+            (false, Some(last)) => render::finished_journal_stream(&state, &rec.id, last).await,
+            (false, None) => Ok(journal_stream(&state, &rec.id, None)),
             (true, None) => replay(&state, &rec, true),
             (true, Some(_)) => Err(lifecycle::expired(&rec)),
         }

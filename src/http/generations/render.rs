@@ -46,6 +46,8 @@ struct Sequencer {
     partial: bool,
     /// Events numbered up to this one are not written (a resuming client has them).
     skip_through: Option<u64>,
+    /// The client's `Last-Event-ID` was beyond the stream's terminal event.
+    past_end: bool,
 }
 
 impl Sequencer {
@@ -55,6 +57,17 @@ impl Sequencer {
             next: 0,
             partial: false,
             skip_through,
+            past_end: false,
+        }
+    }
+
+    /// Before the terminal event: a client that says it has events past it (it has numbers
+    /// the stream never had) gets the terminal event anyway, since a stream ending without
+    /// one tells a client to resume again, forever.
+    fn ending(&mut self) {
+        if self.skip_through.is_some_and(|last| last > self.next) {
+            self.past_end = true;
+            self.skip_through = None;
         }
     }
 
@@ -87,6 +100,9 @@ impl Sequencer {
     /// `generation.tool_call.delta` per tool call fragment.
     fn render(&mut self, out: &mut SseText, event: Option<GenEvent>) -> bool {
         let mut data = Map::new();
+        if !matches!(event, Some(GenEvent::Delta(_))) {
+            self.ending();
+        }
         match event {
             Some(GenEvent::Delta(piece)) => {
                 self.pieces(out, piece);
@@ -193,12 +209,15 @@ impl SseEvents for NamedEvents {
 }
 
 fn sse(source: Source, seq: Sequencer, created: &str) -> Response {
-    let mut response = sse::response(NamedEvents {
+    no_store(sse::response(NamedEvents {
         source,
         seq,
         created: Some(created.to_owned()),
         ended: false,
-    });
+    }))
+}
+
+fn no_store(mut response: Response) -> Response {
     response
         .headers_mut()
         .insert("cache-control", HeaderValue::from_static("no-store"));
@@ -315,4 +334,33 @@ pub(super) fn replayed(rec: &GenerationRecord, out: Assembled, end: GenEvent) ->
 pub(super) fn journal_stream(state: &AppState, id: &str, last: Option<u64>) -> Response {
     let source = Source::Journal(JournalRead::new(JournalSource::new(state, id)));
     sse(source, Sequencer::new(id.to_owned(), last), "queued")
+}
+
+/// A finished generation's stream from its journal after `last`, or 400 `invalid_request`
+/// when `last` is past its terminal event: its whole journal is there (it ended), so what is
+/// left is known before the response starts.
+pub(super) async fn finished_journal_stream(
+    state: &AppState,
+    id: &str,
+    last: u64,
+) -> Result<Response, ApiError> {
+    let source = Source::Journal(JournalRead::new(JournalSource::new(state, id)));
+    let primed = sse::Primed::new(NamedEvents {
+        source,
+        seq: Sequencer::new(id.to_owned(), Some(last)),
+        created: Some("queued".to_owned()),
+        ended: false,
+    })
+    .await;
+    if primed.events.seq.past_end {
+        let end = primed.events.seq.next.saturating_sub(1);
+        return Err(ApiError::new(
+            ErrorCode::InvalidRequest,
+            format!(
+                "`Last-Event-ID` {last} is past the end of this generation's events: its last event is {end}, and the stream is complete."
+            ),
+        )
+        .with_param("Last-Event-ID"));
+    }
+    Ok(no_store(primed.response()))
 }

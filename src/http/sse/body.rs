@@ -173,8 +173,46 @@ impl<E: SseEvents + Unpin> http_body::Body for SseBody<E> {
     }
 }
 
+/// Events rendered before their response starts: until they wrote something or ended.
+pub(crate) struct Primed<E> {
+    /// The events, to go on with.
+    pub(crate) events: E,
+    text: SseText,
+    ended: bool,
+}
+
+impl<E: SseEvents + Unpin> Primed<E> {
+    /// Renders `events` until they write something or end, so that a request whose stream
+    /// would hold nothing can still be answered with an error status (a resume past the end).
+    /// Only for sources that do not wait on a live generation: this waits as long as they do.
+    pub(crate) async fn new(mut events: E) -> Self {
+        let mut text = SseText::default();
+        let mut ended = false;
+        while !ended && text.len() == 0 {
+            ended = std::future::poll_fn(|cx| events.poll_write(cx, &mut text)).await == Step::End;
+        }
+        Self {
+            events,
+            text,
+            ended,
+        }
+    }
+
+    /// The response: what was rendered, then the rest of the events.
+    pub(crate) fn response(self) -> Response {
+        let mut body = SseBody::new(self.events);
+        body.text.buf.put_slice(&self.text.buf);
+        body.ended = self.ended;
+        with_headers(body)
+    }
+}
+
 /// A `text/event-stream` response of `events`, with the headers axum's `Sse` sets.
 pub(crate) fn response<E: SseEvents + Unpin>(events: E) -> Response {
+    with_headers(SseBody::new(events))
+}
+
+fn with_headers<E: SseEvents + Unpin>(body: SseBody<E>) -> Response {
     (
         [
             (
@@ -183,7 +221,7 @@ pub(crate) fn response<E: SseEvents + Unpin>(events: E) -> Response {
             ),
             (header::CACHE_CONTROL, HeaderValue::from_static("no-cache")),
         ],
-        Body::new(SseBody::new(events)),
+        Body::new(body),
     )
         .into_response()
 }

@@ -176,6 +176,7 @@ impl<N: NodeRef> Core<N> {
             );
             match stop {
                 Stop::Timeout => self.finish_without_work(timeout(), fx),
+                Stop::OverBound => self.finish_without_work(super::over_bound(), fx),
                 Stop::Cancelled => self.end_cancelled_without_work(fx),
             }
             return;
@@ -312,6 +313,7 @@ impl<N: NodeRef> Core<N> {
         match stop {
             Some(Stop::Cancelled) => self.end_cancelled_without_work(fx),
             Some(Stop::Timeout) => self.end_fenced(timeout(), fx),
+            Some(Stop::OverBound) => self.end_fenced(super::over_bound(), fx),
             None if !self.retried => self.retry(fx),
             None => self.end_fenced(
                 Failure::new(
@@ -406,6 +408,13 @@ impl<N: NodeRef> Core<N> {
                     stop: Some(Stop::Cancelled),
                 }
             }
+            // A node that broke its bound stays the reason it ended.
+            Where::Cancelling {
+                stop: Stop::OverBound,
+            }
+            | Where::AwaitingDone {
+                stop: Some(Stop::OverBound),
+            } => {}
             Where::Cancelling { .. } => {
                 self.at = Where::Cancelling {
                     stop: Stop::Cancelled,

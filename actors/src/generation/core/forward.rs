@@ -5,7 +5,8 @@
 use tokio::time::Instant;
 
 use super::{
-    Admitting, Attempt, Core, Dispatching, Effect, Fx, Input, Metric, NodeRef, Reader, Row, Where,
+    Admitting, Attempt, Core, Dispatching, Effect, Fx, Input, Metric, NodeRef, Reader, Row, Stop,
+    Where, over_bound,
 };
 use crate::error::{ErrorCode, Failure};
 use crate::generation::msg::{GenEvent, Timer};
@@ -365,10 +366,45 @@ impl<N: NodeRef> Core<N> {
             fx.push(Effect::Metric(Metric::Ttft(ttft.as_secs_f64())));
         }
         self.last_token_at = Some(now);
+        if self.beyond_bound(&delta, from, fx) {
+            return;
+        }
         if self.cfg.recorded && !self.retained.full {
             self.retain(&delta);
         }
         self.tell(GenEvent::Delta(delta), fx);
+    }
+
+    /// Counts `delta` against the request's output bound. The chunk that crosses it, and every
+    /// one after, is neither kept nor relayed: no engine sends that much for this request
+    /// (SPEC section 7, trust), so it is a `completion_over_bound` violation, the client gets
+    /// `model_backend_error` and the node is told to stop; its `done` settles the row within
+    /// the request's usage bounds, as any other.
+    fn beyond_bound(&mut self, delta: &Piece, from: N, fx: &mut Fx<N>) -> bool {
+        let bound = self.cfg.output_bytes;
+        let was_beyond = self.attempt.bytes > bound;
+        let size = u64::try_from(delta.size()).unwrap_or(u64::MAX);
+        self.attempt.bytes = self.attempt.bytes.saturating_add(size);
+        if was_beyond {
+            return true;
+        }
+        if self.attempt.bytes <= bound {
+            return false;
+        }
+        tracing::warn!(
+            request_id = %self.cfg.request_id,
+            node_id = from.node_id(),
+            received_bytes = self.attempt.bytes,
+            bound_bytes = bound,
+            "output beyond the request's bound; stopping the node's work"
+        );
+        fx.push(Effect::Violation {
+            node: from,
+            kind: Violation::CompletionOverBound,
+        });
+        self.fail_client(over_bound(), fx);
+        self.cancel_on_node(Stop::OverBound, fx);
+        true
     }
 
     /// Keeps the text, reasoning and tool calls of a lifecycle generation (never the

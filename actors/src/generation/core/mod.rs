@@ -49,6 +49,8 @@ pub(crate) enum Stop {
     Cancelled,
     /// Past a deadline.
     Timeout,
+    /// The node sent more output than the request allows ([`Config::output_bytes`]).
+    OverBound,
 }
 
 /// The steps of admission, each waiting for its answer. The ledger row is opened beside them
@@ -147,6 +149,9 @@ pub(crate) struct Config {
     pub bounds: UsageBounds,
     /// The gateway's prompt count (fallback usage once anything streamed).
     pub estimated_prompt_tokens: u64,
+    /// The most output a node may send, in bytes as they arrive
+    /// ([`crate::output::output_bound`]): past it nothing more is kept or relayed.
+    pub output_bytes: u64,
     /// The generation has a lifecycle record: its output is kept, and its client may come back
     /// (so a leaving client gets the grace).
     pub recorded: bool,
@@ -165,6 +170,9 @@ pub(crate) struct Attempt {
     pub chunks: u64,
     /// A chunk's `seq` skipped ahead: some output never arrived.
     pub gap: bool,
+    /// Output bytes received ([`crate::output::Piece::size`]), against
+    /// [`Config::output_bytes`].
+    pub bytes: u64,
 }
 
 /// The client's reader, as far as the sender or the stream's drop guard said.
@@ -258,6 +266,14 @@ pub(crate) struct Core<N> {
     /// row has answered, so a client is admitted only on a committed row and refused only
     /// once nothing of it stays reserved.
     pub reply_waits: Option<Result<(), Failure>>,
+}
+
+/// What the client is told when its node sent more than the request allows.
+fn over_bound() -> Failure {
+    Failure::new(
+        ErrorCode::ModelBackendError,
+        "The engine's answer exceeded the size its request allows; the generation was stopped.",
+    )
 }
 
 /// The effects of one step.

@@ -272,6 +272,8 @@ impl<N: NodeRef> Core<N> {
                     .into(),
             ),
             _ if unrepresentable || lost_output => Outcome::Failed("model_backend_error".into()),
+            // Whatever the node says now, its answer was cut at the bound.
+            (_, Some(Stop::OverBound)) => Outcome::Failed("model_backend_error".into()),
             ("abort", Some(Stop::Cancelled)) => Outcome::Cancelled,
             ("abort", Some(Stop::Timeout)) => Outcome::Failed("generation_timeout".into()),
             ("abort" | "error", _) => Outcome::Failed("model_backend_error".into()),
@@ -339,7 +341,7 @@ impl<N: NodeRef> Core<N> {
         let outcome = match stop {
             Some(Stop::Cancelled) => Outcome::Cancelled,
             Some(Stop::Timeout) => Outcome::Failed("generation_timeout".into()),
-            None => Outcome::Failed("model_backend_error".into()),
+            Some(Stop::OverBound) | None => Outcome::Failed("model_backend_error".into()),
         };
         self.finish_record(false, outcome.clone(), &usage, fx);
         if outcome == Outcome::Cancelled && !self.told {

@@ -191,6 +191,12 @@ pub(super) fn record(recorded: bool) -> Option<GenerationRecord> {
 }
 
 impl World {
+    /// The world with an output bound of `bytes` (each chunk carries 3).
+    pub(super) fn output_bound(mut self, bytes: u64) -> Self {
+        self.core.cfg.output_bytes = bytes;
+        self
+    }
+
     pub(super) fn new(recorded: bool, bounded: bool, dice: Vec<u8>) -> Self {
         let bounds = if bounded {
             UsageBounds {
@@ -206,6 +212,8 @@ impl World {
             timeouts: Timeouts::default(),
             bounds,
             estimated_prompt_tokens: 20,
+            // Four 3-byte chunks fit; see [`World::output_bound`].
+            output_bytes: if bounded { 12 } else { u64::MAX },
             recorded,
         };
         let now = Instant::now();

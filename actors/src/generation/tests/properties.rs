@@ -19,7 +19,12 @@ proptest! {
         ops in proptest::collection::vec(op(), 0..48),
         dice in proptest::collection::vec(any::<u8>(), 0..64),
     ) {
+        // Bounded, the second chunk crosses the output bound, so its path (a violation, the
+        // client failed, the node stopped) is among those explored.
         let mut world = World::new(recorded, bounded, dice);
+        if bounded {
+            world = world.output_bound(5);
+        }
         world.step(Input::Admit);
         for op in ops {
             world.apply(op);

@@ -316,3 +316,70 @@ async fn a_done_outliving_its_generation_settles_only_from_the_node_that_held_it
             .any(|f| matches!(f, ServerFrame::Ack { .. }))
     );
 }
+
+#[tokio::test(start_paused = true)]
+async fn output_beyond_the_requests_bound_ends_it_stops_the_node_and_settles_within_bounds() {
+    use crate::lifecycle::Status;
+    let h = harness(8, 4).await;
+    let (node, mut out) = connect(&h, "n1").await;
+    let store = Arc::new(crate::lifecycle::memory::MemoryGenerations::default());
+    // Admitted through the record (so the outcome is stored), bounded to five tokens:
+    // 5 × 1 KiB + 64 KiB of output at most.
+    use crate::lifecycle::{GenerationStore, MessagePolicy, NewGeneration};
+    let new = NewGeneration {
+        id: "r1".into(),
+        subject: "alice".into(),
+        idempotency_key: "r1".into(),
+        fingerprint: "fp".into(),
+        model: MODEL.into(),
+    };
+    store
+        .admit_generation(&new, &MessagePolicy::default(), 0)
+        .await
+        .unwrap();
+    let lifecycle: Arc<dyn GenerationStore> = store.clone();
+    let mut stream = start_bounded(&h, "r1", Some(lifecycle), FIVE_TOKENS)
+        .await
+        .unwrap();
+    expect_assign(&mut out).await;
+    let slice = "x".repeat(16 << 10);
+    for seq in 0..8 {
+        node.deliver(chunk("r1", 1, seq, &slice));
+    }
+    // Four slices (64 KiB) fit; the fifth crosses 69 KiB and nothing from it on is relayed.
+    for _ in 0..4 {
+        assert!(matches!(stream.next().await, Some(GenEvent::Delta(_))));
+    }
+    let Some(GenEvent::Failed(f)) = stream.next().await else {
+        panic!("a typed failure after the bound")
+    };
+    assert_eq!(f.code, ErrorCode::ModelBackendError);
+    let frames = drain(&mut out);
+    assert!(
+        frames
+            .iter()
+            .any(|f| matches!(f, ServerFrame::Cancel { attempt: 1, .. })),
+        "the engine's work is stopped: {frames:?}"
+    );
+    // The node's `done` (claiming far more than five tokens) settles within the bounds.
+    node.deliver(done("r1", 1, 12, 100_000, "abort"));
+    settle_a_moment().await;
+    assert_eq!(stream.next().await, None, "nothing after the failure");
+    let row = h.ledger.row("r1").unwrap();
+    assert_eq!(
+        (row.status, row.prompt_tokens, row.completion_tokens),
+        (RowStatus::Settled, 12, 5)
+    );
+    assert!(
+        drain(&mut out)
+            .iter()
+            .any(|f| matches!(f, ServerFrame::Ack { .. }))
+    );
+    let rec = store.records().pop().unwrap();
+    assert_eq!(rec.status, Status::Failed);
+    assert_eq!(
+        rec.output.as_deref().map(str::len),
+        Some(4 * slice.len()),
+        "the record keeps what was relayed, nothing past the bound"
+    );
+}
