@@ -162,6 +162,10 @@ pub enum QueueItem {
         /// Its prompt, for the owner's node choice (absent from older replicas).
         #[serde(default, skip_serializing_if = "Option::is_none")]
         route: Option<std::sync::Arc<crate::model_queue::RouteKey>>,
+        /// Milliseconds it has waited already (sent again to a new owner): the owner places
+        /// it among the others by when it arrived, and its deadline runs from then.
+        #[serde(default, skip_serializing_if = "is_zero")]
+        waited_ms: u64,
     },
     /// It left while waiting.
     Withdraw {
@@ -259,4 +263,10 @@ pub enum QueueReply {
         /// The generation.
         request_id: String,
     },
+}
+
+/// Serde's test for a field left out at its default.
+#[allow(clippy::trivially_copy_pass_by_ref)] // serde passes a reference
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }

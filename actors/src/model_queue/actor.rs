@@ -68,10 +68,28 @@ pub(super) enum Waiter {
     Remote(String),
 }
 
+/// How a generation joins the line, besides who it is.
+#[derive(Debug)]
+pub(super) struct Join {
+    /// A retry goes to the head.
+    pub(super) front: bool,
+    /// A retry's failed node: another one is preferred.
+    pub(super) avoid: Option<String>,
+    /// The engine API it needs.
+    pub(super) api: Api,
+    /// Its prompt, for routing.
+    pub(super) route: Option<Arc<RouteKey>>,
+    /// How long it waited already (in an earlier owner's queue, or forwarded).
+    pub(super) waited: Duration,
+}
+
 #[derive(Debug)]
 pub(super) struct Waiting {
     pub(super) request_id: String,
     pub(super) waiter: Waiter,
+    /// When it entered a queue of this model (on its replica, or an earlier owner's): the
+    /// order it is served in, and where its deadline runs from.
+    pub(super) arrived: Instant,
     pub(super) deadline: Instant,
     /// A retry's failed node: another one is preferred.
     pub(super) avoid: Option<String>,
@@ -183,6 +201,15 @@ pub struct QueueState {
     _guard: TaskGuard,
 }
 
+/// Where in a line whose waiters arrived at `arrivals` (in line order) one that arrived at
+/// `arrived` goes: behind the last that came no later than it.
+pub(super) fn place_at(
+    mut arrivals: impl DoubleEndedIterator<Item = Instant> + ExactSizeIterator,
+    arrived: Instant,
+) -> usize {
+    arrivals.rposition(|a| a <= arrived).map_or(0, |i| i + 1)
+}
+
 /// See the module documentation.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct ModelQueueActor;
@@ -285,7 +312,14 @@ impl Actor for ModelQueueActor {
                     return Ok(());
                 }
                 let waiter = Waiter::Local(generation);
-                let verdict = state.admit(request_id, waiter, front, avoid, api, route);
+                let join = Join {
+                    front,
+                    avoid,
+                    api,
+                    route,
+                    waited: Duration::ZERO,
+                };
+                let verdict = state.admit(request_id, waiter, join);
                 let _ = reply.send(verdict);
                 state.dispatch();
             }
@@ -477,10 +511,7 @@ impl QueueState {
         &mut self,
         request_id: String,
         waiter: Waiter,
-        front: bool,
-        avoid: Option<String>,
-        api: Api,
-        route: Option<Arc<RouteKey>>,
+        join: Join,
     ) -> Result<(), Failure> {
         let model = &self.args.model;
         // Already waiting: a generation re-queued after a restart may have entered the new
@@ -488,10 +519,15 @@ impl QueueState {
         if self.waiting.iter().any(|w| w.request_id == request_id) {
             return Ok(());
         }
-        if let Some(failure) = self.unroutable(api) {
+        if let Some(failure) = self.unroutable(join.api) {
             return Err(failure);
         }
-        if self.waiting.len() >= self.args.config.max_waiting && !front {
+        // One that waited already (sent again to a new owner) was admitted to wait once and
+        // keeps its place; only a newcomer finds the line full.
+        if self.waiting.len() >= self.args.config.max_waiting
+            && !join.front
+            && join.waited.is_zero()
+        {
             let wait = self.retry_after_secs();
             return Err(Failure::new(
                 ErrorCode::QueueFull,
@@ -499,22 +535,32 @@ impl QueueState {
             )
             .retry_after(wait));
         }
-        let deadline = self.args.clock.now() + self.args.config.deadline;
+        let now = self.args.clock.now();
+        let arrived = now.checked_sub(join.waited).unwrap_or(now);
         let entry = Waiting {
             request_id,
             waiter,
-            deadline,
-            avoid,
-            api,
-            route,
+            arrived,
+            deadline: arrived + self.args.config.deadline,
+            avoid: join.avoid,
+            api: join.api,
+            route: join.route,
             passed: 0,
         };
+        self.place(entry, join.front);
+        Ok(())
+    }
+
+    /// Puts `entry` in line: a retry at the head, anything else behind every waiter that
+    /// arrived before it — so the generations a new owner gets from every replica keep the
+    /// order they came in, and none waits out its deadline behind newer ones.
+    pub(super) fn place(&mut self, entry: Waiting, front: bool) {
         if front {
             self.waiting.push_front(entry);
-        } else {
-            self.waiting.push_back(entry);
+            return;
         }
-        Ok(())
+        let at = place_at(self.waiting.iter().map(|w| w.arrived), entry.arrived);
+        self.waiting.insert(at, entry);
     }
 
     /// When the queue, draining at its measured rate, will have room again.
@@ -684,5 +730,28 @@ impl QueueState {
             owner: self.owner(),
             on_grant: self.cluster.as_ref().map_or(0, |m| m.grants.started()),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use tokio::time::Instant;
+
+    use super::place_at;
+
+    #[test]
+    fn a_waiter_sent_again_goes_behind_those_that_came_before_it() {
+        let t0 = Instant::now();
+        let at = |ms: u64| t0 + Duration::from_millis(ms);
+        let line = [at(10), at(20), at(30)];
+        // A newcomer at the back, one that came first at the head, one between in between.
+        assert_eq!(place_at(line.into_iter(), at(40)), 3);
+        assert_eq!(place_at(line.into_iter(), at(5)), 0);
+        assert_eq!(place_at(line.into_iter(), at(25)), 2);
+        // Ties keep the order they were sent in.
+        assert_eq!(place_at(line.into_iter(), at(20)), 2);
+        assert_eq!(place_at(std::iter::empty(), at(20)), 0);
     }
 }

@@ -9,7 +9,7 @@ use std::time::Duration;
 use ractor::{ActorRef, RpcReplyPort};
 use tokio::time::Instant;
 
-use super::actor::{QueueState, Waiter, Waiting};
+use super::actor::{Join, QueueState, Waiter, Waiting};
 use super::cluster::{QueueCluster, Role};
 use super::grant::Grants;
 use super::msg::{QueueMsg, Slot};
@@ -21,7 +21,8 @@ use crate::generation::GenerationMsg;
 use crate::metric_names::QUEUE_FENCED_TOTAL;
 use crate::protocol::Api;
 
-/// How long a forwarded enqueue waits for the owner's verdict before it is refused.
+/// How long a forwarded enqueue waits for the owner's verdict before it is taken to wait
+/// anyway (see [`QueueState::expire_forwarded`]).
 const VERDICT_WAIT: Duration = Duration::from_secs(4);
 /// A forwarded generation outlives its deadline by this much before this replica times it
 /// out itself (the owner normally does it first).
@@ -35,9 +36,26 @@ pub(super) struct Forwarded {
     avoid: Option<String>,
     api: Api,
     route: Option<Arc<RouteKey>>,
+    /// When it entered this model's queue (sent on to each new owner as how long it waited).
+    since: Instant,
     deadline: Instant,
     /// The generation's enqueue call, until the owner's verdict (and when it was asked).
     verdict: Option<(RpcReplyPort<Result<(), Failure>>, Instant)>,
+}
+
+impl Forwarded {
+    /// Its enqueue, as sent to an owner at `now`.
+    fn enqueue(&self, request_id: &str, now: Instant) -> QueueItem {
+        let waited = now.saturating_duration_since(self.since);
+        QueueItem::Enqueue {
+            request_id: request_id.to_owned(),
+            front: self.front,
+            avoid: self.avoid.clone(),
+            api: self.api,
+            route: self.route.clone(),
+            waited_ms: u64::try_from(waited.as_millis()).unwrap_or(u64::MAX),
+        }
+    }
 }
 
 /// What a local generation asks of the queue (see [`super::QueueMsg::Enqueue`]).
@@ -219,6 +237,7 @@ impl QueueState {
             avoid: avoid.clone(),
             api,
             route: route.clone(),
+            waited_ms: 0,
         };
         m.forwarded.insert(
             request_id,
@@ -228,6 +247,7 @@ impl QueueState {
                 avoid,
                 api,
                 route,
+                since: now,
                 deadline,
                 verdict: Some((reply, now)),
             },
@@ -248,21 +268,18 @@ impl QueueState {
     }
 
     /// Sends the owner every generation of this replica still waiting (it ignores those it
-    /// holds already).
+    /// holds already), oldest first and with how long each waited, so the owner keeps every
+    /// replica's generations in the order they came.
     fn resend_forwarded(&mut self) {
+        let now = self.args.clock.now();
         let Some(m) = self.cluster.as_ref() else {
             return;
         };
-        let again: Vec<QueueItem> = m
-            .forwarded
-            .iter()
-            .map(|(request_id, f)| QueueItem::Enqueue {
-                request_id: request_id.clone(),
-                front: f.front,
-                avoid: f.avoid.clone(),
-                api: f.api,
-                route: f.route.clone(),
-            })
+        let mut waiting: Vec<(&String, &Forwarded)> = m.forwarded.iter().collect();
+        waiting.sort_by_key(|(_, f)| f.since);
+        let again: Vec<QueueItem> = waiting
+            .into_iter()
+            .map(|(request_id, f)| f.enqueue(request_id, now))
             .collect();
         for item in again {
             self.tell_owner(item);
@@ -346,14 +363,34 @@ impl QueueState {
         true
     }
 
-    /// Periodic: forwarded generations with no verdict in time or past their deadline end;
+    /// Periodic: forwarded generations past their deadline end; one with no verdict in time
+    /// waits anyway, as admitted, while some node can run it (the owner died with its
+    /// enqueue, or changes hands: the next owner gets it with the rest, and a late refusal
+    /// still ends it) — refused for want of an owner, it would fail with two healthy nodes;
     /// as the owner, followers silent for a lease period are forgotten.
     pub(super) fn expire_forwarded(&mut self) {
         let now = self.args.clock.now();
         let model = self.args.model.clone();
+        let routable: Vec<Api> = [Api::Chat, Api::Completions, Api::Embeddings]
+            .into_iter()
+            .filter(|api| self.unroutable(*api).is_none())
+            .collect();
         let Some(m) = self.cluster.as_mut() else {
             return;
         };
+        for f in m.forwarded.values_mut() {
+            let late = f
+                .verdict
+                .as_ref()
+                .is_some_and(|(_, at)| now.saturating_duration_since(*at) > VERDICT_WAIT);
+            if late
+                && f.deadline > now
+                && routable.contains(&f.api)
+                && let Some((reply, _)) = f.verdict.take()
+            {
+                let _ = reply.send(Ok(()));
+            }
+        }
         let silent_after = m.cluster.lease_ttl + m.cluster.period();
         let silent: Vec<String> = m
             .followers
@@ -443,22 +480,36 @@ impl QueueState {
             n.granted.clear();
             n.recalled = None;
         }
+        let now = self.args.clock.now();
+        let mut forwarded: Vec<(String, Forwarded)> = forwarded.into_iter().collect();
+        forwarded.sort_by_key(|(_, f)| f.since);
         for (request_id, f) in forwarded {
             let waiter = Waiter::Local(f.generation);
             match f.verdict {
                 Some((reply, _)) => {
-                    let verdict = self.admit(request_id, waiter, f.front, f.avoid, f.api, f.route);
+                    let join = Join {
+                        front: f.front,
+                        avoid: f.avoid,
+                        api: f.api,
+                        route: f.route,
+                        waited: now.saturating_duration_since(f.since),
+                    };
+                    let verdict = self.admit(request_id, waiter, join);
                     let _ = reply.send(verdict);
                 }
-                None => self.waiting.push_back(Waiting {
-                    request_id,
-                    waiter,
-                    deadline: f.deadline,
-                    avoid: f.avoid,
-                    api: f.api,
-                    route: f.route,
-                    passed: 0,
-                }),
+                None => {
+                    let entry = Waiting {
+                        request_id,
+                        waiter,
+                        arrived: f.since,
+                        deadline: f.deadline,
+                        avoid: f.avoid,
+                        api: f.api,
+                        route: f.route,
+                        passed: 0,
+                    };
+                    self.place(entry, f.front);
+                }
             }
         }
     }
@@ -479,12 +530,14 @@ impl QueueState {
             if let Waiter::Local(generation) = w.waiter {
                 m.forwarded.insert(
                     w.request_id,
+                    // In line by when it came, as the next owner places every replica's.
                     Forwarded {
                         generation,
-                        front: true,
+                        front: false,
                         avoid: w.avoid,
                         api: w.api,
                         route: w.route,
+                        since: w.arrived,
                         deadline: w.deadline.min(deadline),
                         verdict: None,
                     },
@@ -666,13 +719,10 @@ impl QueueState {
                     }
                     (Some(f), None) => {
                         // The node left this replica's view meanwhile: wait for another.
-                        let again = QueueItem::Enqueue {
-                            request_id: request_id.clone(),
-                            front: true,
-                            avoid: f.avoid.clone(),
-                            api: f.api,
-                            route: f.route.clone(),
-                        };
+                        let mut again = f.enqueue(&request_id, now);
+                        if let QueueItem::Enqueue { front, .. } = &mut again {
+                            *front = true;
+                        }
                         m.forwarded.insert(request_id, f);
                         self.tell_owner(QueueItem::Released { node_id });
                         self.tell_owner(again);

@@ -3,8 +3,9 @@
 //! dispatched and lent to it since.
 
 use std::collections::{BTreeMap, VecDeque};
+use std::time::Duration;
 
-use super::actor::{QueueState, Waiter};
+use super::actor::{Join, QueueState, Waiter};
 use super::cluster::Role;
 use super::follow::Follower;
 use super::msg::QueueMsg;
@@ -63,9 +64,17 @@ impl QueueState {
                     avoid,
                     api,
                     route,
+                    waited_ms,
                 } => {
                     let waiter = Waiter::Remote(from.clone());
-                    let verdict = self.admit(request_id.clone(), waiter, front, avoid, api, route);
+                    let join = Join {
+                        front,
+                        avoid,
+                        api,
+                        route,
+                        waited: Duration::from_millis(waited_ms),
+                    };
+                    let verdict = self.admit(request_id.clone(), waiter, join);
                     self.tell_replica(
                         &from,
                         QueueReply::Verdict {
