@@ -25,8 +25,9 @@ use crate::tasks::TaskGuard;
 
 /// How often the actor checks that heartbeats still arrive.
 const HEARTBEAT_CHECK: Duration = Duration::from_secs(1);
-/// Stray assignments remembered as already cancelled (forgotten all at once past this).
-const MAX_STRAYS: usize = 10_000;
+/// Stray assignments remembered as already cancelled (forgotten all at once past this); also
+/// bounds the `done`s remembered as unrecorded.
+pub(super) const MAX_STRAYS: usize = 10_000;
 /// Engine refusals in a row after which a node leaves routing until its next heartbeat.
 const REFUSALS_BEFORE_SUSPENSION: u32 = 2;
 
@@ -109,6 +110,8 @@ pub struct NodeState {
     pub(super) in_flight: BTreeMap<String, InFlight>,
     /// Requests whose chunks no generation took, already told to cancel.
     strays: std::collections::BTreeSet<String>,
+    /// `done`s whose attempt no record named, and when first seen (see `orphan.rs`).
+    pub(super) unrecorded: BTreeMap<(String, u64), tokio::time::Instant>,
     /// When the last heartbeat (or registration) arrived.
     last_heartbeat: tokio::time::Instant,
     /// The last heartbeat's load.
@@ -195,6 +198,7 @@ impl Actor for NodeActor {
             transport,
             in_flight: BTreeMap::new(),
             strays: std::collections::BTreeSet::new(),
+            unrecorded: BTreeMap::new(),
             load: NodeLoad::default(),
             draining: false,
             lost: false,

@@ -21,6 +21,33 @@ pub(super) enum Forward {
     Never,
 }
 
+/// How long a `done` whose attempt no record names waits before it is settled from the frame
+/// alone (see [`unrecorded_long_enough`]).
+pub(super) const UNRECORDED_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Whether a `done` of `attempt` that no record names was first seen [`UNRECORDED_WAIT`] ago
+/// or more (it is remembered now if not). A missing record no longer proves the generation
+/// gone: Redis may have lost it (restarted empty) while the generation lives on elsewhere and
+/// may have fenced this very attempt and retried — settled at once, the fenced attempt's
+/// tokens would be billed to the retry's row (the simulation, Redis restarted empty). Left
+/// unacked, the node sends it again; by then a live generation has recorded its attempts
+/// anew with its next dispatch, and the copy goes to it.
+fn unrecorded_long_enough(state: &mut NodeState, request_id: &str, attempt: u64) -> bool {
+    let now = state.args.clock.now();
+    if state.unrecorded.len() > super::actor::MAX_STRAYS {
+        state.unrecorded.clear();
+    }
+    let first = *state
+        .unrecorded
+        .entry((request_id.to_owned(), attempt))
+        .or_insert(now);
+    let waited = now.saturating_duration_since(first) >= UNRECORDED_WAIT;
+    if waited {
+        state.unrecorded.remove(&(request_id.to_owned(), attempt));
+    }
+    waited
+}
+
 /// A `done` whose generation is not live on this replica. While the attempt record names
 /// another replica for the generation, the `done` goes there: only the live generation knows
 /// whether it fenced the attempt (settled here, a `done` racing the generation's retry would
@@ -63,6 +90,10 @@ pub(super) async fn settle_orphan(
             return;
         }
         Holder::Unrecorded => {
+            if !unrecorded_long_enough(state, &request_id, attempt) {
+                tracing::info!(node_id = %state.args.node_id, %request_id, attempt, "no record of who held this attempt yet; left unacked until the node sends it again");
+                return;
+            }
             tracing::warn!(node_id = %state.args.node_id, %request_id, attempt, "no record of who held this attempt; settling within its bounds for review");
             Some(ReviewReason::UnverifiedNode)
         }
