@@ -4,10 +4,14 @@
 //! one thread, a simulated clock, a simulated network. Each seed draws a plan of requests
 //! (teams, lengths, clients that hang up) and a schedule of faults (partitions between a
 //! replica and the coordinator or between a node and the replicas, delayed links, replicas
-//! and nodes crashed and restarted, the database away), and after every step of the
-//! simulation the books must balance; at rest every client saw an end, no row is left
-//! reserved but those of a crashed replica's clients (the sweeper's), every bill is what an
-//! engine produced and what the client was streamed, and no node ran past its capacity.
+//! and nodes crashed and restarted, the database away, Redis restarted empty, a replica
+//! paused past its leases), and after every step of the simulation the books must balance;
+//! at rest every client saw an end, no row is left reserved but those of a crashed replica's
+//! clients (the sweeper's), every bill is what an engine produced and what the client was
+//! streamed, and no node ran past its capacity. Once every fault has healed, a wave of
+//! requests larger than the fleet must find every node's whole capacity usable within
+//! [`CAPACITY_BACK_MS`] (each node running all its slots at some moment): no fault may
+//! leave slots counted that nothing runs.
 //!
 //! A failing seed prints itself; `DST_SEED=n` replays exactly that seed, `DST_SEEDS=n`
 //! runs more (the test command runs 200, in two halves at once; `DST_SEED_BASE` moves the
@@ -43,6 +47,15 @@ const TICK: Duration = Duration::from_millis(10);
 const ACTIVE_MS: u64 = 15_000;
 /// Every fault has healed by then.
 const HEALED_MS: u64 = 25_000;
+/// The wave that must fill every node arrives then, once every fault has healed and the
+/// agents' reconnect backoff (2 s at most) and a lease (3 s) have passed.
+const WAVE_MS: u64 = HEALED_MS + 5_000;
+/// Requests of the wave: three times the fleet's slots, so that a node freeing a slot (an
+/// agent picks each answer's length, some a token or two) has more to take, and every node
+/// is full at once.
+const WAVE: usize = 3 * NODES.len() * CAPACITY as usize;
+/// Every node runs its whole capacity within this of the wave.
+const CAPACITY_BACK_MS: u64 = 10_000;
 /// A run must have come to rest by then (the longest generation, the wait for its usage
 /// and an agent's resend after the last fault); most do much sooner, and stop there.
 const END_MS: u64 = 75_000;
@@ -64,6 +77,15 @@ enum Fault {
     Restart(String),
     /// The database refuses every call, or answers again.
     Database(bool),
+    /// Redis goes down and loses everything it held (no persistence).
+    RedisLost,
+    /// Redis is back, empty.
+    RedisBack,
+    /// Every link of a replica holds its messages (the process stopped: a VM stall, a long
+    /// pause); held past its leases.
+    Pause(String),
+    /// They flow again.
+    Resume(String),
 }
 
 /// One seed's plan and faults.
@@ -114,12 +136,68 @@ fn scenario(seed: u64) -> Scenario {
         faults.push((at, start));
         faults.push((until, end));
     }
+    if !REGRESSIONS.contains(&seed) {
+        faults.extend(owner_faults(seed));
+    }
     faults.sort_by_key(|(at, _)| *at);
+    plan.extend(wave(seed));
     Scenario { plan, faults }
 }
 
-fn apply(sim: &mut turmoil::Sim<'_>, world: &World, fault: &Fault) {
+/// Half the seeds meet a fault of the cluster's own ownership: Redis restarted empty, or a
+/// replica paused past its leases. Drawn from a stream of their own, so the other faults and
+/// the plan of every seed stay what they were (the regressions replay theirs exactly, and
+/// meet none).
+fn owner_faults(seed: u64) -> Vec<(u64, Fault)> {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed ^ 0x6f77_6e65_7273);
+    if !rng.random_bool(0.5) {
+        return Vec::new();
+    }
+    let at = rng.random_range(1_000..ACTIVE_MS);
+    if rng.random_bool(0.5) {
+        let until = (at + rng.random_range(300..4_000)).min(HEALED_MS);
+        vec![(at, Fault::RedisLost), (until, Fault::RedisBack)]
+    } else {
+        let replica = REPLICAS[rng.random_range(0..REPLICAS.len())].to_owned();
+        let until = (at + rng.random_range(4_000..10_000)).min(HEALED_MS);
+        vec![
+            (at, Fault::Pause(replica.clone())),
+            (until, Fault::Resume(replica)),
+        ]
+    }
+}
+
+/// The wave at [`WAVE_MS`]: [`WAVE`] long requests of the rich team, over every replica.
+fn wave(seed: u64) -> Vec<Planned> {
+    (0..WAVE)
+        .map(|i| Planned {
+            id: format!("wave-{seed}-{i}"),
+            replica: REPLICAS[i % REPLICAS.len()].to_owned(),
+            at_ms: WAVE_MS,
+            team: 1,
+            max_tokens: 40,
+            abandon_after: None,
+        })
+        .collect()
+}
+
+fn apply(sim: &mut turmoil::Sim<'_>, world: &World, coord: &MemoryCoordinator, fault: &Fault) {
     match fault {
+        Fault::RedisLost => {
+            sim.crash("redis");
+            coord.lose_everything();
+        }
+        Fault::RedisBack => sim.bounce("redis"),
+        Fault::Pause(r) => {
+            for other in NODES.iter().chain(["redis"].iter()) {
+                sim.hold(r.as_str(), *other);
+            }
+        }
+        Fault::Resume(r) => {
+            for other in NODES.iter().chain(["redis"].iter()) {
+                sim.release(r.as_str(), *other);
+            }
+        }
         Fault::Partition(a, b) => sim.partition(a.as_str(), b.as_str()),
         Fault::Repair(a, b) => sim.repair(a.as_str(), b.as_str()),
         Fault::Hold(a, b) => sim.hold(a.as_str(), b.as_str()),
@@ -159,7 +237,11 @@ fn run_with(seed: u64, resend: bool) -> Result<(Summary, String), String> {
     let Scenario { plan, faults } = scenario(seed);
     let plan = Arc::new(plan);
     let world = Arc::new(World::new(CAPACITY));
-    let coord = Arc::new(MemoryCoordinator::default());
+    // Its tokens floored at the simulation's wall clock, as Redis floors them at its own.
+    let coord = Arc::new(MemoryCoordinator::with_clock(Arc::new(
+        dst::replica::SimClock,
+    )));
+    let redis = coord.clone();
     let mut sim = turmoil::Builder::new()
         .simulation_duration(Duration::from_millis(END_MS + 10_000))
         .tick_duration(TICK)
@@ -192,19 +274,27 @@ fn run_with(seed: u64, resend: bool) -> Result<(Summary, String), String> {
     loop {
         let now = u64::try_from(sim.elapsed().as_millis()).unwrap_or(u64::MAX);
         while let Some((_, fault)) = faults.next_if(|(at, _)| *at <= now) {
-            apply(&mut sim, &world, &fault);
+            apply(&mut sim, &world, &redis, &fault);
         }
         sim.step()
             .map_err(|e| format!("the simulation failed at {now} ms: {e}"))?;
         world
             .check_step()
             .map_err(|e| format!("at {now} ms: {e}\nfaults: {:#?}", scenario(seed).faults))?;
-        if now >= END_MS || (now >= HEALED_MS && world.at_rest(&plan)) {
+        if now >= WAVE_MS {
+            world.note_full(&NODES, now);
+        }
+        if now >= END_MS || (now > WAVE_MS && world.at_rest(&plan)) {
             break;
         }
     }
     let summary = world
         .check_end(&plan)
+        .and_then(|s| {
+            world
+                .check_capacity_back(&NODES, WAVE_MS, CAPACITY_BACK_MS)
+                .map(|()| s)
+        })
         .map_err(|e| format!("{e}\nfaults: {:#?}", scenario(seed).faults))?;
     Ok((summary, world.fingerprint()))
 }

@@ -21,6 +21,11 @@ use turmoil::net::{TcpListener, TcpStream};
 pub const PORT: u16 = 6379;
 /// How long a command waits for its answer before the connection is taken for dead.
 const ANSWER_WITHIN: Duration = Duration::from_secs(2);
+/// How often a subscription's connection carries a keepalive.
+const SUBSCRIPTION_KEEPALIVE: Duration = Duration::from_secs(1);
+/// A subscription silent this long is dead (its connection cut by a partition, its server
+/// gone without a word): it ends, and the subscriber subscribes again.
+const SUBSCRIPTION_SILENT: Duration = Duration::from_secs(3);
 /// Frames larger than this are refused (a corrupt length).
 const MAX_FRAME: u32 = 16 << 20;
 
@@ -118,7 +123,8 @@ fn millis(d: Duration) -> u64 {
 
 /// The coordinator host's software: serves `coord` until the host crashes. A crash keeps
 /// the keyspace (it lives outside the host, as an AOF-backed Redis's would survive a
-/// restart) but drops every connection, so subscribers lose what was published meanwhile.
+/// restart; the simulation empties it for a Redis without persistence) but drops every
+/// connection, so subscribers lose what was published meanwhile.
 pub async fn serve(coord: Arc<MemoryCoordinator>) -> turmoil::Result {
     let listener = TcpListener::bind(("0.0.0.0", PORT)).await?;
     loop {
@@ -139,14 +145,23 @@ async fn connection(coord: Arc<MemoryCoordinator>, mut s: TcpStream) {
             if write_frame(&mut s, &Answer::Unit).await.is_err() {
                 return;
             }
-            // The connection now only carries messages; it ends with the first failed
+            // The connection now only carries messages, and a keepalive every second (the
+            // real coordinator's pub/sub connection is health-checked the same way, so a
+            // subscriber cut off by a partition learns it); it ends with the first failed
             // write (the subscriber is gone) and the subscription with it.
-            while let Some(msg) = rx.recv().await {
-                if write_frame(&mut s, &Answer::Message(msg)).await.is_err() {
+            let mut keepalive = tokio::time::interval(SUBSCRIPTION_KEEPALIVE);
+            loop {
+                let frame = tokio::select! {
+                    msg = rx.recv() => match msg {
+                        Some(msg) => Answer::Message(msg),
+                        None => return,
+                    },
+                    _ = keepalive.tick() => Answer::Unit,
+                };
+                if write_frame(&mut s, &frame).await.is_err() {
                     return;
                 }
             }
-            return;
         }
         let answer = run(&coord, call)
             .await
@@ -455,11 +470,20 @@ impl Coordinator for NetCoordinator {
         }
         let (tx, rx) = mpsc::unbounded_channel();
         tokio::spawn(async move {
-            // Ends with the connection (or once nobody listens): the receiver then closes
-            // and the subscriber subscribes again, as after a lost Redis connection.
-            while let Ok(Answer::Message(msg)) = read_frame::<Answer>(&mut stream).await {
-                if tx.send(msg).is_err() {
-                    return;
+            // Ends with the connection, after a silence past its keepalives, or once nobody
+            // listens: the receiver then closes and the subscriber subscribes again, as after
+            // a lost Redis connection.
+            while let Ok(Ok(answer)) =
+                tokio::time::timeout(SUBSCRIPTION_SILENT, read_frame::<Answer>(&mut stream)).await
+            {
+                match answer {
+                    Answer::Message(msg) => {
+                        if tx.send(msg).is_err() {
+                            return;
+                        }
+                    }
+                    Answer::Unit => {}
+                    _ => return,
                 }
             }
         });

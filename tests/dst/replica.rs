@@ -41,7 +41,7 @@ const LEASE_TTL: Duration = Duration::from_secs(3);
 /// The simulation's clock: tokio's (simulated) instant, and a wall clock that is the
 /// simulation's own epoch plus its elapsed time, so nothing reads the host's real time.
 #[derive(Debug)]
-struct SimClock;
+pub struct SimClock;
 
 impl Clock for SimClock {
     fn now(&self) -> tokio::time::Instant {

@@ -63,6 +63,10 @@ struct State {
     violations: Vec<String>,
     /// Every outcome in the order it happened (the run's fingerprint).
     trace: Vec<String>,
+    /// When each node first ran its whole capacity after the wave (ms).
+    full_at: BTreeMap<String, u64>,
+    /// The most each node ran at once after the wave (what a failure of the wave shows).
+    wave_peak: BTreeMap<String, u32>,
 }
 
 /// See the module documentation.
@@ -171,6 +175,55 @@ impl World {
         s.running.remove(node);
         s.crashed_nodes.insert(node.to_owned());
         s.trace.push(format!("crash {node}"));
+    }
+
+    /// After the wave: the first time each node of `nodes` runs its whole capacity.
+    pub fn note_full(&self, nodes: &[&str], now_ms: u64) {
+        let mut s = self.state();
+        for n in nodes {
+            let now = s.running.get(*n).copied().unwrap_or(0);
+            let peak = s.wave_peak.entry((*n).to_owned()).or_default();
+            *peak = (*peak).max(now);
+            if now >= self.capacity && !s.full_at.contains_key(*n) {
+                s.full_at.insert((*n).to_owned(), now_ms);
+                s.trace.push(format!("{n} full at {now_ms}"));
+            }
+        }
+    }
+
+    /// Every node of `nodes` ran its whole capacity within `bound_ms` of the wave at
+    /// `wave_ms`: no fault left slots counted that nothing ran.
+    pub fn check_capacity_back(
+        &self,
+        nodes: &[&str],
+        wave_ms: u64,
+        bound_ms: u64,
+    ) -> Result<(), String> {
+        let s = self.state();
+        let peaks = &s.wave_peak;
+        let waves: BTreeMap<String, usize> = s
+            .outcomes
+            .iter()
+            .filter(|(id, _)| id.starts_with("wave-"))
+            .fold(BTreeMap::new(), |mut m, (_, o)| {
+                let key = format!("{o:?}");
+                let key: String = key.chars().take(48).collect();
+                *m.entry(key).or_default() += 1;
+                m
+            });
+        let late: Vec<String> = nodes
+            .iter()
+            .filter(|n| s.full_at.get(**n).is_none_or(|at| *at > wave_ms + bound_ms))
+            .map(|n| (*n).to_owned())
+            .collect();
+        if late.is_empty() {
+            return Ok(());
+        }
+        Err(format!(
+            "after the wave, {late:?} never ran their whole capacity within {bound_ms} ms: \
+             most run at once {peaks:?}, full at {:?}, the wave's outcomes {waves:?}",
+            s.full_at
+        ))
     }
 
     /// The invariants that hold at every instant: the books balance for every team (credits
