@@ -130,7 +130,7 @@ async fn max_streams_500() {
 }
 
 /// Redis restarted empty under load that keeps both nodes full: one queue owner everyone
-/// follows, both nodes full again within 30 s, nobody stranded.
+/// follows, both nodes full again within the run, nobody stranded.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_restart_empty() {
     short("redis-restart-empty").await;

@@ -172,6 +172,11 @@ async fn run_one(name: &str, opts: &DrillOptions, shape: PeakShape) -> anyhow::R
     let mut found = Found::default();
     let (config, models) = match name {
         "peak-200" => peak::stack(shape),
+        "redis-restart-empty" | "freeze-socket-holder" | "kill-queue-owner" => {
+            let config = drill_config(name);
+            let models = owners::served(&config);
+            (config, models)
+        }
         _ => {
             let config = drill_config(name);
             let models = config.one_model();
@@ -248,7 +253,8 @@ fn drill_config(name: &str) -> StackConfig {
             cut_database: true,
             ..short_deadlines()
         },
-        "redis-restart-empty" | "kill-queue-owner" => owners::stack(None),
+        "redis-restart-empty" => owners::stack(None),
+        "kill-queue-owner" => owners::stack_with_production_lease(),
         // Both nodes' sockets on the replica that freezes; the first replica owns the queue.
         "freeze-socket-holder" => owners::stack(Some(1)),
         _ => StackConfig {

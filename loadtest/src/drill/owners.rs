@@ -13,7 +13,7 @@ use indicatif::ProgressBar;
 use serde_json::json;
 use tokio::time::Instant;
 
-use super::{DrillOptions, Found, MODEL, Stack, StackConfig, short_deadlines, wait_books_closed};
+use super::{DrillOptions, Found, MODEL, Stack, StackConfig, wait_books_closed};
 use crate::{Limit, Report, RunConfig};
 
 /// Assignments one node carries.
@@ -24,16 +24,42 @@ const FULL: f64 = (SLOTS - 4) as f64;
 const CLIENTS: usize = 130;
 /// Load before the fault.
 const WARMUP: Duration = Duration::from_secs(6);
+/// Tokens each request asks for: few and slow (see [`served`]), so the relay between
+/// replicas carries little while the nodes stay full.
+const MAX_TOKENS: u32 = 16;
+
+/// The model these drills serve: [`MODEL`] on [`SLOTS`]-slot nodes whose engines take 50 ms
+/// to the first token and 80 ms a token, so a request of [`MAX_TOKENS`] lasts about 1.3 s
+/// and 130 clients need some 50 requests a second — little enough for a debug build on two
+/// cores to relay through three replicas.
+pub(super) fn served(config: &StackConfig) -> Vec<super::ServedModel> {
+    vec![super::ServedModel {
+        name: MODEL.to_owned(),
+        nodes: config.nodes,
+        node_concurrency: config.node_concurrency,
+        ttft_ms: 50,
+        itl_ms: 80,
+    }]
+}
+
+/// The window in which every node must reach [`FULL`] to count as refilled.
+const SUSTAINED: Duration = Duration::from_secs(3);
+/// Samples this soon after a fault do not count: a request lasts about 1.3 s, so a node is
+/// full after it only with work dispatched after the fault.
+const SETTLE: Duration = Duration::from_secs(2);
 /// How long after a fault ends both nodes must be full again.
-pub(super) const RECOVERY: Duration = Duration::from_secs(30);
+pub(super) const RECOVERY: Duration = Duration::from_secs(45);
 /// Outcomes a client of a healthy replica must never see: a wait run out, or a refusal for
 /// want of nodes while two were healthy.
-const STRANDED: &[&str] = &["503 capacity_exhausted", "503 no_healthy_node", "timeout"];
+const STRANDED: &[&str] = &[
+    "503 capacity_exhausted",
+    "503 no_healthy_node",
+    "timeout",
+    "stream_error generation_timeout",
+];
 
-/// The stack of these drills: three replicas, two nodes of [`SLOTS`], engines in real time (a
-/// request of 64 tokens takes about 1.3 s, so 130 clients need some 50 requests a second:
-/// little enough for a debug build on two cores to relay), leases of 2 s; with
-/// `socket_holder`, every node dials that replica first.
+/// The stack of these drills: three replicas, two nodes of [`SLOTS`] serving [`served`] in
+/// real time, leases of 2 s; with `socket_holder`, every node dials that replica first.
 pub(super) fn stack(socket_holder: Option<usize>) -> StackConfig {
     StackConfig {
         replicas: 3,
@@ -42,7 +68,22 @@ pub(super) fn stack(socket_holder: Option<usize>) -> StackConfig {
         time_scale: 1.0,
         owner_lease_secs: 2,
         nodes_dial_first: socket_holder,
-        ..short_deadlines()
+        // A request's whole deadline as the queue's (30 s): one that runs out waited that
+        // long, and the sweeper still closes a dead replica's rows within the drill.
+        extra_toml: "[timeouts]\ntotal_secs = 30\nsettle_wait_secs = 2\n\
+                     sweep_interval_secs = 1\nsweep_grace_secs = 1\n"
+            .to_owned(),
+        ..StackConfig::default()
+    }
+}
+
+/// [`stack`] with the production lease (6 s): a dead owner's queue waits that long for a
+/// successor, longer than a follower waits for a verdict, and what waited meanwhile must
+/// still be served.
+pub(super) fn stack_with_production_lease() -> StackConfig {
+    StackConfig {
+        owner_lease_secs: 6,
+        ..stack(None)
     }
 }
 
@@ -82,19 +123,42 @@ impl Sampler {
         Self { samples, task }
     }
 
-    /// The first sample at or after `since` with every node running at least [`FULL`].
+    /// The start of the first window of [`SUSTAINED`], from [`SETTLE`] after `since` on, in
+    /// which every node ran at least [`FULL`]: the nodes refilled with new work, not merely
+    /// still running what they had before (a freed slot is taken again within milliseconds,
+    /// but on a busy machine a sample may fall between the two, so each node's best sample
+    /// of the window counts).
     fn full_since(&self, since: Instant) -> Option<Instant> {
         let samples = self.samples.lock().ok()?;
-        samples
+        let after: Vec<&(Instant, Vec<f64>)> = samples
             .iter()
-            .find(|(at, running)| *at >= since && running.iter().all(|r| *r >= FULL))
-            .map(|(at, _)| *at)
+            .filter(|(at, _)| *at >= since + SETTLE)
+            .collect();
+        after.iter().enumerate().find_map(|(i, (start, _))| {
+            let covered = after[i..]
+                .iter()
+                .any(|(at, _)| at.saturating_duration_since(*start) >= SUSTAINED);
+            let window: Vec<&Vec<f64>> = after[i..]
+                .iter()
+                .take_while(|(at, _)| at.saturating_duration_since(*start) <= SUSTAINED)
+                .map(|(_, r)| r)
+                .collect();
+            let nodes = window.first().map_or(0, |r| r.len());
+            let full = (0..nodes).all(|n| {
+                window
+                    .iter()
+                    .filter_map(|r| r.get(n))
+                    .any(|running| *running >= FULL)
+            });
+            (covered && full).then_some(*start)
+        })
     }
 
     /// Waits until every node runs at least [`FULL`] after `since`, at most `within`.
     async fn wait_full(&self, since: Instant, within: Duration) -> Option<Duration> {
         while since.elapsed() < within {
             if let Some(at) = self.full_since(since) {
+                // Found once the window after it has passed.
                 return Some(at.saturating_duration_since(since));
             }
             tokio::time::sleep(Duration::from_millis(200)).await;
@@ -157,7 +221,7 @@ fn start(
     cfg.streams = streams;
     cfg.limit = Limit::Duration(length);
     cfg.prompt_tokens = 200;
-    cfg.max_tokens = 64;
+    cfg.max_tokens = MAX_TOKENS;
     cfg.timeout = Duration::from_secs(60);
     // Skips the calibration probes, which would fail on a frozen replica.
     cfg.tokens_per_word = Some(1.3);
@@ -209,6 +273,13 @@ impl Load {
             other,
             sampler,
             started,
+        }
+    }
+
+    /// The clients of the faulty replica stop (their outcomes are not reported).
+    fn stop_other(&mut self) {
+        if let Some(other) = self.other.take() {
+            other.abort();
         }
     }
 
@@ -273,9 +344,12 @@ impl Load {
     }
 }
 
-/// How long the load runs: the warm-up, the fault, and the recovery window with margin.
-fn load_length(fault: Duration) -> Duration {
-    WARMUP + Duration::from_secs(10) + fault + RECOVERY
+/// How long the load runs: the warm-up, the fault, and a window to watch the recovery in —
+/// four times `--load`, between 24 s (the test command's short run) and [`RECOVERY`]: a
+/// recovery slower than the window fails the check.
+fn load_length(fault: Duration, opts: &DrillOptions) -> Duration {
+    let watch = (opts.load * 4).clamp(Duration::from_secs(24), RECOVERY);
+    WARMUP + Duration::from_secs(10) + fault + watch
 }
 
 /// Redis killed under load and started again empty 3 s later: every lease, fencing counter,
@@ -283,13 +357,13 @@ fn load_length(fault: Duration) -> Duration {
 /// queues have an owner everyone follows and both nodes fill again.
 pub(super) async fn redis_restart_empty(
     stack: &mut Stack,
-    _opts: &DrillOptions,
+    opts: &DrillOptions,
     bar: &ProgressBar,
     found: &mut Found,
 ) -> anyhow::Result<()> {
     bar.set_message("load that keeps both nodes full");
     let outage = Duration::from_secs(3);
-    let load = Load::fill(stack, &[0, 1, 2], None, load_length(outage), found).await;
+    let load = Load::fill(stack, &[0, 1, 2], None, load_length(outage, opts), found).await;
     bar.set_message("kill -9 Redis, and start it again empty");
     stack.kill_redis().await?;
     tokio::time::sleep(outage).await;
@@ -328,7 +402,14 @@ pub(super) async fn freeze_socket_holder(
     found.figure("queue_owner", json!(owner));
     let length = fault_length(opts);
     bar.set_message("load that keeps both nodes full");
-    let load = Load::fill(stack, &[0, 2], Some(frozen), load_length(length), found).await;
+    let load = Load::fill(
+        stack,
+        &[0, 2],
+        Some(frozen),
+        load_length(length, opts),
+        found,
+    )
+    .await;
     bar.set_message(format!(
         "SIGSTOP the socket holder for {} s",
         length.as_secs()
@@ -348,7 +429,7 @@ pub(super) async fn freeze_socket_holder(
 /// queue with every request that waited, and the node is filled to its capacity again.
 pub(super) async fn kill_queue_owner(
     stack: &mut Stack,
-    _opts: &DrillOptions,
+    opts: &DrillOptions,
     bar: &ProgressBar,
     found: &mut Found,
 ) -> anyhow::Result<()> {
@@ -365,16 +446,18 @@ pub(super) async fn kill_queue_owner(
     );
     let survivors: Vec<usize> = (0..stack.replicas.len()).filter(|i| *i != doomed).collect();
     bar.set_message("load that keeps both nodes full");
-    let load = Load::fill(
+    let mut load = Load::fill(
         stack,
         &survivors,
         Some(doomed),
-        load_length(Duration::ZERO),
+        load_length(Duration::ZERO, opts),
         found,
     )
     .await;
     bar.set_message("kill -9 the queue's owner");
     stack.kill_replica(doomed).await?;
+    // Its clients would only hammer a closed port from here on.
+    load.stop_other();
     let ended = Instant::now();
     bar.set_message("waiting for both nodes to fill again");
     load.recovered(stack, ended, found).await?;
