@@ -69,6 +69,7 @@ pub(crate) async fn heartbeat_loop(
             gpu_util: 0.0,
             models: models.clone(),
             engine_counters: counters_for(protocol, load.counters),
+            assignments: None,
         };
         if out.send(Outgoing::Frame(frame)).await.is_err() {
             return;

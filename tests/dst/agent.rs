@@ -270,6 +270,7 @@ async fn session(
                     gpu_util: 0.5,
                     models: vec![spec.model.clone()],
                     engine_counters: None,
+                    assignments: None,
                 });
             }
         }

@@ -363,6 +363,8 @@ pub(super) async fn news(state: &mut NodeState, myself: &ActorRef<NodeMsg>, news
         gpu_util: 0.0,
         models: news.models,
         engine_counters: None,
+        // The owner squares the node's count; a proxy never does.
+        assignments: None,
     };
     on_frame(state, myself, heartbeat).await;
 }
@@ -616,6 +618,14 @@ pub(super) async fn relayed(state: &mut NodeState, myself: &ActorRef<NodeMsg>, b
         match decode_node_frame(raw.get()) {
             Ok(frame @ NodeFrame::Done { .. }) => on_frame(state, myself, frame).await,
             Ok(_) if gap => {}
+            Ok(NodeFrame::Error {
+                request_id,
+                attempt,
+                code,
+                ..
+            }) if code == super::squared::NODE_LOST => {
+                super::squared::lost_on_node(state, &request_id, attempt);
+            }
             Ok(frame) => on_frame(state, myself, frame).await,
             Err(_) => {
                 violation(state, myself, super::msg::Violation::MalformedFrame, None).await;
