@@ -18,7 +18,7 @@ use crate::cluster::{
     node_key, to_node, to_replica,
 };
 use crate::generation::GenerationMsg;
-use crate::metric_names::{NODES_LOST_TOTAL, STALE_FRAMES_TOTAL};
+use crate::metric_names::{NODE_ASSIGNMENTS_RECLAIMED_TOTAL, NODES_LOST_TOTAL, STALE_FRAMES_TOTAL};
 use crate::protocol::{NodeFrame, ServerFrame, decode_node_frame};
 
 /// How long `node:{id}` lives without a heartbeat (three 5 s heartbeats).
@@ -117,6 +117,8 @@ pub(super) async fn open(
             // The node's loss counter exists from its registration on, so the first loss is
             // an increase Prometheus can see.
             metrics::counter!(NODES_LOST_TOTAL, "node" => args.node_id.clone()).increment(0);
+            metrics::counter!(NODE_ASSIGNMENTS_RECLAIMED_TOTAL, "node" => args.node_id.clone())
+                .increment(0);
             // Heard again after the coordinator's pub/sub connection drops: a socket deaf to
             // the other replicas' commands makes every proxy of the node give up on it.
             let me = myself.clone();
