@@ -61,6 +61,8 @@
 //! - a node drained, by an operator (`NodeMsg::Drain`) or by itself (its `draining` frame, on
 //!   SIGTERM): `start_draining` in `node/actor.rs`, told to the other replicas by `announce`
 //!   in `node/link.rs`;
+//! - a node's slots given back when its own heartbeat no longer lists the work counted on
+//!   it: `vanished` in `node/squared.rs`, tested in `generation/tests/squared.rs`;
 //! - what each crash costs and who repairs it: [`supervision`] (restart policies in
 //!   `supervision/mod.rs`, a queue's rebuild in `supervision/queues.rs`, a node's cleanup in
 //!   `supervision/nodes.rs`).

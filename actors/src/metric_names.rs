@@ -46,6 +46,10 @@ pub const QUEUE_FENCED_TOTAL: &str = "switchyard_queue_fenced_total";
 /// Counter: slots a model queue counted on a node that the replica holding the node's socket
 /// did not see it carry, given back (a release lost between replicas), by `model`.
 pub const QUEUE_SLOTS_RECLAIMED_TOTAL: &str = "switchyard_queue_slots_reclaimed_total";
+/// Counter: assignments the replica holding a node's socket counted on it that the node's
+/// own heartbeat no longer lists (their `done` or `error` lost, or dropped by the agent),
+/// ended as on a lost node and their slots given back, by `node` (`node::squared`).
+pub const NODE_ASSIGNMENTS_RECLAIMED_TOTAL: &str = "switchyard_node_assignments_reclaimed_total";
 /// Counter: tokens billed by successful settles, by `model` and `kind` (`prompt`,
 /// `completion`); its rate against the engines' own token counters shows drift as it happens.
 pub const SETTLED_TOKENS_TOTAL: &str = "switchyard_settled_tokens_total";

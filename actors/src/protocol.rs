@@ -171,12 +171,34 @@ pub enum NodeFrame {
             deserialize_with = "lenient_counters"
         )]
         engine_counters: Option<EngineCounters>,
+        /// Every assignment the agent holds as it builds this heartbeat: taken and not yet
+        /// finished (its `done`, or its final `error`, not yet sent). The server gives back
+        /// the slots of assignments the node no longer has (see `node::squared`). Absent
+        /// from older agents, and from an agent holding more than
+        /// [`MAX_HEARTBEAT_ASSIGNMENTS`] (a list is never cut short: a missing entry would
+        /// cost a running assignment its slot): then nothing is squared. More entries than
+        /// that is a protocol violation.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        assignments: Option<Vec<Held>>,
     },
     /// The node is going away (its agent got SIGTERM: a pod deleted, a spot reclaim, a
     /// host shutdown): give it no new work; what it runs finishes, then it disconnects. The
     /// node's side of `drain`; a server that predates it counts it as a malformed frame and
     /// learns of the drain from the node's `error {code: "draining"}` refusals instead.
     Draining {},
+}
+
+/// The most assignments a `heartbeat` may list: far above what one engine runs at once
+/// (vLLM's `--max-num-seqs` defaults to 256), and small enough that squaring stays cheap.
+pub const MAX_HEARTBEAT_ASSIGNMENTS: usize = 4_096;
+
+/// One assignment a node holds, as its `heartbeat` lists it.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct Held {
+    /// The generation.
+    pub request_id: String,
+    /// Attempt epoch.
+    pub attempt: u64,
 }
 
 /// An engine's own cumulative token counters, as its `/metrics` page reports them (vLLM's
@@ -494,6 +516,57 @@ mod tests {
             r#","engine_counters":null"#,
         ] {
             assert_eq!(read(bad), None, "{bad}");
+        }
+    }
+
+    #[test]
+    fn heartbeat_assignments_are_optional_both_ways() {
+        let base = r#"{"type":"heartbeat","queue_depth":0,"running":1,"kv_cache_usage":0.0,"gpu_util":0.0,"models":["m"]"#;
+        let read = |extra: &str| match decode_node_frame(&format!("{base}{extra}}}")) {
+            Ok(NodeFrame::Heartbeat { assignments, .. }) => assignments,
+            other => panic!("{extra}: not read as a heartbeat: {other:?}"),
+        };
+        // An older agent lists nothing: no squaring, and its frame is written as it was.
+        assert_eq!(read(""), None);
+        let old = decode_node_frame(&format!("{base}}}")).unwrap();
+        assert_eq!(serde_json::to_string(&old).unwrap(), format!("{base}}}"));
+        // Holding nothing is a list, not an absence.
+        assert_eq!(read(r#","assignments":[]"#), Some(Vec::new()));
+        let listed = format!(r#"{base},"assignments":[{{"request_id":"r","attempt":2}}]}}"#);
+        let frame = decode_node_frame(&listed).unwrap();
+        let NodeFrame::Heartbeat { assignments, .. } = &frame else {
+            panic!("not a heartbeat");
+        };
+        assert_eq!(
+            assignments.as_deref(),
+            Some(
+                &[Held {
+                    request_id: "r".into(),
+                    attempt: 2
+                }][..]
+            )
+        );
+        assert_eq!(serde_json::to_string(&frame).unwrap(), listed);
+        // An older server reads a new agent's heartbeat: the field is one it does not know.
+        #[derive(Deserialize)]
+        #[serde(tag = "type", rename_all = "snake_case")]
+        enum OlderNodeFrame {
+            Heartbeat { running: u64, models: Vec<String> },
+        }
+        let OlderNodeFrame::Heartbeat { running, models } = serde_json::from_str(&listed).unwrap();
+        assert_eq!((running, models), (1, vec!["m".to_owned()]));
+        for bad in [
+            r#","assignments":[{"request_id":"r"}]"#,
+            r#","assignments":[{"request_id":"r","attempt":-1}]"#,
+            r#","assignments":"r""#,
+        ] {
+            assert_eq!(
+                decode_node_frame(&format!("{base}{bad}}}")),
+                Err(Malformed {
+                    kind: Some("heartbeat".into())
+                }),
+                "{bad}"
+            );
         }
     }
 

@@ -18,7 +18,7 @@ use tokio_util::sync::CancellationToken;
 use super::assignment::{self, AssignCtx, Assignment};
 use super::config::{AgentConfig, Endpoint};
 use super::engine::EngineClient;
-use super::heartbeat::heartbeat_loop;
+use super::heartbeat::{Holding, heartbeat_loop};
 use super::lease::Leases;
 use super::ledger::{Key, Ledger};
 use super::stats::AgentStats;
@@ -258,6 +258,9 @@ struct Session<'a> {
     writer: Option<JoinHandle<Result<(), tokio_tungstenite::tungstenite::Error>>>,
     heartbeat: JoinHandle<()>,
     in_flight: BTreeMap<Key, InFlight>,
+    /// The keys of `in_flight` as heartbeats list them: taken before a task starts, dropped
+    /// once it has ended (see [`Holding`]).
+    holding: Arc<Holding>,
     tasks: JoinSet<Key>,
     task_keys: BTreeMap<tokio::task::Id, Key>,
     /// Cancels every assignment of this session at once.
@@ -294,6 +297,7 @@ impl<'a> Session<'a> {
             }
         }
         let writer = tokio::spawn(write_loop(sink, rx));
+        let holding = Arc::new(Holding::default());
         let heartbeat = tokio::spawn(heartbeat_loop(
             sh.engine.clone(),
             out.clone(),
@@ -301,6 +305,7 @@ impl<'a> Session<'a> {
             sh.cfg.heartbeat_interval,
             sh.stats.clone(),
             protocol,
+            holding.clone(),
         ));
         let idle_timeout = sh
             .cfg
@@ -314,6 +319,7 @@ impl<'a> Session<'a> {
             writer: Some(writer),
             heartbeat,
             in_flight: BTreeMap::new(),
+            holding,
             tasks: JoinSet::new(),
             task_keys: BTreeMap::new(),
             cancel_all: CancellationToken::new(),
@@ -544,6 +550,8 @@ impl<'a> Session<'a> {
             faults: self.sh.cfg.faults.clone(),
             protocol: self.protocol,
         };
+        // Held before its task can send its `accepted`.
+        self.holding.hold(key.clone());
         let handle = self.tasks.spawn(assignment::run(a, ctx));
         self.task_keys.insert(handle.id(), key.clone());
         if let Some(lease) = lease {
@@ -561,6 +569,7 @@ impl<'a> Session<'a> {
         };
         if let Some(key) = self.task_keys.remove(&id) {
             self.leases.release(&key);
+            self.holding.release(&key);
             self.in_flight.remove(&key);
         }
         if let Err(e) = joined

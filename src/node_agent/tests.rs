@@ -219,10 +219,16 @@ async fn registers_with_the_engines_models_then_heartbeats() {
             running,
             gpu_util,
             models,
+            assignments,
             ..
         } => {
             assert_eq!((queue_depth, running, gpu_util), (0, 0, 0.0));
             assert_eq!(models, ["tiny"]);
+            assert_eq!(
+                assignments,
+                Some(Vec::new()),
+                "holding nothing, and saying so"
+            );
         }
         other => panic!("{other:?}"),
     }
@@ -472,6 +478,66 @@ async fn a_lost_connection_cancels_in_flight_work_and_keeps_its_done() {
             assert!(completion_tokens >= 2);
         }
         other => panic!("{other:?}"),
+    }
+    agent.stop().await;
+    sim.shutdown().await;
+}
+
+/// The request ids a heartbeat lists, in order.
+fn listed(frame: &NodeFrame) -> Option<Vec<(String, u64)>> {
+    match frame {
+        NodeFrame::Heartbeat {
+            assignments: Some(held),
+            ..
+        } => Some(
+            held.iter()
+                .map(|h| (h.request_id.clone(), h.attempt))
+                .collect(),
+        ),
+        _ => None,
+    }
+}
+
+#[tokio::test]
+async fn heartbeats_list_the_running_assignments_until_their_done_is_sent() {
+    let faults = FaultSpec {
+        stall_after_tokens: Some(2),
+        ..Default::default()
+    };
+    let sim = sim(20.0, faults).await;
+    let mut peer = Peer::start().await;
+    let agent = start(config(&peer, &sim));
+    let (mut conn, _) = peer.accept_registered().await;
+    conn.send(assign("r1", 100));
+    conn.send(assign("r2", 100));
+    let both = vec![("r1".to_owned(), 1), ("r2".to_owned(), 1)];
+    let deadline = Instant::now() + Duration::from_secs(3);
+    loop {
+        assert!(Instant::now() < deadline, "no heartbeat listing both");
+        if listed(&conn.recv().await).as_ref() == Some(&both) {
+            break;
+        }
+    }
+    // Once r1's `done` is on the socket, no heartbeat after it lists r1; every one before it
+    // still does.
+    conn.send(cancel("r1"));
+    let deadline = Instant::now() + Duration::from_secs(3);
+    let mut done = false;
+    loop {
+        assert!(Instant::now() < deadline, "no heartbeat after the done");
+        let frame = conn.recv().await;
+        if matches!(&frame, NodeFrame::Done { request_id, .. } if request_id == "r1") {
+            done = true;
+            continue;
+        }
+        let Some(held) = listed(&frame) else {
+            continue;
+        };
+        if done {
+            assert_eq!(held, [("r2".to_owned(), 1)]);
+            break;
+        }
+        assert_eq!(held, both, "left out before its done was sent");
     }
     agent.stop().await;
     sim.shutdown().await;

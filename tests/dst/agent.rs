@@ -17,7 +17,7 @@ use std::time::Duration;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use switchyard_actors::output::WireDelta;
-use switchyard_actors::protocol::{Location, NodeFrame, ServerFrame};
+use switchyard_actors::protocol::{Held, Location, NodeFrame, ServerFrame};
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 use turmoil::net::TcpStream;
@@ -270,6 +270,11 @@ async fn session(
                     gpu_util: 0.5,
                     models: vec![spec.model.clone()],
                     engine_counters: None,
+                    // Taken when its `assign` is read, dropped as its `done` is queued.
+                    assignments: Some(work.keys().map(|(request_id, attempt)| Held {
+                        request_id: request_id.clone(),
+                        attempt: *attempt,
+                    }).collect()),
                 });
             }
         }

@@ -29,6 +29,7 @@ mod properties;
 mod routing;
 mod settled_metric;
 mod slots;
+mod squared;
 mod trust;
 
 const MODEL: &str = "llama-3.1-8b-instruct";
@@ -515,6 +516,7 @@ async fn heartbeats_go_to_the_coordinator_and_a_silent_node_is_dropped() {
         gpu_util: 0.0,
         models: vec![MODEL.into()],
         engine_counters: None,
+        assignments: None,
     });
     settle_a_moment().await;
     let hb = h.coord.get_hash("node:n1").await.unwrap().unwrap();
@@ -542,6 +544,7 @@ async fn no_first_token_in_time_is_a_generation_timeout_and_cancels_on_the_node(
                 gpu_util: 0.0,
                 models: vec![MODEL.into()],
                 engine_counters: None,
+                assignments: None,
             });
         }
     });

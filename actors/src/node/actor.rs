@@ -11,6 +11,7 @@ use super::link::{self, Dest, Link, Transport};
 use super::meter::UptimeMeter;
 use super::msg::{NodeHandle, NodeLoad, NodeMsg, Violation, Work};
 use super::orphan::{Forward, settle_orphan};
+use super::squared;
 use crate::generation::{Directory, GenerationMsg};
 use crate::lifecycle::GenerationStore;
 use crate::metric_names::{
@@ -94,7 +95,12 @@ pub(super) struct InFlight {
     pub(super) model: String,
     /// Where its frames go.
     pub(super) dest: Dest,
-    pub(super) accepted: bool,
+    /// Heartbeats heard on the connection when its `accepted` arrived; `None` before that.
+    /// A heartbeat that leaves it out after a later one arrived proves the node let it go
+    /// (`squared::vanished`).
+    pub(super) accepted: Option<u64>,
+    /// When it was sent, for one the node never acknowledged.
+    pub(super) assigned_at: tokio::time::Instant,
 }
 
 /// The actor's state.
@@ -114,6 +120,8 @@ pub struct NodeState {
     pub(super) unrecorded: BTreeMap<(String, u64), tokio::time::Instant>,
     /// When the last heartbeat (or registration) arrived.
     last_heartbeat: tokio::time::Instant,
+    /// Heartbeats heard on this connection: what an assignment's `accepted` is dated by.
+    pub(super) beats: u64,
     /// The last heartbeat's load.
     pub(super) load: NodeLoad,
     /// Set by an operator's drain or the node's own (`draining`): no new work.
@@ -192,6 +200,7 @@ impl Actor for NodeActor {
         let checker = myself.send_interval(HEARTBEAT_CHECK, || NodeMsg::CheckHeartbeat);
         let state = NodeState {
             last_heartbeat: args.clock.now(),
+            beats: 0,
             args,
             handle,
             fence,
@@ -400,7 +409,8 @@ pub(super) async fn assign(
             attempt,
             model,
             dest,
-            accepted: false,
+            accepted: None,
+            assigned_at: state.args.clock.now(),
         },
     );
 }
@@ -463,8 +473,11 @@ pub(super) async fn on_frame(state: &mut NodeState, myself: &ActorRef<NodeMsg>, 
             gpu_util,
             models,
             engine_counters,
+            assignments,
         } => {
             state.last_heartbeat = state.args.clock.now();
+            squared::on_heartbeat(state, myself, assignments).await;
+            state.beats += 1;
             account(state, engine_counters);
             // A heartbeat means the engine's metrics answered: a node suspended for refusing
             // work gets another chance.
@@ -510,7 +523,7 @@ pub(super) async fn on_frame(state: &mut NodeState, myself: &ActorRef<NodeMsg>, 
                 .get_mut(&request_id)
                 .filter(|f| f.attempt == attempt)
             {
-                f.accepted = true;
+                f.accepted.get_or_insert(state.beats);
                 state.refusals_in_a_row = 0;
             }
             if let Some(replica) = relays_to(state, &request_id, attempt) {
@@ -594,7 +607,7 @@ pub(super) async fn on_frame(state: &mut NodeState, myself: &ActorRef<NodeMsg>, 
             let unaccepted = state
                 .in_flight
                 .get(&request_id)
-                .is_some_and(|f| f.attempt == attempt && !f.accepted);
+                .is_some_and(|f| f.attempt == attempt && f.accepted.is_none());
             let remote = relays_to(state, &request_id, attempt);
             // An error before acceptance is final for the assignment (no `done` follows).
             if unaccepted {

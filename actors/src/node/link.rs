@@ -18,7 +18,7 @@ use crate::cluster::{
     node_key, to_node, to_replica,
 };
 use crate::generation::GenerationMsg;
-use crate::metric_names::{NODES_LOST_TOTAL, STALE_FRAMES_TOTAL};
+use crate::metric_names::{NODE_ASSIGNMENTS_RECLAIMED_TOTAL, NODES_LOST_TOTAL, STALE_FRAMES_TOTAL};
 use crate::protocol::{NodeFrame, ServerFrame, decode_node_frame};
 
 /// How long `node:{id}` lives without a heartbeat (three 5 s heartbeats).
@@ -117,6 +117,8 @@ pub(super) async fn open(
             // The node's loss counter exists from its registration on, so the first loss is
             // an increase Prometheus can see.
             metrics::counter!(NODES_LOST_TOTAL, "node" => args.node_id.clone()).increment(0);
+            metrics::counter!(NODE_ASSIGNMENTS_RECLAIMED_TOTAL, "node" => args.node_id.clone())
+                .increment(0);
             // Heard again after the coordinator's pub/sub connection drops: a socket deaf to
             // the other replicas' commands makes every proxy of the node give up on it.
             let me = myself.clone();
@@ -363,6 +365,8 @@ pub(super) async fn news(state: &mut NodeState, myself: &ActorRef<NodeMsg>, news
         gpu_util: 0.0,
         models: news.models,
         engine_counters: None,
+        // The owner squares the node's count; a proxy never does.
+        assignments: None,
     };
     on_frame(state, myself, heartbeat).await;
 }
@@ -616,6 +620,14 @@ pub(super) async fn relayed(state: &mut NodeState, myself: &ActorRef<NodeMsg>, b
         match decode_node_frame(raw.get()) {
             Ok(frame @ NodeFrame::Done { .. }) => on_frame(state, myself, frame).await,
             Ok(_) if gap => {}
+            Ok(NodeFrame::Error {
+                request_id,
+                attempt,
+                code,
+                ..
+            }) if code == super::squared::NODE_LOST => {
+                super::squared::lost_on_node(state, &request_id, attempt);
+            }
             Ok(frame) => on_frame(state, myself, frame).await,
             Err(_) => {
                 violation(state, myself, super::msg::Violation::MalformedFrame, None).await;

@@ -11,6 +11,7 @@ mod link;
 pub mod meter;
 mod msg;
 mod orphan;
+mod squared;
 
 pub use actor::{NodeActor, NodeArgs, NodeTrust, VIOLATIONS_KEPT, violations_key};
 pub use link::Link;

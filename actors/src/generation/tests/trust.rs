@@ -36,6 +36,7 @@ fn heartbeat() -> NodeFrame {
         gpu_util: 0.0,
         models: vec![MODEL.into()],
         engine_counters: None,
+        assignments: None,
     }
 }
 
