@@ -50,10 +50,11 @@ const HEALED_MS: u64 = 25_000;
 /// The wave that must fill every node arrives then, once every fault has healed and the
 /// agents' reconnect backoff (2 s at most) and a lease (3 s) have passed.
 const WAVE_MS: u64 = HEALED_MS + 5_000;
-/// Requests of the wave: three times the fleet's slots, so that a node freeing a slot (an
-/// agent picks each answer's length, some a token or two) has more to take, and every node
-/// is full at once.
-const WAVE: usize = 3 * NODES.len() * CAPACITY as usize;
+/// Requests of the wave: six times the fleet's slots, so that a node freeing a slot (an
+/// agent picks each answer's length, some a token or two) has more to take, and the wave
+/// lasts some 5 s: long enough for the owner to recall slots lent to a follower (grants
+/// come back when something waits, at most once a renewal period).
+const WAVE: usize = 6 * NODES.len() * CAPACITY as usize;
 /// Every node runs its whole capacity within this of the wave.
 const CAPACITY_BACK_MS: u64 = 10_000;
 /// A run must have come to rest by then (the longest generation, the wait for its usage
