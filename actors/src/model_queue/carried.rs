@@ -56,13 +56,13 @@ impl Recent {
 
 /// `running` (the queue's count per replica) squared with `carried` (the socket's) and
 /// `recent` (taken within [`IN_TRANSIT`]): each replica's count at most what the socket
-/// carries of it plus its recent slots. Returns the slots given back.
+/// carries of it plus its recent slots. Returns the slots given back, by replica.
 pub(super) fn square(
     running: &mut BTreeMap<String, u32>,
     carried: &BTreeMap<String, u32>,
     recent: &BTreeMap<String, u32>,
-) -> u32 {
-    let mut back = 0;
+) -> BTreeMap<String, u32> {
+    let mut back = BTreeMap::new();
     for (replica, count) in running.iter_mut() {
         let most = carried
             .get(replica)
@@ -70,7 +70,7 @@ pub(super) fn square(
             .unwrap_or(0)
             .saturating_add(recent.get(replica).copied().unwrap_or(0));
         if *count > most {
-            back += *count - most;
+            back.insert(replica.clone(), *count - most);
             *count = most;
         }
     }
@@ -80,8 +80,12 @@ pub(super) fn square(
 
 impl NodeEntry {
     /// What the socket says `node_id` carries, at `now`: the slots counted above it come
-    /// back. Returns how many.
-    pub(super) fn carries(&mut self, carried: &BTreeMap<String, u32>, now: Instant) -> u32 {
+    /// back. Returns how many, by replica.
+    pub(super) fn carries(
+        &mut self,
+        carried: &BTreeMap<String, u32>,
+        now: Instant,
+    ) -> BTreeMap<String, u32> {
         let recent = self.recent.by_replica(now);
         square(&mut self.running, carried, &recent)
     }
@@ -94,7 +98,21 @@ impl QueueState {
         let Some(n) = self.nodes.get_mut(node_id) else {
             return;
         };
-        let back = n.carries(carried, now);
+        let back_by = n.carries(carried, now);
+        let back: u32 = back_by.values().sum();
+        // As a follower, a slot of this replica's own that came back may have been one of an
+        // owner's grant: it is released as a finished assignment would be, so the grant's
+        // place is free again (or goes back to the owner once recalled).
+        let mine = back_by.get(&self.me).copied().unwrap_or(0);
+        if self.follows() {
+            for _ in 0..mine {
+                if !self.release_granted(node_id) {
+                    self.tell_owner(crate::cluster::QueueItem::Released {
+                        node_id: node_id.to_owned(),
+                    });
+                }
+            }
+        }
         if back > 0 {
             metrics::counter!(QUEUE_SLOTS_RECLAIMED_TOTAL, "model" => self.args.model.clone())
                 .increment(u64::from(back));
@@ -119,7 +137,7 @@ mod tests {
         let mut running = map(&[("r1", 20), ("r2", 16), ("r3", 4)]);
         // r1's count is right; r2 lost 12 releases; r3 is gone from the socket entirely.
         let back = square(&mut running, &map(&[("r1", 20), ("r2", 4)]), &map(&[]));
-        assert_eq!(back, 16);
+        assert_eq!(back, map(&[("r2", 12), ("r3", 4)]));
         assert_eq!(running, map(&[("r1", 20), ("r2", 4)]));
     }
 
@@ -127,14 +145,11 @@ mod tests {
     fn recent_dispatches_are_not_held_against_the_socket() {
         let mut running = map(&[("r1", 10)]);
         // Three dispatched in the last moments have not reached the socket yet.
-        assert_eq!(
-            square(&mut running, &map(&[("r1", 7)]), &map(&[("r1", 3)])),
-            0
-        );
+        assert!(square(&mut running, &map(&[("r1", 7)]), &map(&[("r1", 3)])).is_empty());
         assert_eq!(running, map(&[("r1", 10)]));
         assert_eq!(
             square(&mut running, &map(&[("r1", 5)]), &map(&[("r1", 3)])),
-            2
+            map(&[("r1", 2)])
         );
         assert_eq!(running, map(&[("r1", 8)]));
     }
@@ -142,10 +157,7 @@ mod tests {
     #[test]
     fn a_count_below_the_socket_is_never_raised() {
         let mut running = map(&[("r1", 2)]);
-        assert_eq!(
-            square(&mut running, &map(&[("r1", 9), ("r2", 5)]), &map(&[])),
-            0
-        );
+        assert!(square(&mut running, &map(&[("r1", 9), ("r2", 5)]), &map(&[])).is_empty());
         assert_eq!(running, map(&[("r1", 2)]));
     }
 }
