@@ -529,6 +529,9 @@ async fn the_journal_writer_batches_appends() {
 
 #[async_trait::async_trait]
 impl Coordinator for Counting {
+    fn is_shared(&self) -> bool {
+        self.inner.is_shared()
+    }
     async fn put_hash(
         &self,
         key: &str,

@@ -326,6 +326,10 @@ impl NetCoordinator {
 
 #[async_trait]
 impl Coordinator for NetCoordinator {
+    fn is_shared(&self) -> bool {
+        true
+    }
+
     async fn put_hash(&self, key: &str, fields: &Fields, ttl: Duration) -> Result<(), CoordError> {
         self.unit(Call::PutHash(key.into(), fields.clone(), millis(ttl)))
             .await

@@ -26,12 +26,14 @@ pub(super) enum Forward {
 pub const UNRECORDED_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// Whether a `done` of `attempt` that no record names was first seen [`UNRECORDED_WAIT`] ago
-/// or more (it is remembered now if not). A missing record no longer proves the generation
-/// gone: Redis may have lost it (restarted empty) while the generation lives on elsewhere and
-/// may have fenced this very attempt and retried — settled at once, the fenced attempt's
-/// tokens would be billed to the retry's row (the simulation, Redis restarted empty). Left
-/// unacked, the node sends it again; by then a live generation has recorded its attempts
-/// anew with its next dispatch, and the copy goes to it.
+/// or more (it is remembered now if not). With a coordinator shared by replicas a missing
+/// record no longer proves the generation gone: Redis may have lost it (restarted empty)
+/// while the generation lives on elsewhere and may have fenced this very attempt and
+/// retried — settled at once, the fenced attempt's tokens would be billed to the retry's row
+/// (the simulation, Redis restarted empty). Left unacked, the node sends it again; by then a
+/// live generation has recorded its attempts anew with its next dispatch, and the copy goes
+/// to it. (An in-process coordinator is lost only with every generation it recorded: there a
+/// missing record settles at once.)
 fn unrecorded_long_enough(state: &mut NodeState, request_id: &str, attempt: u64) -> bool {
     let now = state.args.clock.now();
     if state.unrecorded.len() > super::actor::MAX_STRAYS {
@@ -90,7 +92,9 @@ pub(super) async fn settle_orphan(
             return;
         }
         Holder::Unrecorded => {
-            if !unrecorded_long_enough(state, &request_id, attempt) {
+            if state.args.coordinator.is_shared()
+                && !unrecorded_long_enough(state, &request_id, attempt)
+            {
                 tracing::info!(node_id = %state.args.node_id, %request_id, attempt, "no record of who held this attempt yet; left unacked until the node sends it again");
                 return;
             }

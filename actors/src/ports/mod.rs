@@ -368,6 +368,13 @@ pub trait Coordinator: Send + Sync + Debug + 'static {
     async fn release_lease(&self, name: &str, owner: &str) -> Result<(), CoordError>;
     /// Who holds the lease `name` now, if anyone (a snapshot: it may change the next moment).
     async fn lease_holder(&self, name: &str) -> Result<Option<String>, CoordError>;
+    /// Whether other replicas share this coordinator (Redis), so a generation may live on
+    /// another replica while a record of it is missing here (lost when the shared store came
+    /// back empty). An in-process coordinator is lost only with its replica and every
+    /// generation on it: a missing record there means the generation is gone.
+    fn is_shared(&self) -> bool {
+        false
+    }
     /// Adds `by` to the counter at `key` (created at 0 with expiry `ttl`); returns the sum.
     async fn incr(&self, key: &str, by: i64, ttl: Duration) -> Result<i64, CoordError>;
     /// Takes a place for `member` in the bounded set at `key` (at most `limit` members; a

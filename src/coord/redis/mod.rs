@@ -309,6 +309,10 @@ impl RedisCoordinator {
 
 #[async_trait]
 impl Coordinator for RedisCoordinator {
+    fn is_shared(&self) -> bool {
+        true
+    }
+
     async fn put_hash(
         &self,
         key: &str,
