@@ -16,4 +16,3 @@ mod squared;
 pub use actor::{NodeActor, NodeArgs, NodeTrust, VIOLATIONS_KEPT, violations_key};
 pub use link::Link;
 pub use msg::{NodeHandle, NodeLoad, NodeMsg, Violation, Work};
-pub use orphan::UNRECORDED_WAIT;

@@ -23,7 +23,7 @@ pub(super) enum Forward {
 
 /// How long a `done` whose attempt no record names waits before it is settled from the frame
 /// alone (see [`unrecorded_long_enough`]).
-pub const UNRECORDED_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
+pub(super) const UNRECORDED_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// Whether a `done` of `attempt` that no record names was first seen [`UNRECORDED_WAIT`] ago
 /// or more (it is remembered now if not). With a coordinator shared by replicas a missing
