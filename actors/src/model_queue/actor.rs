@@ -289,29 +289,6 @@ impl Actor for ModelQueueActor {
                 route,
                 reply,
             } => {
-                if state.follows() {
-                    if !state.is_forwarded(&request_id)
-                        && state.start_on_grant(
-                            &generation,
-                            avoid.as_deref(),
-                            api,
-                            route.as_deref(),
-                        )
-                    {
-                        let _ = reply.send(Ok(()));
-                    } else {
-                        let asked = super::follow::Asked {
-                            generation,
-                            front,
-                            avoid,
-                            api,
-                            route,
-                        };
-                        state.forward(request_id, asked, reply);
-                    }
-                    return Ok(());
-                }
-                let waiter = Waiter::Local(generation);
                 let join = Join {
                     front,
                     avoid,
@@ -319,9 +296,7 @@ impl Actor for ModelQueueActor {
                     route,
                     waited: Duration::ZERO,
                 };
-                let verdict = state.admit(request_id, waiter, join);
-                let _ = reply.send(verdict);
-                state.dispatch();
+                state.enqueue(request_id, generation, join, reply);
             }
             QueueMsg::Withdraw { request_id } => {
                 if state.follows() {
@@ -504,6 +479,42 @@ impl QueueState {
             );
         }
         None
+    }
+
+    /// A generation of this replica asks for a node: as a follower it starts on a grant or
+    /// goes to the owner; deciding, it joins the line and the line moves.
+    fn enqueue(
+        &mut self,
+        request_id: String,
+        generation: ActorRef<GenerationMsg>,
+        join: Join,
+        reply: ractor::RpcReplyPort<Result<(), Failure>>,
+    ) {
+        if self.follows() {
+            if !self.is_forwarded(&request_id)
+                && self.start_on_grant(
+                    &generation,
+                    join.avoid.as_deref(),
+                    join.api,
+                    join.route.as_deref(),
+                )
+            {
+                let _ = reply.send(Ok(()));
+            } else {
+                let asked = super::follow::Asked {
+                    generation,
+                    front: join.front,
+                    avoid: join.avoid,
+                    api: join.api,
+                    route: join.route,
+                };
+                self.forward(request_id, asked, reply);
+            }
+            return;
+        }
+        let verdict = self.admit(request_id, Waiter::Local(generation), join);
+        let _ = reply.send(verdict);
+        self.dispatch();
     }
 
     /// Admits a generation to the queue, or says why not.

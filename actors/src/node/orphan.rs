@@ -85,22 +85,8 @@ pub(super) async fn settle_orphan(
             return;
         }
     };
-    let mut review = match record.holder {
-        Holder::Node(node) if node == state.args.node_id => None,
-        Holder::Node(_) | Holder::NotAssigned => {
-            violation(state, myself, Violation::ForeignRequest, Some(&request_id)).await;
-            return;
-        }
-        Holder::Unrecorded => {
-            if state.args.coordinator.is_shared()
-                && !unrecorded_long_enough(state, &request_id, attempt)
-            {
-                tracing::info!(node_id = %state.args.node_id, %request_id, attempt, "no record of who held this attempt yet; left unacked until the node sends it again");
-                return;
-            }
-            tracing::warn!(node_id = %state.args.node_id, %request_id, attempt, "no record of who held this attempt; settling within its bounds for review");
-            Some(ReviewReason::UnverifiedNode)
-        }
+    let Some(mut review) = vouch(state, myself, record.holder, &request_id, attempt).await else {
+        return;
     };
     if forward == Forward::ToGeneration
         && let Some(replica) = record.replica
@@ -239,4 +225,33 @@ pub(super) async fn settle_orphan(
             attempt,
         },
     );
+}
+
+/// What the attempt record says of this node's `done`: `None` when it is not settled now (a
+/// violation counted, or an unrecorded one left for the node's next copy), else the review
+/// mark the settle carries (`None`: the record names this node).
+async fn vouch(
+    state: &mut NodeState,
+    myself: &ActorRef<NodeMsg>,
+    holder: Holder,
+    request_id: &str,
+    attempt: u64,
+) -> Option<Option<ReviewReason>> {
+    match holder {
+        Holder::Node(node) if node == state.args.node_id => Some(None),
+        Holder::Node(_) | Holder::NotAssigned => {
+            violation(state, myself, Violation::ForeignRequest, Some(request_id)).await;
+            None
+        }
+        Holder::Unrecorded => {
+            if state.args.coordinator.is_shared()
+                && !unrecorded_long_enough(state, request_id, attempt)
+            {
+                tracing::info!(node_id = %state.args.node_id, %request_id, attempt, "no record of who held this attempt yet; left unacked until the node sends it again");
+                return None;
+            }
+            tracing::warn!(node_id = %state.args.node_id, %request_id, attempt, "no record of who held this attempt; settling within its bounds for review");
+            Some(Some(ReviewReason::UnverifiedNode))
+        }
+    }
 }
