@@ -43,6 +43,9 @@ pub const LISTENER_REFUSALS_TOTAL: &str = "switchyard_listener_refusals_total";
 pub const ACTOR_RESTARTS_TOTAL: &str = "switchyard_actor_restarts_total";
 /// Counter: messages from a model queue's former owner dropped by their fencing token.
 pub const QUEUE_FENCED_TOTAL: &str = "switchyard_queue_fenced_total";
+/// Counter: times this replica found the coordinator's data lost (its epoch key changed or
+/// vanished: Redis came back empty) and had its live generations record themselves again.
+pub const COORDINATOR_DATA_LOST_TOTAL: &str = "switchyard_coordinator_data_lost_total";
 /// Counter: slots a model queue counted on a node that the replica holding the node's socket
 /// did not see it carry, given back (a release lost between replicas), by `model`.
 pub const QUEUE_SLOTS_RECLAIMED_TOTAL: &str = "switchyard_queue_slots_reclaimed_total";
@@ -71,13 +74,14 @@ pub const NODES_LOST_TOTAL: &str = "switchyard_nodes_lost_total";
 
 /// Exports at 0 the series of counters that otherwise appear only with their first event, so
 /// that `increase()` and `rate()` see that event (a series born at 1 shows no increase): actor
-/// restarts for every kind, fenced queue messages for each served model, and the refusals
+/// restarts for every kind, losses of the coordinator's data, fenced queue messages for each served model, and the refusals
 /// admission answers while its database, Redis or JWKS is unreachable. Only known label values,
 /// so the cardinality stays bounded. Call it once the recorder is installed.
 pub fn zero_known_series<'a>(models: impl IntoIterator<Item = &'a str>) {
     for kind in crate::supervision::kind::ALL {
         metrics::counter!(ACTOR_RESTARTS_TOTAL, "kind" => kind).increment(0);
     }
+    metrics::counter!(COORDINATOR_DATA_LOST_TOTAL).increment(0);
     for model in models {
         metrics::counter!(QUEUE_FENCED_TOTAL, "model" => model.to_owned()).increment(0);
         metrics::counter!(QUEUE_SLOTS_RECLAIMED_TOTAL, "model" => model.to_owned()).increment(0);

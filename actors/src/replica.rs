@@ -11,7 +11,7 @@ use ractor::SpawnErr;
 use tokio_util::sync::CancellationToken;
 
 use crate::budget::{BudgetCluster, BudgetConfig, BudgetSupervisor, TeamBudgets};
-use crate::cluster::{NodeShared, NodeView, spawn_view};
+use crate::cluster::{Epoch, NodeShared, NodeView, spawn_epoch_watch, spawn_view};
 use crate::generation::{Launcher, StreamBound, Timeouts};
 use crate::lifecycle::GenerationStore;
 use crate::model_queue::{QueueArgs, QueueCluster, QueueConfig};
@@ -159,8 +159,21 @@ impl ReplicaActors {
     }
 
     /// Joins the cluster until `stop`: the node view hears the owners' announcements and
-    /// relayed frames, and the team budgets take and serve their leases.
+    /// relayed frames, the team budgets take and serve their leases, and the coordinator's
+    /// epoch is watched (after a loss of its data the live generations record themselves
+    /// again).
     pub async fn join(&self, stop: CancellationToken) {
+        let launcher = &self.launcher;
+        let epoch = Epoch::new(
+            launcher.coordinator.clone(),
+            &launcher.replica_id,
+            launcher.clock.as_ref(),
+        );
+        spawn_epoch_watch(
+            epoch,
+            self.supervision.generations.directory().clone(),
+            stop.clone(),
+        );
         spawn_view(&self.view, stop).await;
         self.budget_cluster.spawn(self.budgets.clone()).await;
     }

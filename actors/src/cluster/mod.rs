@@ -29,11 +29,13 @@
 //! A generation whose node is local never touches pub/sub for its frames; one admitted on
 //! the replica owning its model's queue never touches it for its dispatch.
 
+mod epoch;
 mod listen;
 mod outbox;
 mod view;
 pub mod wire;
 
+pub use epoch::{CHECK_EVERY, Epoch, spawn_epoch_watch};
 pub use listen::listen;
 pub use outbox::{OnFailure, Outbox};
 pub use view::{NodeShared, NodeView, Proxies, spawn_view};

@@ -161,6 +161,7 @@ impl Actor for GenerationActor {
             GenerationMsg::QueueRestarted { model } => Input::QueueRestarted { model },
             GenerationMsg::ClientGone => Input::ClientGone,
             GenerationMsg::ClientBack => Input::ClientBack,
+            GenerationMsg::RecordAgain => Input::RecordAgain,
             GenerationMsg::Cancel => Input::Cancel,
             GenerationMsg::Timer(timer) => Input::Timer(timer),
         };

@@ -257,6 +257,9 @@ pub enum GenerationMsg {
         /// The crashed node actor's node.
         node_id: String,
     },
+    /// The coordinator lost its data (Redis restarted empty): a generation past admission
+    /// writes its holders record again, so that its node's `done` still finds it.
+    RecordAgain,
     /// The owner asked to cancel (its record already says so).
     Cancel,
     /// A deadline fired.

@@ -26,6 +26,7 @@ mod leaving;
 mod model;
 mod overlap;
 mod properties;
+mod recorded_again;
 mod routing;
 mod settled_metric;
 mod slots;

@@ -310,6 +310,11 @@ mod map_coordinator {
             c
         }
 
+        /// Every hash is gone, as when Redis restarts empty.
+        pub(crate) fn lose_everything(&self) {
+            self.0.lock().unwrap().clear();
+        }
+
         /// Every subscription ends, as when the pub/sub connection drops.
         pub(crate) fn drop_subscriptions(&self) {
             self.1.lock().unwrap().channels.clear();

@@ -78,6 +78,8 @@ pub(crate) enum Input<N> {
         /// The restarted queue's model.
         model: String,
     },
+    /// The coordinator came back without its data: the holders record is written again.
+    RecordAgain,
     /// The client's stream was dropped.
     ClientGone,
     /// A reader re-attached after the client left.

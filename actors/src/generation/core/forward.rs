@@ -185,6 +185,28 @@ impl<N: NodeRef> Core<N> {
         }
     }
 
+    /// The coordinator lost its data: a generation whose holders record was written (it was
+    /// admitted and has not ended) writes it again — the attempts dispatched so far and this
+    /// replica — so that a `done` arriving where the generation is not live still goes to it
+    /// from the node that held the attempt, rather than waiting to be settled unverified. Its
+    /// answer changes nothing: a record that could not be written is as lost as before.
+    pub(super) fn record_again(&self, fx: &mut Fx<N>) {
+        let recorded = !matches!(
+            self.at,
+            Where::New
+                | Where::Admitting(_)
+                | Where::Dispatching {
+                    step: Dispatching::RecordingHolders,
+                    ..
+                }
+                | Where::Rejecting { .. }
+                | Where::Ended { .. }
+        );
+        if recorded {
+            fx.push(Effect::RecordHolders(self.holders.clone()));
+        }
+    }
+
     pub(super) fn enqueued(&mut self, result: Result<(), Failure>, now: Instant, fx: &mut Fx<N>) {
         match (&self.at, result) {
             (Where::Admitting(Admitting::Enqueueing), Ok(())) => {

@@ -464,6 +464,7 @@ impl<N: NodeRef> Core<N> {
             }
             Input::ClientGone => self.client_gone(&mut fx),
             Input::ClientBack => self.client_back(),
+            Input::RecordAgain => self.record_again(&mut fx),
             Input::Cancel => self.cancel(&mut fx),
             Input::Timer(timer) => self.timer(timer, &mut fx),
             Input::Told(r) => self.told(r, &mut fx),

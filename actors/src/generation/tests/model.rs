@@ -62,6 +62,8 @@ pub(super) enum Op {
     QueueRestarted(bool),
     ClientGone,
     ClientBack,
+    /// The coordinator came back empty: the holders record is written again.
+    RecordAgain,
     /// The owner cancels through the record (another replica's API), then tells the actor.
     Cancel,
     /// Fires the n-th armed timer (any order, any kind).
@@ -105,6 +107,7 @@ pub(super) fn op() -> impl Strategy<Value = Op> {
         1 => any::<bool>().prop_map(Op::QueueRestarted),
         1 => Just(Op::ClientGone),
         1 => Just(Op::ClientBack),
+        1 => Just(Op::RecordAgain),
         1 => Just(Op::Cancel),
         3 => (0usize..8).prop_map(Op::Fire),
         1 => Just(Op::Shutdown),
@@ -374,6 +377,7 @@ impl World {
             },
             Op::ClientGone => Input::ClientGone,
             Op::ClientBack => Input::ClientBack,
+            Op::RecordAgain => Input::RecordAgain,
             Op::Cancel => {
                 if let Some(rec) = &mut self.record {
                     let _ = lifecycle::apply(rec, &Event::RequestCancel, 0);
