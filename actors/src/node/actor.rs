@@ -400,6 +400,14 @@ pub(super) async fn assign(
         None
     };
     if let Some(why) = refused {
+        // The generation handed its queue slot over with the assignment; refused, no
+        // in-flight entry will give it back (the queue would count it until the node's
+        // socket says what it carries).
+        if matches!(dest, Dest::Local(_))
+            && let Some(queue) = state.args.queues.get(&model)
+        {
+            queue.released(&state.args.node_id);
+        }
         link::not_sent(state, myself, dest, request_id, attempt, why);
         return;
     }

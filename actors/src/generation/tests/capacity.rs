@@ -42,3 +42,23 @@ async fn a_nodes_socket_refuses_an_assign_past_its_capacity_and_the_generation_g
     };
     assert_eq!(id, "r5");
 }
+
+#[tokio::test(start_paused = true)]
+async fn an_assign_the_socket_refuses_gives_its_queue_slot_back_at_once() {
+    let h = harness(8, 4).await;
+    let one = [(MODEL.to_string(), 1)].into();
+    let (_full, mut full_out) = connect_with(&h, "n1", PROTOCOL_VERSION, one).await;
+    let _first = start(&h, "r1").await.unwrap();
+    assert_eq!(expect_assign(&mut full_out).await, ("r1".into(), 1));
+
+    // The queue believes n1 has three more places: the second goes there and is refused.
+    let _second = start(&h, "r2").await.unwrap();
+    settle_a_moment().await;
+    assert!(full_out.try_recv().is_err(), "n1 got a second assignment");
+
+    // The refused dispatch's slot is back: the queue counts only what n1 runs (before, it
+    // counted the refused one too until the node's socket said what it carries).
+    let stats = h.queue.stats().await.unwrap();
+    let counted: Vec<(String, u32)> = stats.nodes.into_iter().map(|(id, n, _)| (id, n)).collect();
+    assert_eq!(counted, vec![("n1".to_owned(), 1)]);
+}
