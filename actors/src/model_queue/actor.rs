@@ -118,6 +118,9 @@ pub(super) struct NodeEntry {
     pub(super) recalled: Option<Instant>,
     /// Slots taken lately, which the node's socket may not show yet ([`super::carried`]).
     pub(super) recent: super::carried::Recent,
+    /// Its socket refused an `assign` for want of room: it counts as full until one of its
+    /// slots comes back or its socket speaks again ([`super::carried::Word`]).
+    pub(super) full: bool,
 }
 
 impl NodeEntry {
@@ -131,6 +134,7 @@ impl NodeEntry {
             granted: BTreeMap::new(),
             recalled: None,
             recent: super::carried::Recent::default(),
+            full: false,
         }
     }
 
@@ -151,11 +155,20 @@ impl NodeEntry {
             .fold(self.in_flight(), |a, b| a.saturating_add(*b))
     }
 
+    /// Its slots taken, of `capacity`: all of them while it counts as full.
+    pub(super) fn taken(&self, capacity: u32) -> u32 {
+        if self.full {
+            self.load().max(capacity)
+        } else {
+            self.load()
+        }
+    }
+
     /// What the chooser sees of it (as node `id`, of `capacity`).
     pub(super) fn view<'a>(&'a self, id: &'a str, capacity: u32) -> NodeView<'a> {
         NodeView {
             node_id: id,
-            in_flight: self.load(),
+            in_flight: self.taken(capacity),
             capacity,
             kv_cache_usage: self.load.kv_cache_usage,
             engine_waiting: self.load.queue_depth,
@@ -173,6 +186,7 @@ impl NodeEntry {
         if let Some(n) = self.running.get_mut(replica) {
             *n = n.saturating_sub(1);
         }
+        self.full = false;
     }
 }
 
@@ -346,7 +360,7 @@ impl Actor for ModelQueueActor {
                     n.load = load;
                 }
             }
-            QueueMsg::NodeCarries(id, carried) => state.node_carries(&id, &carried),
+            QueueMsg::NodeCarries(id, carried, word) => state.node_carries(&id, &carried, word),
             QueueMsg::Released(id) => {
                 let me = state.me.clone();
                 state.give_back(&id, &me);
@@ -627,7 +641,7 @@ impl QueueState {
                 .iter()
                 .filter(|(id, n)| {
                     n.routable()
-                        && n.load() < capacity
+                        && n.taken(capacity) < capacity
                         && Some(id.as_str()) != avoid
                         && n.handle.speaks(api)
                 })

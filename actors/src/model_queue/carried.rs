@@ -5,9 +5,14 @@
 //! node would stay "full" for good. The replica holding the node's socket sees every
 //! assignment the node carries, from every replica, and says so with each heartbeat; a count
 //! above that — plus what was dispatched too recently to have reached the socket — is
-//! brought down to it, so a lost slot comes back within one heartbeat. Counts are never
-//! raised from it: a node given too much refuses the excess at its socket (`not_sent`), and
-//! the generation goes back to the queue.
+//! brought down to it, so a lost slot comes back within one heartbeat.
+//!
+//! A count below the socket's is raised only where the socket is, when it refuses an
+//! `assign` for want of room ([`Word::Exact`]): its actor has released everything it ended
+//! before it speaks, so nothing given back is in transit, and the node counts as full until
+//! a slot of it comes back. A queue that counted too little (the node came back under a new
+//! connection still running its work) waits for room instead of dispatching there again and
+//! again. A heartbeat's word is not trusted upwards: it may cross releases on their way.
 
 use std::collections::{BTreeMap, VecDeque};
 use std::time::Duration;
@@ -54,51 +59,101 @@ impl Recent {
     }
 }
 
-/// `running` (the queue's count per replica) squared with `carried` (the socket's) and
-/// `recent` (taken within [`IN_TRANSIT`]): each replica's count at most what the socket
-/// carries of it plus its recent slots. Returns the slots given back, by replica.
+/// How a socket's word is taken.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Word {
+    /// A heartbeat's announcement, which may cross releases on their way here: counts only
+    /// come down to it.
+    Announced,
+    /// The socket's actor on this replica refusing an `assign`, after everything it released
+    /// was sent here: counts are squared both ways, and the node counts as full.
+    Exact,
+}
+
+/// What squaring changed, by replica.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub(super) struct Squared {
+    /// Counted above what the socket carries: given back.
+    pub(super) back: BTreeMap<String, u32>,
+    /// Carried and not counted: counted now.
+    pub(super) found: BTreeMap<String, u32>,
+}
+
+/// `running` (the queue's count per replica) squared with `carried` (the socket's): each
+/// replica's count at most what the socket carries plus what it took lately (`taken`); with
+/// `floor` (the slots the owner granted each replica, whose work it counts there), at least
+/// what the socket carries less that.
 pub(super) fn square(
     running: &mut BTreeMap<String, u32>,
     carried: &BTreeMap<String, u32>,
-    recent: &BTreeMap<String, u32>,
-) -> BTreeMap<String, u32> {
-    let mut back = BTreeMap::new();
-    for (replica, count) in running.iter_mut() {
-        let most = carried
-            .get(replica)
-            .copied()
-            .unwrap_or(0)
-            .saturating_add(recent.get(replica).copied().unwrap_or(0));
+    taken: &BTreeMap<String, u32>,
+    floor: Option<&BTreeMap<String, u32>>,
+) -> Squared {
+    let of = |m: &BTreeMap<String, u32>, r: &str| m.get(r).copied().unwrap_or(0);
+    let replicas: std::collections::BTreeSet<String> =
+        running.keys().chain(carried.keys()).cloned().collect();
+    let mut squared = Squared::default();
+    for replica in replicas {
+        let carries = of(carried, &replica);
+        let count = running.entry(replica.clone()).or_default();
+        let most = carries.saturating_add(of(taken, &replica));
+        let least = floor.map_or(0, |granted| carries.saturating_sub(of(granted, &replica)));
         if *count > most {
-            back.insert(replica.clone(), *count - most);
+            squared.back.insert(replica, *count - most);
             *count = most;
+        } else if *count < least {
+            squared.found.insert(replica, least - *count);
+            *count = least;
         }
     }
     running.retain(|_, n| *n > 0);
-    back
+    squared
 }
 
 impl NodeEntry {
-    /// What the socket says `node_id` carries, at `now`: the slots counted above it come
-    /// back. Returns how many, by replica.
+    /// What the socket says `node_id` carries, at `now`, taken as `word`.
     pub(super) fn carries(
         &mut self,
         carried: &BTreeMap<String, u32>,
+        word: Word,
         now: Instant,
-    ) -> BTreeMap<String, u32> {
-        let recent = self.recent.by_replica(now);
-        square(&mut self.running, carried, &recent)
+    ) -> Squared {
+        self.full = word == Word::Exact;
+        let taken = self.recent.by_replica(now);
+        let floor = (word == Word::Exact).then_some(&self.granted);
+        square(&mut self.running, carried, &taken, floor)
     }
 }
 
 impl QueueState {
     /// The replica holding `node_id`'s socket says what it carries of this model.
-    pub(super) fn node_carries(&mut self, node_id: &str, carried: &BTreeMap<String, u32>) {
+    pub(super) fn node_carries(
+        &mut self,
+        node_id: &str,
+        carried: &BTreeMap<String, u32>,
+        word: Word,
+    ) {
         let now = self.args.clock.now();
+        // Alone (no cluster), every generation the node carries is this queue's, whatever
+        // its replica calls itself.
+        let alone;
+        let carried = if self.cluster.is_none() {
+            alone = BTreeMap::from([(self.me.clone(), carried.values().sum())]);
+            &alone
+        } else {
+            carried
+        };
         let Some(n) = self.nodes.get_mut(node_id) else {
             return;
         };
-        let back_by = n.carries(carried, now);
+        let Squared {
+            back: back_by,
+            found,
+        } = n.carries(carried, word, now);
+        if !found.is_empty() {
+            let slots: u32 = found.values().sum();
+            tracing::info!(model = %self.args.model, node_id, slots, "slots the node carries that were not counted are counted now");
+        }
         let back: u32 = back_by.values().sum();
         // As a follower, a slot of this replica's own that came back may have been one of an
         // owner's grant: it is released as a finished assignment would be, so the grant's
@@ -126,7 +181,7 @@ impl QueueState {
 mod tests {
     use std::collections::BTreeMap;
 
-    use super::square;
+    use super::{Squared, square};
 
     fn map(pairs: &[(&str, u32)]) -> BTreeMap<String, u32> {
         pairs.iter().map(|(k, v)| ((*k).to_owned(), *v)).collect()
@@ -136,8 +191,13 @@ mod tests {
     fn counts_above_what_the_socket_carries_come_back() {
         let mut running = map(&[("r1", 20), ("r2", 16), ("r3", 4)]);
         // r1's count is right; r2 lost 12 releases; r3 is gone from the socket entirely.
-        let back = square(&mut running, &map(&[("r1", 20), ("r2", 4)]), &map(&[]));
-        assert_eq!(back, map(&[("r2", 12), ("r3", 4)]));
+        let squared = square(
+            &mut running,
+            &map(&[("r1", 20), ("r2", 4)]),
+            &map(&[]),
+            None,
+        );
+        assert_eq!(squared.back, map(&[("r2", 12), ("r3", 4)]));
         assert_eq!(running, map(&[("r1", 20), ("r2", 4)]));
     }
 
@@ -145,19 +205,32 @@ mod tests {
     fn recent_dispatches_are_not_held_against_the_socket() {
         let mut running = map(&[("r1", 10)]);
         // Three dispatched in the last moments have not reached the socket yet.
-        assert!(square(&mut running, &map(&[("r1", 7)]), &map(&[("r1", 3)])).is_empty());
+        let taken = map(&[("r1", 3)]);
+        let squared = square(&mut running, &map(&[("r1", 7)]), &taken, None);
+        assert_eq!(squared, Squared::default());
         assert_eq!(running, map(&[("r1", 10)]));
-        assert_eq!(
-            square(&mut running, &map(&[("r1", 5)]), &map(&[("r1", 3)])),
-            map(&[("r1", 2)])
-        );
+        let squared = square(&mut running, &map(&[("r1", 5)]), &taken, None);
+        assert_eq!(squared.back, map(&[("r1", 2)]));
         assert_eq!(running, map(&[("r1", 8)]));
     }
 
     #[test]
-    fn a_count_below_the_socket_is_never_raised() {
+    fn a_heartbeat_never_raises_a_count() {
         let mut running = map(&[("r1", 2)]);
-        assert!(square(&mut running, &map(&[("r1", 9), ("r2", 5)]), &map(&[])).is_empty());
+        let squared = square(&mut running, &map(&[("r1", 9), ("r2", 5)]), &map(&[]), None);
+        assert_eq!(squared, Squared::default());
         assert_eq!(running, map(&[("r1", 2)]));
+    }
+
+    #[test]
+    fn a_refusal_counts_what_the_socket_carries_less_the_grants() {
+        // The node came back under a new connection still running r1's 9 and r2's 5; r2
+        // works on 3 slots the owner granted it, counted there.
+        let mut running = map(&[("r1", 2)]);
+        let granted = map(&[("r2", 3)]);
+        let carried = map(&[("r1", 9), ("r2", 5)]);
+        let squared = square(&mut running, &carried, &map(&[]), Some(&granted));
+        assert_eq!(squared.found, map(&[("r1", 7), ("r2", 2)]));
+        assert_eq!(running, map(&[("r1", 9), ("r2", 2)]));
     }
 }

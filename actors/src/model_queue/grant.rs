@@ -247,7 +247,7 @@ impl QueueState {
             {
                 continue;
             }
-            let mut room = capacity.saturating_sub(n.load());
+            let mut room = capacity.saturating_sub(n.taken(capacity));
             for f in &followers {
                 let have = n.granted.get(f).copied().unwrap_or(0);
                 let give = share.saturating_sub(have).min(room);

@@ -15,6 +15,7 @@ mod owner;
 mod routing;
 
 pub use actor::{ModelQueueActor, NODES_RETURN_WITHIN, QueueArgs, QueueConfig};
+pub use carried::Word;
 pub use cluster::{QueueCluster, Role};
 pub use msg::{ModelQueueHandle, NodeReport, QueueMsg, QueueStats, Slot};
 pub use routing::{

@@ -108,8 +108,8 @@ pub enum QueueMsg {
     /// A node's heartbeat.
     NodeLoad(String, NodeLoad),
     /// What the replica holding a node's socket says it carries of this model, by the
-    /// replica whose generation holds each assignment: counts above it are squared down.
-    NodeCarries(String, BTreeMap<String, u32>),
+    /// replica whose generation holds each assignment: counts are squared with it.
+    NodeCarries(String, BTreeMap<String, u32>, super::carried::Word),
     /// A node finished an assignment of this model.
     Released(String),
     /// A node takes no new work.
@@ -268,8 +268,13 @@ impl ModelQueueHandle {
 
     /// What the node's socket carries of this model, by replica (its heartbeat, or the
     /// announcement of the replica holding it).
-    pub(crate) fn node_carries(&self, node_id: &str, carried: BTreeMap<String, u32>) {
-        self.cast(QueueMsg::NodeCarries(node_id.to_owned(), carried));
+    pub(crate) fn node_carries(
+        &self,
+        node_id: &str,
+        carried: BTreeMap<String, u32>,
+        word: super::carried::Word,
+    ) {
+        self.cast(QueueMsg::NodeCarries(node_id.to_owned(), carried, word));
     }
 
     pub(crate) fn released(&self, node_id: &str) {

@@ -18,7 +18,7 @@ use crate::metric_names::{
     NODE_KV_CACHE_USAGE, NODE_LAST_HEARTBEAT_TIMESTAMP_SECONDS, NODE_PROTOCOL_VIOLATIONS_TOTAL,
     STALE_FRAMES_TOTAL,
 };
-use crate::model_queue::{ModelQueueHandle, NodeReport};
+use crate::model_queue::{ModelQueueHandle, NodeReport, Word};
 use crate::output::Piece;
 use crate::ports::{Clock, Coordinator, Ledger, NodeAccounting, NodeDayUsage};
 use crate::protocol::{NodeFrame, ServerFrame, is_finish_reason};
@@ -401,12 +401,16 @@ pub(super) async fn assign(
     };
     if let Some(why) = refused {
         // The generation handed its queue slot over with the assignment; refused, no
-        // in-flight entry will give it back (the queue would count it until the node's
-        // socket says what it carries).
+        // in-flight entry will give it back.
         if matches!(dest, Dest::Local(_))
             && let Some(queue) = state.args.queues.get(&model)
         {
             queue.released(&state.args.node_id);
+        }
+        // Refused for want of room, the queues dispatched on a count below the node's: they
+        // count what it carries now, and wait for room rather than dispatch here again.
+        if matches!(state.transport, Transport::Socket { .. }) {
+            link::tell_carried(state, &link::carried(state), Word::Exact);
         }
         link::not_sent(state, myself, dest, request_id, attempt, why);
         return;
@@ -507,7 +511,7 @@ pub(super) async fn on_frame(state: &mut NodeState, myself: &ActorRef<NodeMsg>, 
                 kv_cache_usage: kv,
             };
             if matches!(state.transport, Transport::Socket { .. }) {
-                link::tell_carried(state, &link::carried(state));
+                link::tell_carried(state, &link::carried(state), Word::Announced);
             }
             for (model, queue) in &state.args.queues {
                 queue.node_load(&state.args.node_id, state.load);

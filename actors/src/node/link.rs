@@ -19,6 +19,7 @@ use crate::cluster::{
 };
 use crate::generation::GenerationMsg;
 use crate::metric_names::{NODE_ASSIGNMENTS_RECLAIMED_TOTAL, NODES_LOST_TOTAL, STALE_FRAMES_TOTAL};
+use crate::model_queue::Word;
 use crate::protocol::{NodeFrame, ServerFrame, decode_node_frame};
 
 /// How long `node:{id}` lives without a heartbeat (three 5 s heartbeats).
@@ -258,12 +259,18 @@ pub(super) fn carried(state: &NodeState) -> BTreeMap<String, BTreeMap<String, u3
     carried
 }
 
-/// Every queue of the node hears what it carries (`ModelQueueHandle::node_carries`).
-pub(super) fn tell_carried(state: &NodeState, carried: &BTreeMap<String, BTreeMap<String, u32>>) {
+/// Every queue of the node hears what it carries (`ModelQueueHandle::node_carries`), as
+/// `word`.
+pub(super) fn tell_carried(
+    state: &NodeState,
+    carried: &BTreeMap<String, BTreeMap<String, u32>>,
+    word: Word,
+) {
     for (model, queue) in &state.args.queues {
         queue.node_carries(
             &state.args.node_id,
             carried.get(model).cloned().unwrap_or_default(),
+            word,
         );
     }
 }
@@ -356,7 +363,7 @@ pub(super) async fn news(state: &mut NodeState, myself: &ActorRef<NodeMsg>, news
             queue.node_draining(&state.args.node_id);
         }
     }
-    tell_carried(state, &news.carried);
+    tell_carried(state, &news.carried, Word::Announced);
     // The owner's heartbeat, as this proxy's own.
     let heartbeat = NodeFrame::Heartbeat {
         queue_depth: news.queue_depth,
