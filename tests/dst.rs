@@ -383,13 +383,13 @@ fn a_seed_replays_exactly() {
 
 #[test]
 fn the_invariants_catch_usage_a_connected_agent_never_sends_again() {
-    // Seed 9 takes the database away while a generation settles: its `done` is left
-    // unacked, and an agent that resends only after a reconnect never brings it back (about
-    // one seed in twelve meets this).
-    let broken = run_with(9, false).expect_err("the lost usage is caught");
+    // Seed 11 leaves a generation's `done` unacked, and an agent that resends only after a
+    // reconnect never brings it back (about one seed in twelve meets this; which ones moves
+    // whenever the simulated schedule does).
+    let broken = run_with(11, false).expect_err("the lost usage is caught");
     assert!(
         broken.contains("row still reserved at rest after engines produced"),
         "{broken}"
     );
-    run_with(9, true).expect("the resend settles it");
+    run_with(11, true).expect("the resend settles it");
 }
