@@ -531,6 +531,7 @@ pub(super) fn not_sent(
     attempt: u64,
     why: &str,
 ) {
+    tracing::debug!(node_id = %state.args.node_id, %request_id, attempt, why, "an assign was not sent");
     match dest {
         Dest::Local(generation) => {
             let _ = generation.cast(GenerationMsg::EngineError {
