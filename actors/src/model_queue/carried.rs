@@ -135,11 +135,15 @@ impl QueueState {
     ) {
         let now = self.args.clock.now();
         // Alone (no cluster), every generation the node carries is this queue's, whatever
-        // its replica calls itself.
-        let alone;
+        // its replica calls itself; a follower counts only its own work (the owner counts
+        // every replica's), so only its own share of the word concerns it.
+        let own;
         let carried = if self.cluster.is_none() {
-            alone = BTreeMap::from([(self.me.clone(), carried.values().sum())]);
-            &alone
+            own = BTreeMap::from([(self.me.clone(), carried.values().sum())]);
+            &own
+        } else if self.follows() {
+            own = BTreeMap::from([(self.me.clone(), carried.get(&self.me).copied().unwrap_or(0))]);
+            &own
         } else {
             carried
         };
