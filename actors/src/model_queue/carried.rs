@@ -126,6 +126,23 @@ impl NodeEntry {
 }
 
 impl QueueState {
+    /// The part of a socket's word this queue counts. Alone (no cluster), every generation
+    /// the node carries is this queue's, whatever its replica calls itself; a follower counts
+    /// only its own work (the owner counts every replica's); the owner counts all of it.
+    fn share<'a>(
+        &self,
+        carried: &'a BTreeMap<String, u32>,
+    ) -> std::borrow::Cow<'a, BTreeMap<String, u32>> {
+        let own = if self.cluster.is_none() {
+            carried.values().sum()
+        } else if self.follows() {
+            carried.get(&self.me).copied().unwrap_or(0)
+        } else {
+            return std::borrow::Cow::Borrowed(carried);
+        };
+        std::borrow::Cow::Owned(BTreeMap::from([(self.me.clone(), own)]))
+    }
+
     /// The replica holding `node_id`'s socket says what it carries of this model.
     pub(super) fn node_carries(
         &mut self,
@@ -134,19 +151,8 @@ impl QueueState {
         word: Word,
     ) {
         let now = self.args.clock.now();
-        // Alone (no cluster), every generation the node carries is this queue's, whatever
-        // its replica calls itself; a follower counts only its own work (the owner counts
-        // every replica's), so only its own share of the word concerns it.
-        let own;
-        let carried = if self.cluster.is_none() {
-            own = BTreeMap::from([(self.me.clone(), carried.values().sum())]);
-            &own
-        } else if self.follows() {
-            own = BTreeMap::from([(self.me.clone(), carried.get(&self.me).copied().unwrap_or(0))]);
-            &own
-        } else {
-            carried
-        };
+        let carried = self.share(carried);
+        let carried = carried.as_ref();
         let Some(n) = self.nodes.get_mut(node_id) else {
             return;
         };
