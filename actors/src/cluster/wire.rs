@@ -58,6 +58,11 @@ pub struct Announcement {
     /// from a replica older than the field.
     #[serde(default)]
     pub carried: BTreeMap<String, BTreeMap<String, u32>>,
+    /// Sent at once because the socket refused an `assign` for want of room, after it
+    /// released what it ended: `carried` is squared both ways (`Word::Exact`), not only
+    /// downwards as a heartbeat's is. Absent from a replica older than the field.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub exact: bool,
 }
 
 /// On [`super::to_node`]: commands from one replica's proxy of the node, numbered.

@@ -75,7 +75,7 @@ async fn harness_routed(
         ledger,
         queue,
         gens,
-        coord: Arc::new(MapCoordinator::default()),
+        coord: Arc::new(MapCoordinator::with_pubsub()),
     }
 }
 

@@ -7,12 +7,19 @@
 //! above that — plus what was dispatched too recently to have reached the socket — is
 //! brought down to it, so a lost slot comes back within one heartbeat.
 //!
-//! A count below the socket's is raised only where the socket is, when it refuses an
-//! `assign` for want of room ([`Word::Exact`]): its actor has released everything it ended
-//! before it speaks, so nothing given back is in transit, and the node counts as full until
-//! a slot of it comes back. A queue that counted too little (the node came back under a new
-//! connection still running its work) waits for room instead of dispatching there again and
-//! again. A heartbeat's word is not trusted upwards: it may cross releases on their way.
+//! A count below the socket's is raised only when the socket refuses an `assign` for want
+//! of room ([`Word::Exact`]): its actor has released everything it ended before it speaks,
+//! so nothing given back is in transit there, and it announces the word to every replica at
+//! once. Elsewhere a release may still be on its way, but the socket drops an assignment
+//! before its replica hears it ended, so a count that is right is never below the socket's:
+//! raising it to the word is only ever late by what ended since, given back at the next
+//! heartbeat. The node counts as full until a slot of it comes back. A queue that counted
+//! too little (a follower's releases crossed by a heartbeat, a replica frozen past its
+//! lease, the node back under a new connection still running its work) waits for room
+//! instead of dispatching there again and again — the owner above all, which counts every
+//! replica's work and holds no socket of its own. A heartbeat's word is not trusted
+//! upwards: overtaken by the releases that followed it, it would hold free slots for a
+//! heartbeat, while a refusal's comes only when the node is full anyway.
 
 use std::collections::{BTreeMap, VecDeque};
 use std::time::Duration;

@@ -408,9 +408,12 @@ pub(super) async fn assign(
             queue.released(&state.args.node_id);
         }
         // Refused for want of room, the queues dispatched on a count below the node's: they
-        // count what it carries now, and wait for room rather than dispatch here again.
+        // count what it carries now, and wait for room rather than dispatch here again —
+        // this replica's at once, every other's (the owner's above all, which counts every
+        // replica's work) with an announcement.
         if matches!(state.transport, Transport::Socket { .. }) {
             link::tell_carried(state, &link::carried(state), Word::Exact);
+            link::announce_as(state, Word::Exact).await;
         }
         link::not_sent(state, myself, dest, request_id, attempt, why);
         return;

@@ -216,6 +216,11 @@ fn owner_fields(
 
 /// The owner tells every replica about its node (a proxy says nothing).
 pub(super) async fn announce(state: &NodeState) {
+    announce_as(state, Word::Announced).await;
+}
+
+/// [`announce`], with what the node carries taken as `word` by every replica's queues.
+pub(super) async fn announce_as(state: &NodeState, word: Word) {
     if !matches!(state.transport, Transport::Socket { .. }) {
         return;
     }
@@ -231,6 +236,7 @@ pub(super) async fn announce(state: &NodeState) {
         kv_cache_usage: state.load.kv_cache_usage,
         in_flight: state.in_flight.len() as u64,
         carried: carried(state),
+        exact: word == Word::Exact,
     });
     let Ok(payload) = serde_json::to_vec(&news) else {
         return;
@@ -363,7 +369,12 @@ pub(super) async fn news(state: &mut NodeState, myself: &ActorRef<NodeMsg>, news
             queue.node_draining(&state.args.node_id);
         }
     }
-    tell_carried(state, &news.carried, Word::Announced);
+    let word = if news.exact {
+        Word::Exact
+    } else {
+        Word::Announced
+    };
+    tell_carried(state, &news.carried, word);
     // The owner's heartbeat, as this proxy's own.
     let heartbeat = NodeFrame::Heartbeat {
         queue_depth: news.queue_depth,

@@ -6,6 +6,7 @@
 //! socket's actor knows it carries one.
 
 use super::*;
+use crate::cluster::{NODES_CHANNEL, NodeNews};
 use crate::protocol::PROTOCOL_VERSION;
 
 #[tokio::test(start_paused = true)]
@@ -52,9 +53,23 @@ async fn an_assign_the_socket_refuses_gives_its_queue_slot_back_at_once() {
     assert_eq!(expect_assign(&mut full_out).await, ("r1".into(), 1));
 
     // The queue believes n1 has three more places: the second goes there and is refused.
+    let mut news = h.coord.subscribe(NODES_CHANNEL).await.unwrap();
     let _second = start(&h, "r2").await.unwrap();
     settle_a_moment().await;
     assert!(full_out.try_recv().is_err(), "n1 got a second assignment");
+
+    // Every other replica's queue hears at once what n1 carries, to be squared both ways:
+    // the owner's above all, which counts every replica's work on it.
+    let exact = std::iter::from_fn(|| news.try_recv().ok())
+        .filter_map(|payload| serde_json::from_slice::<NodeNews>(&payload).ok())
+        .find_map(|n| match n {
+            NodeNews::Node(a) if a.exact => Some(a),
+            _ => None,
+        })
+        .expect("an exact announcement of n1");
+    assert_eq!(exact.node_id, "n1");
+    let own: BTreeMap<String, u32> = [("r1".to_owned(), 1)].into();
+    assert_eq!(exact.carried, BTreeMap::from([(MODEL.to_owned(), own)]));
 
     // The refused dispatch's slot is back: the queue counts only what n1 runs (before, it
     // counted the refused one too until the node's socket said what it carries).
