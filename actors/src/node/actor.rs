@@ -118,6 +118,8 @@ pub struct NodeState {
     strays: std::collections::BTreeSet<String>,
     /// `done`s whose attempt no record named, and when first seen (see `orphan.rs`).
     pub(super) unrecorded: BTreeMap<(String, u64), tokio::time::Instant>,
+    /// `done`s left unacked that will be read again shortly (see `orphan::look_again`).
+    pub(super) again: std::collections::BTreeSet<(String, u64)>,
     /// When the last heartbeat (or registration) arrived.
     last_heartbeat: tokio::time::Instant,
     /// Heartbeats heard on this connection: what an assignment's `accepted` is dated by.
@@ -208,6 +210,7 @@ impl Actor for NodeActor {
             in_flight: BTreeMap::new(),
             strays: std::collections::BTreeSet::new(),
             unrecorded: BTreeMap::new(),
+            again: std::collections::BTreeSet::new(),
             load: NodeLoad::default(),
             draining: false,
             lost: false,
@@ -283,6 +286,17 @@ impl Actor for NodeActor {
                 );
             }
             NodeMsg::Frame(frame) => on_frame(state, &myself, frame).await,
+            NodeMsg::DoneAgain(done) => {
+                if let NodeFrame::Done {
+                    request_id,
+                    attempt,
+                    ..
+                } = &done
+                {
+                    state.again.remove(&(request_id.clone(), *attempt));
+                }
+                on_frame(state, &myself, done).await;
+            }
             NodeMsg::Drain => {
                 send(state, &myself, ServerFrame::Drain {});
                 start_draining(state).await;

@@ -16,3 +16,5 @@ mod squared;
 pub use actor::{NodeActor, NodeArgs, NodeTrust, VIOLATIONS_KEPT, violations_key};
 pub use link::Link;
 pub use msg::{NodeHandle, NodeLoad, NodeMsg, Violation, Work};
+#[cfg(test)]
+pub(crate) use orphan::LOOK_AGAIN;

@@ -85,6 +85,9 @@ pub enum NodeMsg {
     },
     /// A frame read from the node's socket.
     Frame(NodeFrame),
+    /// A `done` left unacked here, read again as if the node had sent it again (see
+    /// `orphan::look_again`).
+    DoneAgain(NodeFrame),
     /// Stop giving this node new work (operator drain).
     Drain,
     /// Ask the node to load another model (operator).

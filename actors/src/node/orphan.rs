@@ -25,14 +25,42 @@ pub(super) enum Forward {
 /// alone (see [`unrecorded_long_enough`]).
 pub(super) const UNRECORDED_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
 
+/// How soon a `done` left unacked here (no record names its attempt yet, or the record could
+/// not be read) is read again. The node sends it again only after 30 s, as long as a whole
+/// generation may take: left to the node, a `done` that arrived in the second between Redis
+/// coming back empty and its generation recording its attempt again reached that generation
+/// only after its deadline (`redis-restart-empty`, 2 streams in 2,600).
+pub(crate) const LOOK_AGAIN: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// Reads `done` again in [`LOOK_AGAIN`], as if the node had sent it again; one copy per
+/// attempt waits at a time (the node's own copies come on top), at most
+/// [`super::actor::MAX_STRAYS`].
+fn look_again(state: &mut NodeState, myself: &ActorRef<NodeMsg>, done: &NodeFrame) {
+    let NodeFrame::Done {
+        request_id,
+        attempt,
+        ..
+    } = done
+    else {
+        return;
+    };
+    if state.again.len() >= super::actor::MAX_STRAYS
+        || !state.again.insert((request_id.clone(), *attempt))
+    {
+        return;
+    }
+    let again = done.clone();
+    myself.send_after(LOOK_AGAIN, move || NodeMsg::DoneAgain(again));
+}
+
 /// Whether a `done` of `attempt` that no record names was first seen [`UNRECORDED_WAIT`] ago
 /// or more (it is remembered now if not). With a coordinator shared by replicas a missing
 /// record no longer proves the generation gone: Redis may have lost it (restarted empty)
 /// while the generation lives on elsewhere and may have fenced this very attempt and
 /// retried — settled at once, the fenced attempt's tokens would be billed to the retry's row
-/// (the simulation, Redis restarted empty). Left unacked, the node sends it again; by then a
-/// live generation has recorded its attempts anew with its next dispatch, and the copy goes
-/// to it. (An in-process coordinator is lost only with every generation it recorded: there a
+/// (the simulation, Redis restarted empty). Left unacked, it is read again each
+/// [`LOOK_AGAIN`]; within a second of Redis's return a live generation has recorded its
+/// attempts anew (`cluster::epoch`), and the copy goes to it. (An in-process coordinator is lost only with every generation it recorded: there a
 /// missing record settles at once.)
 fn unrecorded_long_enough(state: &mut NodeState, request_id: &str, attempt: u64) -> bool {
     let now = state.args.clock.now();
@@ -82,10 +110,15 @@ pub(super) async fn settle_orphan(
         Ok(record) => record,
         Err(e) => {
             tracing::warn!(%request_id, error = %e, "could not check who held a done's attempt; left unacked");
+            look_again(state, myself, &done);
             return;
         }
     };
+    let unrecorded = record.holder == Holder::Unrecorded;
     let Some(mut review) = vouch(state, myself, record.holder, &request_id, attempt).await else {
+        if unrecorded {
+            look_again(state, myself, &done);
+        }
         return;
     };
     if forward == Forward::ToGeneration
@@ -247,7 +280,7 @@ async fn vouch(
             if state.args.coordinator.is_shared()
                 && !unrecorded_long_enough(state, request_id, attempt)
             {
-                tracing::info!(node_id = %state.args.node_id, %request_id, attempt, "no record of who held this attempt yet; left unacked until the node sends it again");
+                tracing::info!(node_id = %state.args.node_id, %request_id, attempt, "no record of who held this attempt yet; reading its done again shortly");
                 return None;
             }
             tracing::warn!(node_id = %state.args.node_id, %request_id, attempt, "no record of who held this attempt; settling within its bounds for review");

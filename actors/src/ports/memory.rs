@@ -298,6 +298,8 @@ mod map_coordinator {
     pub(crate) struct PubSub {
         /// Messages reach subscribers (otherwise every publish reaches nobody).
         delivers: bool,
+        /// It stands for Redis shared by replicas ([`Coordinator::is_shared`]).
+        shared: bool,
         /// Subscribers by channel.
         channels: BTreeMap<String, Vec<mpsc::UnboundedSender<Vec<u8>>>>,
     }
@@ -307,6 +309,14 @@ mod map_coordinator {
         pub(crate) fn with_pubsub() -> Self {
             let c = Self::default();
             c.1.lock().unwrap().delivers = true;
+            c
+        }
+
+        /// One standing for Redis shared by replicas: pub/sub delivers, and a missing record
+        /// may be one it lost while the generation lives on elsewhere.
+        pub(crate) fn shared() -> Self {
+            let c = Self::with_pubsub();
+            c.1.lock().unwrap().shared = true;
             c
         }
 
@@ -323,6 +333,9 @@ mod map_coordinator {
 
     #[async_trait]
     impl Coordinator for MapCoordinator {
+        fn is_shared(&self) -> bool {
+            self.1.lock().unwrap().shared
+        }
         async fn put_hash(
             &self,
             key: &str,

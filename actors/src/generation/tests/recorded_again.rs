@@ -4,8 +4,8 @@
 //! its record again: the node that holds the attempt, and this replica.
 
 use super::*;
-use crate::attempts::{Holder, lookup};
-use crate::cluster::{CHECK_EVERY, Epoch, spawn_epoch_watch};
+use crate::attempts::{Holder, Recorder, lookup};
+use crate::cluster::{CHECK_EVERY, Epoch, spawn_epoch_watch, to_replica};
 use tokio_util::sync::CancellationToken;
 
 #[tokio::test(start_paused = true)]
@@ -39,4 +39,40 @@ async fn a_running_generation_records_its_attempt_again_after_the_coordinator_lo
     let gone = lookup(h.coord.as_ref(), &id, attempt).await.unwrap();
     assert_eq!(gone.holder, Holder::Unrecorded);
     stop.cancel();
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_done_no_record_names_yet_goes_to_its_generation_once_the_record_is_back() {
+    let mut h = harness(8, 4).await;
+    h.coord = Arc::new(MapCoordinator::shared());
+    let (node, mut out) = connect(&h, "n1").await;
+    let mut relayed = h.coord.subscribe(&to_replica("r2")).await.unwrap();
+
+    // The done of a generation running on r2 arrives here just after Redis came back empty:
+    // no record names its attempt, so it is neither settled nor acked.
+    node.deliver(done("elsewhere", 1, 10, 3, "stop"));
+    settle_a_moment().await;
+    assert!(out.try_recv().is_err(), "an unrecorded done was acked");
+    assert!(relayed.try_recv().is_err());
+
+    // r2's epoch watch records the attempt again; the done goes there within a second,
+    // without the node sending it again (it would, only after 30 s: past the deadline).
+    let recorder = Recorder {
+        coordinator: h.coord.clone(),
+        replica_id: "r2".into(),
+    };
+    let holders = BTreeMap::from([(1, "n1".to_owned())]);
+    recorder
+        .record("elsewhere", &holders, Duration::from_secs(60))
+        .await
+        .unwrap();
+    tokio::time::sleep(crate::node::LOOK_AGAIN).await;
+    settle_a_moment().await;
+    let payload = relayed.try_recv().expect("the done relayed to r2");
+    let relay: serde_json::Value = serde_json::from_slice(&payload).unwrap();
+    assert_eq!(relay["node_id"], "n1");
+    assert!(
+        payload.windows(9).any(|w| w == b"elsewhere"),
+        "the relay carries the done"
+    );
 }
