@@ -70,6 +70,11 @@ pub struct ModelConfig {
     /// (`price_output_per_mtok` unused).
     #[serde(default)]
     pub embedding: bool,
+    /// An embedding model's vector length (bge-m3: 1,024): what one answer may hold per
+    /// input (past it the node broke its trust, `completion_over_bound`). Absent: 8,192,
+    /// more than any served embedding model has.
+    #[serde(default)]
+    pub embedding_dimensions: Option<u32>,
     /// Tokens per KV block on its engines (vLLM's `--block-size`; 16 on CUDA): the gateway
     /// hashes prompts in blocks of this size to predict each node's prefix-cache hits.
     #[serde(default = "default_block_size")]
@@ -448,6 +453,7 @@ pub fn default_models() -> Vec<ModelConfig> {
             default_max_tokens: default_max_tokens(),
             max_context_tokens: default_max_context_tokens(),
             embedding: false,
+            embedding_dimensions: None,
             tokenizer: None,
             chat_template: None,
             block_size: default_block_size(),
@@ -481,6 +487,7 @@ pub fn default_models() -> Vec<ModelConfig> {
         ModelConfig {
             max_context_tokens: 8192,
             embedding: true,
+            embedding_dimensions: Some(1024),
             ..model("bge-m3", "embed", 20_000, 0, 64, 11_571)
         },
     ]
@@ -591,6 +598,14 @@ impl Config {
             {
                 return invalid(format!(
                     "model {}: max_context_tokens must be >= 2 and default_max_tokens from 1 to max_context_tokens",
+                    m.name
+                ));
+            }
+            if m.embedding_dimensions
+                .is_some_and(|d| d == 0 || !m.embedding)
+            {
+                return invalid(format!(
+                    "model {}: embedding_dimensions must be > 0, and only for an embedding model",
                     m.name
                 ));
             }
@@ -746,6 +761,18 @@ mod tests {
         let mut c = Config::default();
         c.models[1].aliases.push("small".into());
         assert!(c.validate().is_err());
+    }
+
+    #[test]
+    fn embedding_dimensions_belong_to_embedding_models() {
+        let mut c = Config::default();
+        assert_eq!(c.models[3].embedding_dimensions, Some(1024), "bge-m3");
+        c.models[3].embedding_dimensions = Some(0);
+        assert!(c.validate().is_err(), "no dimensions at all");
+        c.models[3].embedding_dimensions = None;
+        c.validate().unwrap();
+        c.models[0].embedding_dimensions = Some(1024);
+        assert!(c.validate().is_err(), "a chat model has none");
     }
 
     #[test]

@@ -247,9 +247,9 @@ pub const BYTES_PER_LOGPROB: u64 = 512;
 /// default `--max-logprobs`, OpenAI's limit.
 pub const MAX_TOP_LOGPROBS: u64 = 20;
 
-/// Dimensions of an embedding counted per input. The configuration does not know a model's
-/// dimensions, so the bound is generous: 8,192 is more than any served embedding model has
-/// (bge-m3 1,024, OpenAI's largest 3,072, e5-mistral 4,096).
+/// Dimensions of an embedding counted per input when the model's are not configured
+/// (`embedding_dimensions`): more than any served embedding model has (bge-m3 1,024, OpenAI's
+/// largest 3,072, e5-mistral 4,096).
 pub const EMBEDDING_DIMENSIONS: u64 = 8192;
 
 /// Bytes one embedding value may take: a float as JSON (`-1.2345678901234567e-05,` is 24)
@@ -265,8 +265,10 @@ pub const BYTES_PER_EMBEDDING: u64 = 256;
 /// anything more is held. `completion_tokens` and `prompt_tokens` are the request's billing
 /// bounds ([`crate::ports::UsageBounds`]).
 ///
-/// - Embeddings: `inputs × (BYTES_PER_EMBEDDING + EMBEDDING_DIMENSIONS × BYTES_PER_DIMENSION)
-///   + OUTPUT_SLACK_BYTES` (about 256 KiB per input).
+/// - Embeddings: `inputs × (BYTES_PER_EMBEDDING + dimensions × BYTES_PER_DIMENSION)
+///   + OUTPUT_SLACK_BYTES`, where `dimensions` is the model's (`dimensions`, else
+///   [`EMBEDDING_DIMENSIONS`]: about 256 KiB per input), or fewer when the request asks for
+///   shorter vectors (its own `dimensions`).
 /// - Chat and legacy completions: `tokens × per_token + OUTPUT_SLACK_BYTES`, where `tokens` is
 ///   `completion_tokens`, plus `prompt_tokens` when the engine is asked to send the prompt
 ///   back (`echo`, `prompt_logprobs`), and `per_token` is `BYTES_PER_TOKEN`, plus
@@ -277,9 +279,15 @@ pub fn output_bound(
     body: &serde_json::Value,
     completion_tokens: u64,
     prompt_tokens: u64,
+    dimensions: Option<u32>,
 ) -> u64 {
     if api == Api::Embeddings {
-        let per_input = BYTES_PER_EMBEDDING + EMBEDDING_DIMENSIONS * BYTES_PER_DIMENSION;
+        let model = dimensions.map_or(EMBEDDING_DIMENSIONS, u64::from);
+        let asked = body.get("dimensions").and_then(serde_json::Value::as_u64);
+        let dimensions = asked.map_or(model, |a| a.min(model));
+        let per_input = dimensions
+            .saturating_mul(BYTES_PER_DIMENSION)
+            .saturating_add(BYTES_PER_EMBEDDING);
         return embedding_inputs(body)
             .saturating_mul(per_input)
             .saturating_add(OUTPUT_SLACK_BYTES);
@@ -720,12 +728,27 @@ mod tests {
         use serde_json::json;
         let slack = OUTPUT_SLACK_BYTES;
         let input = 256 + 8192 * 32;
-        let embed = |body| output_bound(Api::Embeddings, &body, 0, 10);
+        let embed = |body| output_bound(Api::Embeddings, &body, 0, 10, None);
         assert_eq!(embed(json!({"input": "a"})), input + slack);
         assert_eq!(embed(json!({"input": [1, 2, 3]})), input + slack);
         assert_eq!(embed(json!({"input": ["a", "b"]})), 2 * input + slack);
         assert_eq!(embed(json!({"input": [[1], [2], [3]]})), 3 * input + slack);
-        let chat = |body| output_bound(Api::Chat, &body, 5, 100);
+        // The model's own vector length, and a shorter one the request asks for.
+        let bge = |body| output_bound(Api::Embeddings, &body, 0, 10, Some(1024));
+        assert_eq!(
+            bge(json!({"input": ["a", "b"]})),
+            2 * (256 + 1024 * 32) + slack
+        );
+        assert_eq!(
+            bge(json!({"input": "a", "dimensions": 256})),
+            256 + 256 * 32 + slack
+        );
+        assert_eq!(
+            bge(json!({"input": "a", "dimensions": 100_000})),
+            256 + 1024 * 32 + slack,
+            "never more than the model's"
+        );
+        let chat = |body| output_bound(Api::Chat, &body, 5, 100, None);
         assert_eq!(chat(json!({})), 5 * 1024 + slack);
         assert_eq!(chat(json!({"logprobs": false})), 5 * 1024 + slack);
         assert_eq!(
@@ -747,11 +770,14 @@ mod tests {
             105 * 1024 + slack,
             "the prompt sent back"
         );
-        let legacy = |body| output_bound(Api::Completions, &body, 5, 100);
+        let legacy = |body| output_bound(Api::Completions, &body, 5, 100, None);
         assert_eq!(legacy(json!({"logprobs": 3})), 5 * (1024 + 512 * 4) + slack);
         assert_eq!(legacy(json!({"logprobs": null})), 5 * 1024 + slack);
         // Unbounded rows (before bounds existed) saturate instead of overflowing.
-        assert_eq!(output_bound(Api::Chat, &json!({}), u64::MAX, 0), u64::MAX);
+        assert_eq!(
+            output_bound(Api::Chat, &json!({}), u64::MAX, 0, None),
+            u64::MAX
+        );
     }
 
     #[test]

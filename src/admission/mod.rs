@@ -214,6 +214,7 @@ impl Admission {
         let reservation = reservation(&request, ledger_id, measured);
         Ok(Admit::Ready(Box::new(Ready {
             request_id: id,
+            embedding_dimensions: request.model.embedding_dimensions,
             model: request.model.name,
             body: request.engine_body,
             reservation,

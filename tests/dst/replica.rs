@@ -235,6 +235,7 @@ impl AdmissionJob for Job {
             model: MODEL.into(),
             body: serde_json::json!({"model": MODEL, "messages": [], "max_tokens": p.max_tokens}),
             reservation,
+            embedding_dimensions: None,
             queue: self.queue,
             route: None,
             lifecycle: None,

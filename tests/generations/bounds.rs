@@ -129,10 +129,30 @@ async fn an_embeddings_answer_past_its_inputs_bound_is_refused_and_never_held() 
         None,
     )
     .await;
-    // One input allows about 320 KiB; the node sends about 48 KiB slices, 32 of them
-    // (1.5 MiB: today's gateway kept every one and answered 200).
+    // One input of bge-m3 (1,024 dimensions) allows about 96 KiB; the node sends about
+    // 48 KiB slices, 32 of them (1.5 MiB: the gateway once kept every one and answered 200).
     let item = json!({"object": "embedding", "index": 0, "embedding": vec![0.125; 8000]});
     flood(&mut node, &id, 32, |_| json!({"data": [item.clone()]})).await;
+    refused_and_settled(&f, request, &id, 0).await;
+    f.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_embedding_longer_than_the_models_dimensions_is_refused() {
+    let f = pg_fleet(&[], 1.0, |_| {}).await;
+    let mut node = scripted(&f, "embedder", "bge-m3").await;
+    let (request, id) = request_on(
+        &f,
+        &mut node,
+        "/v1/embeddings",
+        json!({"model": "embed", "input": "hello"}),
+        None,
+    )
+    .await;
+    // One vector of 20,000 values (about 120 KiB): within the bound of a model of unknown
+    // length (8,192 dimensions, 320 KiB), past bge-m3's own 1,024.
+    let item = json!({"object": "embedding", "index": 0, "embedding": vec![0.125; 20_000]});
+    flood(&mut node, &id, 1, |_| json!({"data": [item.clone()]})).await;
     refused_and_settled(&f, request, &id, 0).await;
     f.stop().await;
 }

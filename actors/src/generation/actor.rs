@@ -78,6 +78,7 @@ impl Actor for GenerationActor {
                 &args.body,
                 args.reservation.bounds.completion_tokens,
                 args.reservation.bounds.prompt_tokens,
+                args.embedding_dimensions,
             ),
             recorded: args.lifecycle.is_some(),
         };

@@ -193,6 +193,7 @@ impl Launcher {
             model: ready.model,
             body: ready.body,
             api,
+            embedding_dimensions: ready.embedding_dimensions,
             traceparent: trace.traceparent,
             reservation: ready.reservation,
             queue: ready.queue,

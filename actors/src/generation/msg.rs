@@ -123,6 +123,9 @@ pub struct GenerationArgs {
     pub body: serde_json::Value,
     /// The engine API it runs on.
     pub api: Api,
+    /// An embedding model's vector length, when configured: bounds its answer
+    /// ([`crate::output::output_bound`]).
+    pub embedding_dimensions: Option<u32>,
     /// The client's request id, passed to the engine.
     pub x_request_id: Option<String>,
     /// The W3C trace context, passed to the engine.

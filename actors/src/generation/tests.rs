@@ -193,6 +193,7 @@ async fn start_api(
     let args = GenerationArgs {
         timeouts,
         api,
+        embedding_dimensions: None,
         ..args
     };
     h.gens.start_generation(args, rx).await
@@ -213,6 +214,7 @@ fn generation_args(
         model: MODEL.into(),
         body: serde_json::json!({"model": MODEL, "messages": []}),
         api: crate::protocol::Api::Chat,
+        embedding_dimensions: None,
         x_request_id: None,
         traceparent: None,
         reservation: reservation(request_id, MODEL, bounds),

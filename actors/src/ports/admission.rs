@@ -38,6 +38,8 @@ pub struct Ready {
     pub body: serde_json::Value,
     /// The ledger row to open, priced and bounded by the measured prompt.
     pub reservation: Reservation,
+    /// An embedding model's vector length, when configured (bounds its answer).
+    pub embedding_dimensions: Option<u32>,
     /// The queue of [`Self::model`].
     pub queue: ModelQueueHandle,
     /// The measured prompt's blocks, for the queue's node choice (`None` when the prompt

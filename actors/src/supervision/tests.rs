@@ -138,6 +138,7 @@ async fn start(h: &Harness, request_id: &str) -> Result<GenerationStream, Failur
         model: MODEL.into(),
         body: serde_json::json!({"model": MODEL, "messages": []}),
         api: Api::Chat,
+        embedding_dimensions: None,
         x_request_id: None,
         traceparent: None,
         reservation: crate::ports::memory::reservation(
