@@ -102,6 +102,8 @@ impl Admission {
     pub async fn admit(&self, mut request: Request, id: &str) -> Result<Admit, AdmissionError> {
         let parts = &self.0;
         let policy = policy(&parts.config, &request.principal);
+        // Whoever sent a key can come back with it; an automatic one is nobody's.
+        let resumable = request.idempotency.is_some();
         // A principal whose messages are metered goes through a record even without a key:
         // the quota and the bucket are only exact inside the record's transaction. The key is
         // the request's own id, so it is never replayed.
@@ -221,6 +223,7 @@ impl Admission {
             queue,
             route,
             lifecycle,
+            resumable,
             on_end,
             limits,
         })))

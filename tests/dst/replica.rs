@@ -239,6 +239,7 @@ impl AdmissionJob for Job {
             queue: self.queue,
             route: None,
             lifecycle: None,
+            resumable: false,
             on_end: None,
             limits: LimitState::default(),
         })))

@@ -81,6 +81,7 @@ impl Actor for GenerationActor {
                 args.embedding_dimensions,
             ),
             recorded: args.lifecycle.is_some(),
+            resumable: args.resumable && args.lifecycle.is_some(),
         };
         Ok(GenerationState {
             core: Core::new(cfg, args.clock.now()),

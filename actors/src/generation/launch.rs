@@ -204,6 +204,7 @@ impl Launcher {
             clock: self.clock.clone(),
             on_end: ready.on_end,
             lifecycle: ready.lifecycle,
+            resumable: ready.resumable,
             attempts: Some(crate::attempts::Recorder {
                 coordinator: self.coordinator.clone(),
                 replica_id: self.replica_id.clone(),

@@ -149,6 +149,8 @@ pub struct GenerationArgs {
     /// The generation's record (`request_id` is its id) when it was admitted through the
     /// lifecycle (the Generations API, or an Idempotency-Key).
     pub lifecycle: Option<Arc<dyn GenerationStore>>,
+    /// Its client may come back to it (see [`crate::ports::admission::Ready::resumable`]).
+    pub resumable: bool,
     /// Where the record of which node holds each attempt goes (see `crate::attempts`), so a
     /// `done` that outlives the generation is accepted only from its node, and one arriving
     /// on another replica is sent here. `None` in tests that do not need it.

@@ -123,6 +123,13 @@ async fn start_recorded(
     request_id: &str,
     store: &Arc<crate::lifecycle::memory::MemoryGenerations>,
 ) -> GenerationStream {
+    admit_in(store, request_id).await;
+    let lifecycle: Arc<dyn crate::lifecycle::GenerationStore> = store.clone();
+    start_with(h, request_id, Some(lifecycle)).await.unwrap()
+}
+
+/// Admits `request_id` in `store`, as the lifecycle admission does before the actor starts.
+async fn admit_in(store: &crate::lifecycle::memory::MemoryGenerations, request_id: &str) {
     use crate::lifecycle::{GenerationStore, MessagePolicy, NewGeneration};
     let new = NewGeneration {
         id: request_id.into(),
@@ -136,8 +143,6 @@ async fn start_recorded(
         .await
         .unwrap();
     assert!(matches!(decision, crate::lifecycle::Decision::Admitted(_)));
-    let lifecycle: Arc<dyn crate::lifecycle::GenerationStore> = store.clone();
-    start_with(h, request_id, Some(lifecycle)).await.unwrap()
 }
 
 async fn start_with(
@@ -225,6 +230,7 @@ fn generation_args(
         timeouts: Timeouts::default(),
         clock: Arc::new(SystemClock),
         on_end: None,
+        resumable: lifecycle.is_some(),
         lifecycle,
         attempts: Some(crate::attempts::Recorder {
             coordinator: h.coord.clone(),
@@ -354,6 +360,44 @@ async fn a_recorded_client_that_leaves_is_cancelled_on_the_node_after_the_grace_
     assert!(matches!(out.recv().await, Some(ServerFrame::Ack { .. })));
     let row = h.ledger.row("r1").unwrap();
     assert_eq!((row.status, row.completion_tokens), (RowStatus::Settled, 3));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_recorded_generation_nobody_can_come_back_to_is_cancelled_at_once() {
+    // A chat completion without Idempotency-Key of a principal whose messages are metered:
+    // it has a record, but no key its client could come back with.
+    let h = harness(8, 4).await;
+    let (node, mut out) = connect(&h, "n1").await;
+    let store = Arc::new(crate::lifecycle::memory::MemoryGenerations::default());
+    admit_in(&store, "r1").await;
+    let lifecycle: Arc<dyn crate::lifecycle::GenerationStore> = store.clone();
+    let (args, rx) = generation_args(
+        &h,
+        "r1",
+        h.ledger.clone(),
+        Some(lifecycle),
+        crate::ports::UsageBounds::UNBOUNDED,
+    );
+    let args = GenerationArgs {
+        resumable: false,
+        ..args
+    };
+    let mut stream = h.gens.start_generation(args, rx).await.unwrap();
+    expect_assign(&mut out).await;
+    node.deliver(chunk("r1", 1, 0, "a"));
+    assert_eq!(stream.next().await, Some(GenEvent::Delta("a".into())));
+    drop(stream);
+    let left = tokio::time::Instant::now();
+    assert!(matches!(
+        out.recv().await,
+        Some(ServerFrame::Cancel { attempt: 1, .. })
+    ));
+    assert!(left.elapsed() < Duration::from_millis(100), "no grace");
+    node.deliver(done("r1", 1, 12, 1, "abort"));
+    assert!(matches!(out.recv().await, Some(ServerFrame::Ack { .. })));
+    settle_a_moment().await;
+    let row = h.ledger.row("r1").unwrap();
+    assert_eq!((row.status, row.completion_tokens), (RowStatus::Settled, 1));
 }
 
 #[tokio::test(start_paused = true)]

@@ -48,6 +48,10 @@ pub struct Ready {
     /// The lifecycle store, when the generation has a record (an Idempotency-Key, or a
     /// principal whose messages are metered).
     pub lifecycle: Option<Arc<dyn GenerationStore>>,
+    /// Its client may come back to it: it sent an Idempotency-Key, or asked through the
+    /// Generations API. A record made only to meter a principal's messages is not resumable:
+    /// its client leaving stops the node at once.
+    pub resumable: bool,
     /// Gives the principal's stream place back (and counts its tokens) when the generation
     /// ends; dropping it unrun gives the place back.
     pub on_end: Option<EndHook>,

@@ -154,6 +154,7 @@ async fn start(h: &Harness, request_id: &str) -> Result<GenerationStream, Failur
         clock: Arc::new(SystemClock),
         on_end: None,
         lifecycle: None,
+        resumable: false,
         attempts: None,
     };
     h.sup.generations.start_generation(args, rx).await

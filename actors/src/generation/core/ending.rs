@@ -348,11 +348,11 @@ impl<N: NodeRef> Core<N> {
                 self.record(Event::RequestCancel, fx);
                 self.end_cancelled_without_work(fx);
             }
-            // Nobody can come back to a generation without a record (a chat completion
-            // without Idempotency-Key): every token from now on would be billed for nothing, so
-            // the node stops at once. One with a record may finish within the grace, and its
-            // answer is kept for the client's retry.
-            Where::Running { .. } if !self.cfg.recorded => self.grace_over(fx),
+            // Nobody can come back to a generation that is not resumable (a chat completion
+            // without Idempotency-Key, recorded or not): every token from now on would be
+            // billed for nothing, so the node stops at once. A resumable one may finish
+            // within the grace, and its answer is kept for the client's retry.
+            Where::Running { .. } if !self.cfg.resumable => self.grace_over(fx),
             Where::Running { .. } if self.grace.is_none() => {
                 self.graces += 1;
                 self.grace = Some(self.graces);

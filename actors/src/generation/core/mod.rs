@@ -152,9 +152,12 @@ pub(crate) struct Config {
     /// The most output a node may send, in bytes as they arrive
     /// ([`crate::output::output_bound`]): past it nothing more is kept or relayed.
     pub output_bytes: u64,
-    /// The generation has a lifecycle record: its output is kept, and its client may come back
-    /// (so a leaving client gets the grace).
+    /// The generation has a lifecycle record: its output is kept.
     pub recorded: bool,
+    /// Its client may come back to it (an Idempotency-Key, the Generations API), so a
+    /// leaving client gets the grace. A record alone (a principal whose messages are
+    /// metered) does not make it so: nobody can ask for that answer again.
+    pub resumable: bool,
 }
 
 /// The current attempt's progress.

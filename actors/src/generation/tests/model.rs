@@ -218,6 +218,7 @@ impl World {
             // Four 3-byte chunks fit; see [`World::output_bound`].
             output_bytes: if bounded { 12 } else { u64::MAX },
             recorded,
+            resumable: recorded,
         };
         let now = Instant::now();
         Self {
