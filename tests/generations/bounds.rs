@@ -117,8 +117,9 @@ fn slice() -> String {
     "x".repeat(16 << 10)
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_embeddings_answer_past_its_inputs_bound_is_refused_and_never_held() {
+/// A bge-m3 node answers one input's embeddings request with `slices` vectors of `values`
+/// values each: the gateway refuses it as over its bound and settles the row for nothing.
+async fn embeddings_past_the_bound(values: usize, slices: u64) {
     let f = pg_fleet(&[], 1.0, |_| {}).await;
     let mut node = scripted(&f, "embedder", "bge-m3").await;
     let (request, id) = request_on(
@@ -129,32 +130,24 @@ async fn an_embeddings_answer_past_its_inputs_bound_is_refused_and_never_held() 
         None,
     )
     .await;
-    // One input of bge-m3 (1,024 dimensions) allows about 96 KiB; the node sends about
-    // 48 KiB slices, 32 of them (1.5 MiB: the gateway once kept every one and answered 200).
-    let item = json!({"object": "embedding", "index": 0, "embedding": vec![0.125; 8000]});
-    flood(&mut node, &id, 32, |_| json!({"data": [item.clone()]})).await;
+    let item = json!({"object": "embedding", "index": 0, "embedding": vec![0.125; values]});
+    flood(&mut node, &id, slices, |_| json!({"data": [item.clone()]})).await;
     refused_and_settled(&f, request, &id, 0).await;
     f.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_embeddings_answer_past_its_inputs_bound_is_refused_and_never_held() {
+    // One input of bge-m3 (1,024 dimensions) allows about 96 KiB; the node sends about
+    // 48 KiB slices, 32 of them (1.5 MiB: the gateway once kept every one and answered 200).
+    embeddings_past_the_bound(8000, 32).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_embedding_longer_than_the_models_dimensions_is_refused() {
-    let f = pg_fleet(&[], 1.0, |_| {}).await;
-    let mut node = scripted(&f, "embedder", "bge-m3").await;
-    let (request, id) = request_on(
-        &f,
-        &mut node,
-        "/v1/embeddings",
-        json!({"model": "embed", "input": "hello"}),
-        None,
-    )
-    .await;
     // One vector of 20,000 values (about 120 KiB): within the bound of a model of unknown
     // length (8,192 dimensions, 320 KiB), past bge-m3's own 1,024.
-    let item = json!({"object": "embedding", "index": 0, "embedding": vec![0.125; 20_000]});
-    flood(&mut node, &id, 1, |_| json!({"data": [item.clone()]})).await;
-    refused_and_settled(&f, request, &id, 0).await;
-    f.stop().await;
+    embeddings_past_the_bound(20_000, 1).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
