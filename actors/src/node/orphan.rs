@@ -114,11 +114,7 @@ pub(super) async fn settle_orphan(
             return;
         }
     };
-    let unrecorded = record.holder == Holder::Unrecorded;
-    let Some(mut review) = vouch(state, myself, record.holder, &request_id, attempt).await else {
-        if unrecorded {
-            look_again(state, myself, &done);
-        }
+    let Some(mut review) = vouch(state, myself, record.holder, &done).await else {
         return;
     };
     if forward == Forward::ToGeneration
@@ -261,15 +257,23 @@ pub(super) async fn settle_orphan(
 }
 
 /// What the attempt record says of this node's `done`: `None` when it is not settled now (a
-/// violation counted, or an unrecorded one left for the node's next copy), else the review
+/// violation counted, or an unrecorded one to be read again shortly), else the review
 /// mark the settle carries (`None`: the record names this node).
 async fn vouch(
     state: &mut NodeState,
     myself: &ActorRef<NodeMsg>,
     holder: Holder,
-    request_id: &str,
-    attempt: u64,
+    done: &NodeFrame,
 ) -> Option<Option<ReviewReason>> {
+    let NodeFrame::Done {
+        request_id,
+        attempt,
+        ..
+    } = done
+    else {
+        return None;
+    };
+    let (request_id, attempt) = (request_id.as_str(), *attempt);
     match holder {
         Holder::Node(node) if node == state.args.node_id => Some(None),
         Holder::Node(_) | Holder::NotAssigned => {
@@ -281,6 +285,7 @@ async fn vouch(
                 && !unrecorded_long_enough(state, request_id, attempt)
             {
                 tracing::info!(node_id = %state.args.node_id, %request_id, attempt, "no record of who held this attempt yet; reading its done again shortly");
+                look_again(state, myself, done);
                 return None;
             }
             tracing::warn!(node_id = %state.args.node_id, %request_id, attempt, "no record of who held this attempt; settling within its bounds for review");
