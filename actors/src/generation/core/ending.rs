@@ -502,6 +502,16 @@ impl<N: NodeRef> Core<N> {
     }
 
     fn time_out(&mut self, fx: &mut Fx<N>) {
+        // Rare and worth a line: where it was, so a deadline run out is never a mystery.
+        tracing::warn!(
+            request_id = %self.cfg.request_id,
+            at = ?self.at,
+            attempt = self.attempt.epoch,
+            holders = ?self.holders,
+            dispatched = self.dispatched_at.is_some(),
+            first_token = self.first_token_at.is_some(),
+            "the request's deadline passed"
+        );
         match &self.at {
             Where::New | Where::Queued { .. } => {
                 fx.push(Effect::Withdraw);
