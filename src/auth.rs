@@ -9,6 +9,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use switchyard_actors::ports::Clock;
+use switchyard_actors::tier::{Allowed, Tier};
 use tokio::time::Instant;
 
 use crate::jwt::{JwtError, JwtVerifier, Role};
@@ -42,6 +43,8 @@ pub struct Principal {
     pub burst_refill_seconds: Option<u32>,
     /// Whether the credential carries the admin role.
     pub admin: bool,
+    /// The service tiers it may use, and its own.
+    pub service_tiers: Allowed,
 }
 
 impl Principal {
@@ -67,8 +70,34 @@ impl Principal {
             burst_capacity: key.burst_capacity,
             burst_refill_seconds: key.burst_refill_seconds,
             admin: false,
+            service_tiers: key_tiers(key.service_tiers.as_deref(), key.service_tier, defaults),
         }
     }
+}
+
+/// The tiers of a credential that names `tiers` and `default` (either may be absent): what
+/// it names, completed by `fallback` — a default it lacks is its best tier, and a default
+/// outside the configured tiers widens them by it.
+pub fn tiers_of(tiers: Option<&[Tier]>, default: Option<Tier>, fallback: Allowed) -> Allowed {
+    match (tiers, default) {
+        (None, None) => fallback,
+        (None, Some(d)) => {
+            let mut all = fallback.tiers();
+            all.push(d);
+            Allowed::new(&all, d).unwrap_or(fallback)
+        }
+        (Some(tiers), d) => {
+            let d = d
+                .filter(|d| tiers.contains(d))
+                .or_else(|| tiers.iter().min().copied())
+                .unwrap_or(fallback.default_tier());
+            Allowed::new(tiers, d).unwrap_or(fallback)
+        }
+    }
+}
+
+fn key_tiers(tiers: Option<&[Tier]>, default: Option<Tier>, defaults: &Defaults) -> Allowed {
+    tiers_of(tiers, default, defaults.key_tiers)
 }
 
 /// Limits of principals whose credential sets none (configuration), so every answer can
@@ -81,6 +110,10 @@ pub struct Defaults {
     pub tokens_per_day: u64,
     /// Concurrent generations of a JWT principal.
     pub jwt_max_streams: u32,
+    /// The service tiers of a key that names none.
+    pub key_tiers: Allowed,
+    /// The service tiers of a JWT principal whose token names none.
+    pub jwt_tiers: Allowed,
 }
 
 /// Key hash → (when it was read, the record if one exists).
@@ -291,6 +324,11 @@ impl Authenticator {
             burst_capacity: None,
             burst_refill_seconds: None,
             admin: claims.role == Role::Admin,
+            service_tiers: tiers_of(
+                claims.service_tiers.as_deref(),
+                claims.service_tier,
+                self.defaults.jwt_tiers,
+            ),
         })
     }
 
@@ -354,6 +392,28 @@ mod tests {
 
     fn bearer(h: &HeaderMap) -> Result<&str, BearerError> {
         super::bearer(h.get_all(AUTHORIZATION).iter().map(HeaderValue::as_bytes))
+    }
+
+    #[test]
+    fn a_credential_names_its_tiers_or_takes_the_configured_ones() {
+        use Tier::{Default, Flex, Priority};
+        let configured = Allowed::new(&[Default, Flex], Default).unwrap();
+        // Nothing named: the configuration's.
+        assert_eq!(tiers_of(None, None, configured), configured);
+        // Only its own tier: the configured ones widened by it.
+        let own = tiers_of(None, Some(Priority), configured);
+        assert_eq!(
+            (own.tiers(), own.default_tier()),
+            (vec![Priority, Default, Flex], Priority)
+        );
+        // Tiers without a default: its best; a default outside them: its best too.
+        let named = tiers_of(Some(&[Flex, Default]), None, configured);
+        assert_eq!(
+            (named.tiers(), named.default_tier()),
+            (vec![Default, Flex], Default)
+        );
+        let named = tiers_of(Some(&[Flex]), Some(Priority), configured);
+        assert_eq!((named.tiers(), named.default_tier()), (vec![Flex], Flex));
     }
 
     #[test]

@@ -10,6 +10,7 @@ use std::time::Duration;
 use serde::Deserialize;
 use switchyard_actors::generation::{StreamBound, Timeouts};
 use switchyard_actors::model_queue::{QueueConfig, RoutingStrategy};
+use switchyard_actors::tier::{Allowed, Policy, Tier, TierPolicy};
 
 use crate::env_names;
 
@@ -108,16 +109,141 @@ fn default_max_context_tokens() -> u32 {
 pub struct QueueSettings {
     /// Requests waiting per model before `queue_full`.
     pub max_waiting: usize,
-    /// Seconds a request may wait for a node before `capacity_exhausted`.
-    pub deadline_secs: u64,
+    /// Tokens of work (prompts and output ceilings) waiting per model before `queue_full`.
+    pub max_waiting_tokens: u64,
 }
 
 impl Default for QueueSettings {
     fn default() -> Self {
         Self {
             max_waiting: 256,
-            deadline_secs: 30,
+            max_waiting_tokens: 2_000_000,
         }
+    }
+}
+
+/// One service tier's policy.
+#[derive(Debug, Clone, Copy, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TierSettings {
+    /// Its share of a saturated model against the other tiers with work waiting.
+    pub weight: u32,
+    /// Seconds a request may wait for a node: one predicted to start later is refused at
+    /// once, one still waiting then gets `capacity_exhausted`.
+    pub budget_secs: u64,
+    /// The least fraction of dispatches it gets while it has work waiting (0 to 0.5).
+    #[serde(default)]
+    pub min_share: f64,
+}
+
+impl TierSettings {
+    fn policy(&self) -> TierPolicy {
+        TierPolicy {
+            weight: self.weight,
+            budget: Duration::from_secs(self.budget_secs),
+            min_share: self.min_share,
+        }
+    }
+}
+
+/// Service tiers: each one's policy, and which a principal may use when its credential says
+/// nothing.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ServiceTierSettings {
+    /// Weighted fair queueing between tiers and between the teams of one; `false` serves in
+    /// arrival order.
+    pub fair: bool,
+    /// `priority`.
+    pub priority: TierSettings,
+    /// `default`.
+    pub default: TierSettings,
+    /// `flex`.
+    pub flex: TierSettings,
+    /// Tiers a key may use when it names none.
+    pub key_tiers: Vec<Tier>,
+    /// A key's tier when it names none and the request says `auto` or nothing.
+    pub key_default: Tier,
+    /// Tiers a JWT principal may use when its token has no `service_tiers` claim (people of
+    /// the chat product: seed 001's free tier).
+    pub jwt_tiers: Vec<Tier>,
+    /// A JWT principal's tier when its token has no `service_tier` claim.
+    pub jwt_default: Tier,
+}
+
+impl Default for ServiceTierSettings {
+    fn default() -> Self {
+        let policy = Policy::default();
+        let settings = |t: Tier| {
+            let p = policy.of(t);
+            TierSettings {
+                weight: p.weight,
+                budget_secs: p.budget.as_secs(),
+                min_share: p.min_share,
+            }
+        };
+        Self {
+            fair: policy.fair,
+            priority: settings(Tier::Priority),
+            default: settings(Tier::Default),
+            flex: settings(Tier::Flex),
+            key_tiers: vec![Tier::Default, Tier::Flex],
+            key_default: Tier::Default,
+            jwt_tiers: vec![Tier::Flex],
+            jwt_default: Tier::Flex,
+        }
+    }
+}
+
+impl ServiceTierSettings {
+    /// The queues' policy.
+    pub fn policy(&self) -> Policy {
+        Policy {
+            tiers: [
+                self.priority.policy(),
+                self.default.policy(),
+                self.flex.policy(),
+            ],
+            fair: self.fair,
+        }
+    }
+
+    /// What a key that names no tiers may use.
+    pub fn keys(&self) -> Allowed {
+        Allowed::new(&self.key_tiers, self.key_default).unwrap_or_default()
+    }
+
+    /// What a JWT principal without tier claims may use.
+    pub fn jwt(&self) -> Allowed {
+        Allowed::new(&self.jwt_tiers, self.jwt_default).unwrap_or_default()
+    }
+
+    fn validate(&self) -> Result<(), String> {
+        for (name, t) in [
+            ("priority", &self.priority),
+            ("default", &self.default),
+            ("flex", &self.flex),
+        ] {
+            if t.weight == 0 || t.budget_secs == 0 || !(0.0..=0.5).contains(&t.min_share) {
+                return Err(format!(
+                    "service_tiers.{name}: weight and budget_secs must be > 0 and min_share between 0 and 0.5"
+                ));
+            }
+        }
+        if self.priority.min_share + self.default.min_share + self.flex.min_share > 0.9 {
+            return Err("service_tiers: the minimum shares add up to more than 0.9".into());
+        }
+        for (kind, tiers, default) in [
+            ("key", &self.key_tiers, self.key_default),
+            ("jwt", &self.jwt_tiers, self.jwt_default),
+        ] {
+            if Allowed::new(tiers, default).is_err() {
+                return Err(format!(
+                    "service_tiers.{kind}_default must be one of service_tiers.{kind}_tiers"
+                ));
+            }
+        }
+        Ok(())
     }
 }
 
@@ -389,6 +515,8 @@ pub struct Config {
     pub max_body_bytes: usize,
     /// Queue limits.
     pub queue: QueueSettings,
+    /// Service tiers: weights, budgets, minimum shares, and who may use which.
+    pub service_tiers: ServiceTierSettings,
     /// Generation deadlines.
     pub timeouts: TimeoutSettings,
     /// Node control plane.
@@ -427,6 +555,7 @@ impl Default for Config {
             routing: RoutingStrategy::CacheAware,
             max_body_bytes: 1024 * 1024,
             queue: QueueSettings::default(),
+            service_tiers: ServiceTierSettings::default(),
             timeouts: TimeoutSettings::default(),
             nodes: NodeSettings::default(),
             generations: GenerationSettings::default(),
@@ -566,7 +695,7 @@ impl Config {
             self.telemetry.otlp_endpoint = Some(v);
         }
         if let Some(v) = get(env_names::QUEUE_DEADLINE_SECS) {
-            self.queue.deadline_secs = v
+            self.service_tiers.default.budget_secs = v
                 .parse()
                 .map_err(|_| bad(env_names::QUEUE_DEADLINE_SECS, &v))?;
         }
@@ -615,8 +744,11 @@ impl Config {
                 }
             }
         }
-        if self.queue.deadline_secs == 0 || self.timeouts.total_secs == 0 {
-            return invalid("queue deadline and total timeout must be > 0".into());
+        if self.timeouts.total_secs == 0 {
+            return invalid("timeouts.total_secs must be > 0".into());
+        }
+        if let Err(e) = self.service_tiers.validate() {
+            return invalid(e);
         }
         if self.owner_lease_secs == 0 || self.owner_lease_secs > 3600 {
             return invalid("owner_lease_secs must be between 1 and 3600".into());
@@ -691,7 +823,8 @@ impl Config {
     pub fn queue_config(&self, model: &ModelConfig) -> QueueConfig {
         QueueConfig {
             max_waiting: self.queue.max_waiting,
-            deadline: Duration::from_secs(self.queue.deadline_secs),
+            max_waiting_tokens: self.queue.max_waiting_tokens,
+            policy: self.service_tiers.policy(),
             node_capacity: model.node_concurrency,
             routing: self.routing,
             cache_blocks: usize::try_from(model.cache_blocks).unwrap_or(usize::MAX),

@@ -44,3 +44,5 @@ pub const NODE_TOKEN: &str = "SWITCHYARD_NODE_TOKEN";
 pub const NODE_TOKEN_FILE: &str = "SWITCHYARD_NODE_TOKEN_FILE";
 /// `switchyard node --gpus`: GPUs the node registers.
 pub const NODE_GPUS: &str = "SWITCHYARD_NODE_GPUS";
+/// `switchyard node --engine-priority`: the engine schedules by vLLM's `priority`.
+pub const ENGINE_PRIORITY: &str = "SWITCHYARD_ENGINE_PRIORITY";

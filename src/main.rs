@@ -93,6 +93,12 @@ struct NodeArgs {
     /// agent exits (a second signal stops at once): 110s, 2m, 500ms, 1m30s.
     #[arg(long, default_value = "110s", value_parser = parse_duration)]
     drain_timeout: Duration,
+    /// The engine runs vLLM's `--scheduling-policy priority`: each request carries its
+    /// service tier as vLLM's `priority` (priority 0, default 1, flex 2), so the engine runs
+    /// and preempts by tier. Leave off for an engine scheduling first come, first served,
+    /// which refuses any priority but 0.
+    #[arg(long, env = switchyard::env_names::ENGINE_PRIORITY)]
+    engine_priority: bool,
     /// The local engine's base URL.
     #[arg(long, default_value = "http://127.0.0.1:8000")]
     engine: String,
@@ -372,6 +378,7 @@ async fn node(args: NodeArgs) -> anyhow::Result<()> {
     config.ca_file = args.ca_file;
     config.gpus = node_agent::gpus(args.gpus, &args.gpu_name, args.gpu_memory_mib);
     config.drain_timeout = args.drain_timeout;
+    config.engine_priority = args.engine_priority;
     if args.gpus == 0 {
         tracing::warn!(
             "no --gpus: the node registers no GPUs and the cost report counts no GPU hours for it"

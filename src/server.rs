@@ -316,6 +316,8 @@ impl Server {
                     rpm: config.default_rpm,
                     tokens_per_day: config.default_tokens_per_day,
                     jwt_max_streams: config.jwt_max_streams,
+                    key_tiers: config.service_tiers.keys(),
+                    jwt_tiers: config.service_tiers.jwt(),
                 },
             ),
             admission: Admission::new(

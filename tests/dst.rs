@@ -36,6 +36,7 @@ use dst::world::{Planned, Summary, World};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use switchyard::coord::MemoryCoordinator;
+use switchyard_actors::tier::Tier;
 
 const REPLICAS: [&str; 3] = ["r1", "r2", "r3"];
 const NODES: [&str; 3] = ["n1", "n2", "n3"];
@@ -98,6 +99,8 @@ struct Scenario {
 
 fn scenario(seed: u64) -> Scenario {
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    // Tiers from a stream of their own: each seed keeps the plan it had before tiers.
+    let mut tiers = ChaCha8Rng::seed_from_u64(seed ^ 0x7135_7135);
     let requests = rng.random_range(20..=40);
     let mut plan: Vec<Planned> = (0..requests)
         .map(|i| Planned {
@@ -105,6 +108,7 @@ fn scenario(seed: u64) -> Scenario {
             replica: REPLICAS[rng.random_range(0..REPLICAS.len())].to_owned(),
             at_ms: rng.random_range(500..ACTIVE_MS),
             team: if rng.random_bool(0.8) { 1 } else { 2 },
+            tier: Tier::ALL[tiers.random_range(0..Tier::ALL.len())],
             max_tokens: rng.random_range(1..=40),
             abandon_after: rng.random_bool(0.1).then(|| rng.random_range(0..5)),
         })
@@ -176,6 +180,7 @@ fn wave(seed: u64) -> Vec<Planned> {
             replica: REPLICAS[i % REPLICAS.len()].to_owned(),
             at_ms: WAVE_MS,
             team: 1,
+            tier: Tier::Default,
             max_tokens: 40,
             abandon_after: None,
         })

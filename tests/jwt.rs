@@ -223,6 +223,8 @@ async fn jwt_valid_admin_token_verifies_and_keys_are_cached() {
             team: Some("ml-platform".into()),
             role: Role::Admin,
             exp,
+            service_tiers: None,
+            service_tier: None,
         }
     );
     assert_eq!(idp.hits(), 1);

@@ -45,6 +45,8 @@ mod reports;
 mod routing;
 #[path = "server/sdk.rs"]
 mod sdk;
+#[path = "server/tiers.rs"]
+mod tiers;
 #[path = "server/trust.rs"]
 mod trust;
 #[path = "server/upgrade.rs"]

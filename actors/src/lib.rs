@@ -90,3 +90,4 @@ pub mod supervision;
 pub mod tasks;
 #[cfg(test)]
 mod test_counter;
+pub mod tier;

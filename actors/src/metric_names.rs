@@ -8,6 +8,11 @@ pub const OUTPUT_TOKENS_PER_SECOND: &str = "switchyard_output_tokens_per_second"
 pub const QUEUE_WAIT_SECONDS: &str = "switchyard_queue_wait_seconds";
 /// Gauge: requests waiting in a model's queue (scales a model up from zero), by `model`.
 pub const QUEUE_DEPTH: &str = "switchyard_queue_depth";
+/// Counter: requests refused on arrival because the work before them would start them past
+/// their tier's queue budget (503 `capacity_exhausted`), by `model` and `tier`.
+pub const EARLY_REFUSALS_TOTAL: &str = "switchyard_queue_early_refusals_total";
+/// Counter: dispatches by `model`, `tier` and `team`: the share each got of a model.
+pub const QUEUE_DISPATCHES_TOTAL: &str = "switchyard_queue_dispatches_total";
 /// Counter: requests by `model` and final `code` (`ok` or an error code).
 pub const REQUESTS_TOTAL: &str = "switchyard_requests_total";
 /// Gauge: streams being served now.

@@ -269,6 +269,10 @@ pub enum ServerFrame {
         /// have fenced the attempt and dispatched a new one. Absent: no lease.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         lease_ms: Option<u64>,
+        /// The request's service tier: an agent whose engine schedules by priority passes it
+        /// on as vLLM's `priority` (older servers send none).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        tier: Option<crate::tier::Tier>,
     },
     /// Stop this assignment.
     Cancel {
@@ -476,6 +480,7 @@ mod tests {
             x_request_id: None,
             traceparent: None,
             lease_ms: None,
+            tier: None,
         };
         // A chat assignment is written as version 1 wrote it.
         assert_eq!(

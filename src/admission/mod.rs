@@ -31,6 +31,7 @@ use crate::config::{Config, ModelConfig};
 use crate::quota::Limits;
 use crate::store::Store;
 use crate::tokens::PromptCounter;
+use switchyard_actors::tier::Tier;
 
 /// A validated request, whichever API it came in on: what admission decides on.
 #[derive(Debug)]
@@ -47,6 +48,8 @@ pub struct Request {
     pub idempotency: Option<(String, String)>,
     /// The engine API and what its prompt is.
     pub prompt: Prompt,
+    /// The service tier it runs at (resolved against what its principal may use).
+    pub tier: Tier,
 }
 
 /// Admits requests; one per replica, cheap to clone (a job holds one).
@@ -224,6 +227,7 @@ impl Admission {
             route,
             lifecycle,
             resumable,
+            tier: request.tier,
             on_end,
             limits,
         })))

@@ -48,6 +48,7 @@ mod tests {
             burst_capacity: None,
             burst_refill_seconds: None,
             admin: false,
+            service_tiers: Default::default(),
         }
     }
 

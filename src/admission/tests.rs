@@ -69,6 +69,7 @@ fn person() -> Principal {
         burst_capacity: None,
         burst_refill_seconds: None,
         admin: false,
+        service_tiers: Default::default(),
     }
 }
 
@@ -95,6 +96,7 @@ fn chat(principal: Principal, model: &ModelConfig, text: &str, key: Option<&str>
         max_tokens: 8,
         idempotency: key.map(|k| (k.to_owned(), format!("fp:{text}"))),
         prompt: Prompt::Chat,
+        tier: Default::default(),
     }
 }
 

@@ -176,6 +176,7 @@ function queueCard(q, windowMs) {
     h('h3', { id }, q.model),
     h('dl', { class: 'facts' },
       h('div', null, h('dt', null, 'Waiting now'), h('dd', { class: 'queue-depth' }, num(q.depth))),
+      h('div', null, h('dt', null, 'By tier'), h('dd', { class: 'queue-tiers' }, tiers(q.waiting_by_tier))),
       h('div', null, h('dt', null, 'Nodes'), h('dd', null, nodes)),
       h('div', null, h('dt', null, 'Dispatched (hour)'), h('dd', null, num(dispatched)))),
     h('div', { class: 'sparks' },
@@ -184,6 +185,13 @@ function queueCard(q, windowMs) {
       h('figure', null, h('figcaption', null, `Mean wait, seconds (peak ${nfDec.format(peak('wait_mean_seconds'))})`),
         sparkline(pts('wait_mean_seconds'), { start, end, label: waitLabel }))),
     refusals(minutes, 'Refusals by error code'));
+}
+
+// Waiting requests by service tier ("priority 0 · default 3 · flex 12"), as the owner's line
+// holds them.
+function tiers(byTier) {
+  if (!byTier) return '—';
+  return ['priority', 'default', 'flex'].map((t) => `${t} ${num(byTier[t])}`).join(' · ');
 }
 
 // The requests refused by code over the hour and in its latest minute, as a table.

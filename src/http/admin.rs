@@ -19,6 +19,7 @@ use serde::{Deserialize, Deserializer};
 use serde_json::{Value, json};
 use subtle::ConstantTimeEq;
 use switchyard_actors::error::ErrorCode;
+use switchyard_actors::tier::Tier;
 
 use super::error::{ApiError, Json, Path, Query, printable};
 use crate::server::AppState;
@@ -361,6 +362,10 @@ pub struct NewKey {
     burst_capacity: Option<Count>,
     #[serde(default)]
     burst_refill_seconds: Option<Count>,
+    #[serde(default)]
+    service_tiers: Option<Vec<String>>,
+    #[serde(default)]
+    service_tier: Option<String>,
 }
 
 /// The limits of a new key, each within its documented range.
@@ -374,6 +379,54 @@ struct KeyLimits {
     message_quota: Option<u32>,
     burst_capacity: Option<u32>,
     burst_refill_seconds: Option<u32>,
+    service_tiers: Option<Vec<Tier>>,
+    service_tier: Option<Tier>,
+}
+
+/// The tier a key's `service_tier` (or `service_tiers[i]`) names: `auto` is no tier.
+fn key_tier(name: &str, param: &str) -> Result<Tier, ApiError> {
+    match Tier::parse(name) {
+        Ok(Some(t)) => Ok(t),
+        _ => Err(invalid(
+            param,
+            format!("`{param}` must name a tier: priority, default or flex."),
+        )),
+    }
+}
+
+/// A key's tiers: at least one, each named once, its own tier among them.
+fn key_tiers(
+    tiers: Option<&[String]>,
+    default: Option<&str>,
+) -> Result<(Option<Vec<Tier>>, Option<Tier>), ApiError> {
+    let default = default.map(|d| key_tier(d, "service_tier")).transpose()?;
+    let Some(names) = tiers else {
+        return Ok((None, default));
+    };
+    if names.is_empty() {
+        return Err(invalid(
+            "service_tiers",
+            "`service_tiers` must name at least one tier (or be left out for the configured default).",
+        ));
+    }
+    let mut tiers = Vec::new();
+    for (i, name) in names.iter().enumerate() {
+        let t = key_tier(name, &format!("service_tiers[{i}]"))?;
+        if tiers.contains(&t) {
+            return Err(invalid(
+                "service_tiers",
+                format!("`service_tiers[{i}]` repeats an earlier entry."),
+            ));
+        }
+        tiers.push(t);
+    }
+    if default.is_some_and(|d| !tiers.contains(&d)) {
+        return Err(invalid(
+            "service_tier",
+            "`service_tier` must be one of `service_tiers`.",
+        ));
+    }
+    Ok((Some(tiers), default))
 }
 
 impl NewKey {
@@ -414,7 +467,11 @@ impl NewKey {
                 Some(at)
             }
         };
+        let (service_tiers, service_tier) =
+            key_tiers(self.service_tiers.as_deref(), self.service_tier.as_deref())?;
         Ok(KeyLimits {
+            service_tiers,
+            service_tier,
             rpm: ranged(self.rpm, "rpm", 0, MAX_RPM)?,
             tokens_per_day: ranged(self.tokens_per_day, "tokens_per_day", 0, MAX_TOKENS_PER_DAY)?,
             max_streams: ranged(self.max_streams, "max_streams", 0, MAX_STREAMS)?,
@@ -459,6 +516,8 @@ pub async fn create_key(
             message_quota: limits.message_quota,
             burst_capacity: limits.burst_capacity,
             burst_refill_seconds: limits.burst_refill_seconds,
+            service_tiers: limits.service_tiers,
+            service_tier: limits.service_tier,
         })
         .await
         .map_err(|e| match e {

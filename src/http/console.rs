@@ -272,6 +272,11 @@ pub async fn queues(
         data.push(json!({
             "model": model,
             "depth": stats.as_ref().map(|s| s.waiting),
+            // Of them, by service tier: the owner's line holds every replica's.
+            "waiting_by_tier": stats.as_ref().map(|s| {
+                let [priority, default, flex] = s.waiting_by_tier;
+                json!({"priority": priority, "default": default, "flex": flex})
+            }),
             "nodes": stats.as_ref().map(|s| s.nodes.len()),
             "owner": stats.as_ref().and_then(|s| s.owner.clone()),
             "minutes": history.remove(model).unwrap_or_default(),

@@ -12,6 +12,7 @@ use switchyard_actors::generation::{GenEvent, LaunchError, Launched, Trace, Usag
 use switchyard_actors::lifecycle::{GenerationRecord, Status};
 use switchyard_actors::metric_names::REQUESTS_TOTAL;
 use switchyard_actors::output::Assembled;
+use switchyard_actors::tier::{Tier, UnknownTier};
 
 use super::error::ApiError;
 use crate::admission::Request;
@@ -151,6 +152,21 @@ pub fn idempotency_key(headers: &HeaderMap) -> Result<Option<String>, ApiError> 
             )
         })?;
     Ok(Some(key.to_owned()))
+}
+
+/// The `service_tier` a body asks for, taken out of it (the engine hears the tier as its own
+/// `priority`, never this field): `None` for `auto`, null or nothing.
+pub fn requested_tier(body: &mut serde_json::Map<String, Value>) -> Result<Option<Tier>, ApiError> {
+    match body.remove("service_tier") {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(name)) => Tier::parse(&name).map_err(|e| tier_refused(&e)),
+        Some(_) => Err(tier_refused(&UnknownTier)),
+    }
+}
+
+fn tier_refused(e: &UnknownTier) -> ApiError {
+    ApiError::new(ErrorCode::InvalidRequest, format!("`service_tier`: {e}."))
+        .with_param("service_tier")
 }
 
 /// SHA-256 (hex) of `v` with object keys sorted at every level: the same request gives the

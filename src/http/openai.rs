@@ -65,6 +65,7 @@ pub(super) async fn run(
         .await
         .inspect_err(lifecycle::count_refusal)?;
     let model = plan.request.model.name.clone();
+    let tier = plan.request.tier;
     let created = state.clock.wall().timestamp();
     // Only a key the client chose can be retried: its stream is numbered for resuming.
     let resumable = plan
@@ -79,7 +80,8 @@ pub(super) async fn run(
             rate,
         } => (generation, id, rate),
         Launched::Existing(rec) => {
-            let render = Render::with_dialect(dialect, &rec.id, &model, include_usage, created);
+            let render =
+                Render::with_dialect(dialect, &rec.id, &model, include_usage, created).tier(tier);
             // A retry while it runs resumes its stream from the journal.
             if stream && !rec.status.is_terminal() {
                 return lifecycle::counted_replay(sse::resume(state, &rec, render, headers).await);
@@ -87,7 +89,7 @@ pub(super) async fn run(
             return lifecycle::counted_replay(replay(state, &rec, render, stream).await);
         }
     };
-    let mut render = Render::with_dialect(dialect, &id, &model, include_usage, created);
+    let mut render = Render::with_dialect(dialect, &id, &model, include_usage, created).tier(tier);
     if resumable {
         render = render.resumable();
     }
@@ -133,9 +135,17 @@ pub(super) async fn prepare(
         if let Value::Object(o) = &mut semantic {
             o.remove("stream");
             o.remove("stream_options");
+            // The tier decides when and where it runs, not what it says.
+            o.remove("service_tier");
         }
         lifecycle::fingerprint(&semantic)
     });
+    let mut body = body;
+    let requested = match &mut body {
+        Value::Object(obj) => lifecycle::requested_tier(obj)?,
+        _ => None,
+    };
+    let tier = principal.service_tiers.resolve(requested);
     let req = validate(state, body)?;
     if req.resolved.embedding != (req.prompt.api() == Api::Embeddings) {
         let message = if req.resolved.embedding {
@@ -167,6 +177,7 @@ pub(super) async fn prepare(
             max_tokens,
             idempotency: idempotency.zip(fingerprint),
             prompt: req.prompt,
+            tier,
         },
         x_request_id: lifecycle::client_request_id(),
         traceparent: lifecycle::traceparent(headers),

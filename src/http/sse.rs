@@ -29,6 +29,7 @@ use switchyard_actors::generation::{GenEvent, GenerationStream, Usage};
 use switchyard_actors::lifecycle::{GenerationRecord, Status};
 use switchyard_actors::output::{Assembled, Piece};
 use switchyard_actors::ports::Coordinator;
+use switchyard_actors::tier::Tier;
 
 use super::error::ApiError;
 use crate::server::AppState;
@@ -64,6 +65,8 @@ pub struct Render {
     head: String,
     /// Each SSE event carries `id: <n>` (n from 0): the stream can be resumed after it.
     ids: bool,
+    /// The `service_tier` it ran at, echoed in every chunk and document.
+    tier: Option<Tier>,
 }
 
 impl Render {
@@ -100,7 +103,17 @@ impl Render {
             dialect,
             head,
             ids: false,
+            tier: None,
         }
+    }
+
+    /// Echoes `tier` as `service_tier` in every chunk and in the document, as OpenAI does.
+    pub fn tier(mut self, tier: Tier) -> Self {
+        self.tier = Some(tier);
+        // Every chunk's head ends with `,`: the field goes right before the choices.
+        self.head
+            .push_str(&format!(r#""service_tier":"{}","#, tier.as_str()));
+        self
     }
 
     /// Numbers each SSE event (`id:`), so the client can resume after the last it saw.
@@ -241,6 +254,7 @@ impl Render {
                         "finish_reason": reason,
                     }],
                     "usage": usage_json(usage),
+                    "service_tier": self.tier,
                 })
             }
             Dialect::Completions => json!({
@@ -255,6 +269,7 @@ impl Render {
                     "finish_reason": reason,
                 }],
                 "usage": usage_json(usage),
+                "service_tier": self.tier,
             }),
         }
     }

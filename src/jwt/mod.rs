@@ -17,6 +17,7 @@ use jsonwebtoken::errors::ErrorKind;
 use jsonwebtoken::{Algorithm, AlgorithmFamily, Validation};
 use serde_json::{Map, Value};
 use switchyard_actors::ports::{Clock, SystemClock};
+use switchyard_actors::tier::Tier;
 
 use keys::{KeySet, VerificationKey};
 
@@ -80,6 +81,11 @@ pub struct Claims {
     pub role: Role,
     /// Expiry, Unix seconds.
     pub exp: i64,
+    /// `service_tiers`: the tiers the principal may use (absent: the configured default).
+    pub service_tiers: Option<Vec<Tier>>,
+    /// `service_tier`: its tier when a request names none (absent: the configured default,
+    /// or the best of `service_tiers`).
+    pub service_tier: Option<Tier>,
 }
 
 /// What a JWT principal may do.

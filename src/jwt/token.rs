@@ -3,6 +3,7 @@
 
 use serde::Deserialize;
 use serde_json::{Map, Value};
+use switchyard_actors::tier::Tier;
 
 use super::{Claims, JwtError, Role};
 
@@ -93,12 +94,38 @@ pub(super) fn claims_from(
         // An unrecognised role is a misconfigured issuer; refusing beats guessing.
         Some(_) => return Err(JwtError::Malformed),
     };
+    let (service_tiers, service_tier) = tier_claims(claims)?;
     Ok(Claims {
         sub,
         team,
         role,
         exp,
+        service_tiers,
+        service_tier,
     })
+}
+
+/// `service_tiers` (an array of tier names) and `service_tier` (the default among them):
+/// absent or null, the configured defaults apply; anything else that names no tier is a
+/// misconfigured issuer, refused like an unknown role.
+fn tier_claims(claims: &Map<String, Value>) -> Result<(Option<Vec<Tier>>, Option<Tier>), JwtError> {
+    let tier = |v: &Value| {
+        v.as_str()
+            .and_then(|s| Tier::parse(s).ok().flatten())
+            .ok_or(JwtError::Malformed)
+    };
+    let tiers = match claims.get("service_tiers") {
+        None | Some(Value::Null) => None,
+        Some(Value::Array(names)) if !names.is_empty() => {
+            Some(names.iter().map(tier).collect::<Result<Vec<_>, _>>()?)
+        }
+        Some(_) => return Err(JwtError::Malformed),
+    };
+    let default = match claims.get("service_tier") {
+        None | Some(Value::Null) => None,
+        Some(v) => Some(tier(v)?),
+    };
+    Ok((tiers, default))
 }
 
 /// A NumericDate (RFC 7519 §2): seconds, possibly fractional.
@@ -180,6 +207,36 @@ mod tests {
         assert_eq!(claims_from(&bad, 0, 0).unwrap_err(), JwtError::Malformed);
         let bad = map(json!({"team": "ml", "exp": 100}));
         assert_eq!(claims_from(&bad, 0, 0).unwrap_err(), JwtError::Malformed);
+    }
+
+    #[test]
+    fn jwt_tier_claims_name_tiers_or_the_token_is_refused() {
+        let c = claims_from(
+            &map(json!({"sub": "u", "exp": 100,
+                "service_tiers": ["default", "flex"], "service_tier": "default"})),
+            0,
+            0,
+        )
+        .unwrap();
+        assert_eq!(c.service_tiers, Some(vec![Tier::Default, Tier::Flex]));
+        assert_eq!(c.service_tier, Some(Tier::Default));
+        let c = claims_from(&map(json!({"sub": "u", "exp": 100})), 0, 0).unwrap();
+        assert_eq!((c.service_tiers, c.service_tier), (None, None));
+        for bad in [
+            json!({"service_tiers": ["gold"]}),
+            json!({"service_tiers": []}),
+            json!({"service_tiers": "flex"}),
+            json!({"service_tier": "auto"}),
+            json!({"service_tier": 1}),
+        ] {
+            let mut claims = map(json!({"sub": "u", "exp": 100}));
+            claims.extend(map(bad.clone()));
+            assert_eq!(
+                claims_from(&claims, 0, 0).unwrap_err(),
+                JwtError::Malformed,
+                "{bad}"
+            );
+        }
     }
 
     #[test]

@@ -10,6 +10,7 @@ use serde::Deserialize;
 use serde_json::{Map, Value};
 use switchyard_actors::output::{RawJson, WireDelta};
 use switchyard_actors::protocol::{Api, NodeFrame, is_finish_reason};
+use switchyard_actors::tier::Tier;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
@@ -42,6 +43,7 @@ pub(crate) struct Assignment {
     pub api: Api,
     pub x_request_id: Option<String>,
     pub traceparent: Option<String>,
+    pub tier: Option<Tier>,
 }
 
 /// What an assignment task needs from the session.
@@ -56,6 +58,9 @@ pub(crate) struct AssignCtx {
     pub faults: AgentFaults,
     /// The protocol version spoken on this connection: 1 relays text only.
     pub protocol: u32,
+    /// The engine schedules by priority (`--engine-priority`): each request carries its
+    /// tier as vLLM's `priority`.
+    pub engine_priority: bool,
 }
 
 /// Runs the assignment to its end; returns its key for the session's bookkeeping.
@@ -73,14 +78,22 @@ pub(crate) async fn run(a: Assignment, ctx: AssignCtx) -> Key {
     key
 }
 
-/// The body sent to the engine: the server's body with the engine's model name and, for a
-/// generation, forced streaming with running usage (the server renders what its client asked
-/// for).
-pub(crate) fn engine_body(body: Value, model: &str, api: Api) -> Result<Value, &'static str> {
+/// The body sent to the engine: the server's body with the engine's model name, the tier as
+/// vLLM's `priority` when the engine schedules by it (`priority`), and, for a generation,
+/// forced streaming with running usage (the server renders what its client asked for).
+pub(crate) fn engine_body(
+    body: Value,
+    model: &str,
+    api: Api,
+    priority: Option<Tier>,
+) -> Result<Value, &'static str> {
     let Value::Object(mut map) = body else {
         return Err("assignment body is not a JSON object");
     };
     map.insert("model".into(), Value::from(model));
+    if let Some(tier) = priority {
+        map.insert("priority".into(), Value::from(tier.engine_priority()));
+    }
     if api == Api::Embeddings {
         return Ok(Value::Object(map));
     }
@@ -100,7 +113,8 @@ async fn execute(a: Assignment, ctx: &AssignCtx) {
         request_id: a.request_id,
         attempt: a.attempt,
     };
-    let body = match engine_body(a.body, &a.model, a.api) {
+    let priority = a.tier.filter(|_| ctx.engine_priority);
+    let body = match engine_body(a.body, &a.model, a.api, priority) {
         Ok(b) => b,
         Err(why) => return ctx.refuse(&id, "invalid_request", why.into()).await,
     };
@@ -623,14 +637,18 @@ mod tests {
             "model": "small", "messages": [], "stream": false,
             "stream_options": {"include_usage": false, "other": 1}, "max_tokens": 3
         });
-        let b = engine_body(body, "llama", Api::Chat).unwrap();
+        let b = engine_body(body.clone(), "llama", Api::Chat, None).unwrap();
         assert_eq!(b["model"], "llama");
+        assert!(b.get("priority").is_none());
+        // Only to an engine that schedules by priority: the tier, lower first.
+        let b = engine_body(body, "llama", Api::Chat, Some(Tier::Flex)).unwrap();
+        assert_eq!(b["priority"], 2);
         assert_eq!(b["stream"], true);
         assert_eq!(b["stream_options"]["include_usage"], true);
         assert_eq!(b["stream_options"]["continuous_usage_stats"], true);
         assert_eq!(b["stream_options"]["other"], 1);
         assert_eq!(b["max_tokens"], 3);
-        assert!(engine_body(serde_json::json!([1]), "m", Api::Chat).is_err());
+        assert!(engine_body(serde_json::json!([1]), "m", Api::Chat, None).is_err());
     }
 
     #[test]

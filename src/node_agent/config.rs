@@ -58,6 +58,10 @@ pub struct AgentConfig {
     /// before it cancels what still runs and closes (`--drain-timeout`, 110 s: inside
     /// Kubernetes' 120 s grace period).
     pub drain_timeout: Duration,
+    /// The engine runs vLLM's `--scheduling-policy priority` (`--engine-priority`): every
+    /// request carries its service tier as vLLM's `priority` (an engine scheduling first come,
+    /// first served refuses any priority but 0, so it is off unless set).
+    pub engine_priority: bool,
 }
 
 /// Where the agent's node token comes from.
@@ -146,6 +150,7 @@ impl AgentConfig {
             faults: AgentFaults::default(),
             drain: CancellationToken::new(),
             drain_timeout: Duration::from_secs(110),
+            engine_priority: false,
         }
     }
 
@@ -191,6 +196,7 @@ impl fmt::Debug for AgentConfig {
             .field("faults", &self.faults)
             .field("drain", &self.drain.is_cancelled())
             .field("drain_timeout", &self.drain_timeout)
+            .field("engine_priority", &self.engine_priority)
             .finish()
     }
 }

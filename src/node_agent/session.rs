@@ -466,6 +466,7 @@ impl<'a> Session<'a> {
                 x_request_id,
                 traceparent,
                 lease_ms,
+                tier,
             } => {
                 self.on_assign(
                     Assignment {
@@ -476,6 +477,7 @@ impl<'a> Session<'a> {
                         api,
                         x_request_id,
                         traceparent,
+                        tier,
                     },
                     lease_ms.map(Duration::from_millis),
                     *draining,
@@ -549,6 +551,7 @@ impl<'a> Session<'a> {
             cancel: cancel.clone(),
             faults: self.sh.cfg.faults.clone(),
             protocol: self.protocol,
+            engine_priority: self.sh.cfg.engine_priority,
         };
         // Held before its task can send its `accepted`.
         self.holding.hold(key.clone());

@@ -93,6 +93,7 @@ fn assign_model(request_id: &str, model: &str, max_tokens: u32) -> ServerFrame {
         x_request_id: None,
         traceparent: None,
         lease_ms: None,
+        tier: None,
     }
 }
 
@@ -409,6 +410,7 @@ async fn engine_refusals_map_to_error_codes_without_done() {
         x_request_id: None,
         traceparent: None,
         lease_ms: None,
+        tier: None,
     });
     let (code, _) = relayed(&mut conn, "r-body", true).await.error.unwrap();
     assert_eq!(code, "invalid_request");

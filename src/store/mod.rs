@@ -24,6 +24,7 @@ use chrono::{DateTime, NaiveDate, Utc};
 use rand::TryRngCore;
 use serde::Serialize;
 use sha2::{Digest, Sha256};
+use switchyard_actors::tier::Tier;
 
 pub use drift::{
     DRIFT_REVIEWED_LIMIT, DriftReport, ModelDrift, ReviewCounts, ReviewedRow, TokenCounts,
@@ -104,6 +105,10 @@ pub struct NewApiKey {
     pub burst_capacity: Option<u32>,
     /// Seconds per token refilled into the bucket.
     pub burst_refill_seconds: Option<u32>,
+    /// Service tiers it may use; `None`: the configured default.
+    pub service_tiers: Option<Vec<Tier>>,
+    /// Its tier when a request names none; `None`: the configured default.
+    pub service_tier: Option<Tier>,
 }
 
 /// A stored API key. The hash stays in the database: nothing downstream of the lookup needs
@@ -134,6 +139,10 @@ pub struct ApiKeyRecord {
     pub burst_capacity: Option<u32>,
     /// Seconds per token refilled into the bucket.
     pub burst_refill_seconds: Option<u32>,
+    /// Service tiers it may use; `None`: the configured default.
+    pub service_tiers: Option<Vec<Tier>>,
+    /// Its tier when a request names none; `None`: the configured default.
+    pub service_tier: Option<Tier>,
     /// When the key was created.
     pub created_at: DateTime<Utc>,
 }
@@ -465,6 +474,28 @@ fn covers(balance: Microcredits, held: Microcredits, estimate: Microcredits) -> 
 
 /// Hex SHA-256 of a secret: what the store keeps instead of an API key or node token. The
 /// secrets are 256-bit random, so an unsalted fast hash is enough (no dictionary to try).
+/// A key's tiers as stored: their names, comma-separated.
+pub(crate) fn tiers_text(tiers: &[Tier]) -> String {
+    tiers
+        .iter()
+        .map(|t| t.as_str())
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+/// One stored tier name.
+pub(crate) fn tier_from_text(text: &str) -> Result<Tier, StoreError> {
+    Tier::parse(text)
+        .ok()
+        .flatten()
+        .ok_or_else(|| StoreError::Invalid(format!("service tier {text:?}")))
+}
+
+/// Stored tier names ([`tiers_text`]).
+pub(crate) fn tiers_from_text(text: &str) -> Result<Vec<Tier>, StoreError> {
+    text.split(',').map(tier_from_text).collect()
+}
+
 pub fn hash_secret(secret: &str) -> String {
     hex::encode(Sha256::digest(secret.as_bytes()))
 }
@@ -562,6 +593,8 @@ mod tests {
             message_quota: None,
             burst_capacity: None,
             burst_refill_seconds: None,
+            service_tiers: None,
+            service_tier: None,
             created_at: now,
         };
         assert!(key.is_usable(now) && key.allows_model("anything"));

@@ -54,6 +54,16 @@ impl Clock for SimClock {
     }
 }
 
+/// The queues' policy: the default weights and minimum share, fair between teams, every
+/// tier waiting at most 10 s (the simulated run is short).
+fn dst_policy() -> switchyard_actors::tier::Policy {
+    let mut policy = switchyard_actors::tier::Policy::default();
+    for tier in &mut policy.tiers {
+        tier.budget = Duration::from_secs(10);
+    }
+    policy
+}
+
 /// The deadlines of the simulation's generations: short, so a run comes to rest quickly.
 pub fn timeouts() -> Timeouts {
     Timeouts {
@@ -78,7 +88,8 @@ pub async fn run(host: String, world: Arc<World>, plan: Arc<Vec<Planned>>) -> tu
             MODEL.to_owned(),
             QueueConfig {
                 max_waiting: 64,
-                deadline: Duration::from_secs(10),
+                max_waiting_tokens: u64::MAX,
+                policy: dst_policy(),
                 node_capacity: world.capacity,
                 routing: RoutingStrategy::LeastLoaded,
                 cache_blocks: 1024,
@@ -240,6 +251,7 @@ impl AdmissionJob for Job {
             route: None,
             lifecycle: None,
             resumable: false,
+            tier: p.tier,
             on_end: None,
             limits: LimitState::default(),
         })))

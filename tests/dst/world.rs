@@ -35,6 +35,8 @@ pub struct Planned {
     pub at_ms: u64,
     /// The paying team.
     pub team: i64,
+    /// Its service tier.
+    pub tier: switchyard_actors::tier::Tier,
     /// The output ceiling.
     pub max_tokens: u64,
     /// The client hangs up after this many deltas.

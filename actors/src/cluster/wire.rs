@@ -171,6 +171,9 @@ pub enum QueueItem {
         /// it among the others by when it arrived, and its deadline runs from then.
         #[serde(default, skip_serializing_if = "is_zero")]
         waited_ms: u64,
+        /// Its tier, team and work (absent from older replicas: the default tier, no cost).
+        #[serde(default)]
+        ticket: crate::model_queue::Ticket,
     },
     /// It left while waiting.
     Withdraw {

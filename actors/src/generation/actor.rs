@@ -21,7 +21,7 @@ use crate::metric_names::{
     ACTIVE_STREAMS, OUTPUT_TOKENS_PER_SECOND, QUEUE_WAIT_SECONDS, REQUESTS_TOTAL,
     SLOW_READERS_TOTAL, STALE_FRAMES_TOTAL, TTFT_SECONDS, USAGE_CLAMPED_TOTAL,
 };
-use crate::model_queue::Slot;
+use crate::model_queue::{Ask, Slot};
 use crate::node::{NodeHandle, Work};
 use crate::ports::Settlement;
 use crate::tasks::TaskGuard;
@@ -258,10 +258,13 @@ impl GenerationState {
                     .enqueue(
                         request_id,
                         myself.clone(),
-                        front,
-                        avoid,
-                        self.args.api,
-                        self.args.route.clone(),
+                        Ask {
+                            front,
+                            avoid,
+                            api: self.args.api,
+                            route: self.args.route.clone(),
+                            ticket: self.args.ticket(),
+                        },
                     )
                     .await;
                 Some(Input::Enqueued(result))
@@ -281,6 +284,7 @@ impl GenerationState {
                     api: self.args.api,
                     x_request_id: self.args.x_request_id.clone(),
                     traceparent: self.args.traceparent.clone(),
+                    tier: self.args.tier,
                 };
                 let lease_ms = u64::try_from(self.args.timeouts.lease.as_millis()).ok();
                 let sent = node.assign(request_id, attempt, work, lease_ms, myself.clone());

@@ -205,6 +205,7 @@ impl Launcher {
             on_end: ready.on_end,
             lifecycle: ready.lifecycle,
             resumable: ready.resumable,
+            tier: ready.tier,
             attempts: Some(crate::attempts::Recorder {
                 coordinator: self.coordinator.clone(),
                 replica_id: self.replica_id.clone(),

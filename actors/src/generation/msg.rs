@@ -151,10 +151,27 @@ pub struct GenerationArgs {
     pub lifecycle: Option<Arc<dyn GenerationStore>>,
     /// Its client may come back to it (see [`crate::ports::admission::Ready::resumable`]).
     pub resumable: bool,
+    /// The service tier it runs at.
+    pub tier: crate::tier::Tier,
     /// Where the record of which node holds each attempt goes (see `crate::attempts`), so a
     /// `done` that outlives the generation is accepted only from its node, and one arriving
     /// on another replica is sent here. `None` in tests that do not need it.
     pub attempts: Option<crate::attempts::Recorder>,
+}
+
+impl GenerationArgs {
+    /// What it is to its model's queue: its tier, the team paying, and its work in tokens
+    /// (the measured prompt and the most output it may make).
+    pub fn ticket(&self) -> crate::model_queue::Ticket {
+        crate::model_queue::Ticket {
+            tier: self.tier,
+            team: self.reservation.team_id,
+            cost: self
+                .reservation
+                .estimated_prompt_tokens
+                .saturating_add(self.reservation.max_tokens),
+        }
+    }
 }
 
 /// Deadlines a generation arms.

@@ -31,6 +31,7 @@ mod routing;
 mod settled_metric;
 mod slots;
 mod squared;
+mod tiers;
 mod trust;
 
 const MODEL: &str = "llama-3.1-8b-instruct";
@@ -52,14 +53,20 @@ async fn harness_routed(
     node_capacity: u32,
     routing: RoutingStrategy,
 ) -> Harness {
-    let ledger = Arc::new(MemoryLedger::default());
-    let config = QueueConfig {
+    harness_with(QueueConfig {
         max_waiting,
-        deadline: Duration::from_secs(30),
+        max_waiting_tokens: u64::MAX,
+        policy: crate::tier::Policy::fifo(Duration::from_secs(30)),
         node_capacity,
         routing,
         cache_blocks: 1024,
-    };
+    })
+    .await
+}
+
+/// A harness whose model queue has `config`.
+async fn harness_with(config: QueueConfig) -> Harness {
+    let ledger = Arc::new(MemoryLedger::default());
     let queue = ModelQueueActor::start(QueueArgs {
         model: MODEL.into(),
         config,
@@ -231,6 +238,7 @@ fn generation_args(
         clock: Arc::new(SystemClock),
         on_end: None,
         resumable: lifecycle.is_some(),
+        tier: crate::tier::Tier::Default,
         lifecycle,
         attempts: Some(crate::attempts::Recorder {
             coordinator: h.coord.clone(),
@@ -380,6 +388,7 @@ async fn a_recorded_generation_nobody_can_come_back_to_is_cancelled_at_once() {
     );
     let args = GenerationArgs {
         resumable: false,
+        tier: crate::tier::Tier::Default,
         ..args
     };
     let mut stream = h.gens.start_generation(args, rx).await.unwrap();

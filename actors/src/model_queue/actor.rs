@@ -10,15 +10,17 @@ use ractor::{Actor, ActorCell, ActorProcessingErr, ActorRef};
 use tokio::time::Instant;
 
 use super::cluster::QueueCluster;
+use super::line::{Lane, Line, Ticket};
 use super::msg::{ModelQueueHandle, NodeReport, QueueMsg, QueueStats, Slot};
 use super::routing::{NodeView, RouteKey, Router, RoutingStrategy};
 use crate::error::{ErrorCode, Failure};
 use crate::generation::GenerationMsg;
-use crate::metric_names::QUEUE_DEPTH;
+use crate::metric_names::{EARLY_REFUSALS_TOTAL, QUEUE_DEPTH, QUEUE_DISPATCHES_TOTAL};
 use crate::node::{NodeHandle, NodeLoad};
 use crate::ports::Clock;
 use crate::protocol::Api;
 use crate::tasks::TaskGuard;
+use crate::tier::{Policy, Tier};
 
 /// How often deadlines are checked.
 const TICK: Duration = Duration::from_millis(100);
@@ -34,8 +36,12 @@ const RATE_WINDOW: Duration = Duration::from_secs(30);
 pub struct QueueConfig {
     /// Most generations waiting at once; more get `queue_full`.
     pub max_waiting: usize,
-    /// How long a generation may wait for a node; then `capacity_exhausted`.
-    pub deadline: Duration,
+    /// Most tokens of work waiting at once (prompts and output ceilings); more get
+    /// `queue_full`.
+    pub max_waiting_tokens: u64,
+    /// Who goes next when the nodes are full, and how long each tier may wait (past its
+    /// budget: `capacity_exhausted`).
+    pub policy: Policy,
     /// Assignments one node may carry at once for this model.
     pub node_capacity: u32,
     /// How to pick among nodes with room.
@@ -81,6 +87,8 @@ pub(super) struct Join {
     pub(super) route: Option<Arc<RouteKey>>,
     /// How long it waited already (in an earlier owner's queue, or forwarded).
     pub(super) waited: Duration,
+    /// Its tier, team and work, for the line's order.
+    pub(super) ticket: Ticket,
 }
 
 #[derive(Debug)]
@@ -100,6 +108,8 @@ pub(super) struct Waiting {
     /// Times a later waiter went first to a node holding more of its prompt
     /// ([`Router::pick`]).
     pub(super) passed: u32,
+    /// Its tier, team and work, for the line's order.
+    pub(super) ticket: Ticket,
 }
 
 #[derive(Debug)]
@@ -194,11 +204,14 @@ impl NodeEntry {
 #[derive(Debug)]
 pub struct QueueState {
     pub(super) args: QueueArgs,
-    pub(super) waiting: VecDeque<Waiting>,
+    /// The waiting generations, in the order the policy serves them.
+    pub(super) line: Line,
     /// Nodes by id (ordered, so choice is deterministic).
     pub(super) nodes: BTreeMap<String, NodeEntry>,
     /// Recent dispatch times, for the drain rate.
     dispatches: VecDeque<Instant>,
+    /// Tokens of work dispatched while work waited: when a newcomer would start.
+    throughput: super::predict::Throughput,
     /// Node choice, with what it knows of each node's cache.
     pub(super) router: Router,
     ticker: Option<ractor::concurrency::JoinHandle<()>>,
@@ -215,13 +228,37 @@ pub struct QueueState {
     _guard: TaskGuard,
 }
 
-/// Where in a line whose waiters arrived at `arrivals` (in line order) one that arrived at
-/// `arrived` goes: behind the last that came no later than it.
-pub(super) fn place_at(
-    mut arrivals: impl DoubleEndedIterator<Item = Instant> + ExactSizeIterator,
-    arrived: Instant,
-) -> usize {
-    arrivals.rposition(|a| a <= arrived).map_or(0, |i| i + 1)
+/// The failed node a retry avoids, while another routable node of `nodes` could run it.
+fn avoided<'a>(
+    nodes: &BTreeMap<String, NodeEntry>,
+    avoid: Option<&'a str>,
+    api: Api,
+) -> Option<&'a str> {
+    avoid.filter(|a| {
+        nodes
+            .iter()
+            .any(|(id, n)| id.as_str() != *a && n.routable() && n.handle.speaks(api))
+    })
+}
+
+/// The nodes of `nodes` (of `capacity` each) with room for a waiter of `api` avoiding `avoid`.
+fn room_for<'a>(
+    nodes: &'a BTreeMap<String, NodeEntry>,
+    capacity: u32,
+    avoid: Option<&str>,
+    api: Api,
+) -> Vec<NodeView<'a>> {
+    let avoid = avoided(nodes, avoid, api);
+    nodes
+        .iter()
+        .filter(|(id, n)| {
+            n.routable()
+                && n.taken(capacity) < capacity
+                && Some(id.as_str()) != avoid
+                && n.handle.speaks(api)
+        })
+        .map(|(id, n)| n.view(id, capacity))
+        .collect()
 }
 
 /// See the module documentation.
@@ -271,11 +308,13 @@ impl Actor for ModelQueueActor {
             None => (String::new(), None),
         };
         let router = Router::new(args.config.routing, args.config.cache_blocks);
+        let line = Line::new(args.config.policy.clone());
         Ok(QueueState {
             args,
-            waiting: VecDeque::new(),
+            line,
             nodes: BTreeMap::new(),
             dispatches: VecDeque::new(),
+            throughput: super::predict::Throughput::default(),
             router,
             ticker: Some(ticker),
             nodes_seen: None,
@@ -301,6 +340,7 @@ impl Actor for ModelQueueActor {
                 avoid,
                 api,
                 route,
+                ticket,
                 reply,
             } => {
                 let join = Join {
@@ -309,6 +349,7 @@ impl Actor for ModelQueueActor {
                     api,
                     route,
                     waited: Duration::ZERO,
+                    ticket,
                 };
                 state.enqueue(request_id, generation, join, reply);
             }
@@ -316,8 +357,8 @@ impl Actor for ModelQueueActor {
                 if state.follows() {
                     state.withdraw_forwarded(&request_id);
                 } else {
-                    state.waiting.retain(|w| {
-                        w.request_id != request_id || !matches!(w.waiter, Waiter::Local(_))
+                    state.line.remove_if(|w| {
+                        w.request_id == request_id && matches!(w.waiter, Waiter::Local(_))
                     });
                 }
             }
@@ -384,9 +425,11 @@ impl Actor for ModelQueueActor {
                 state.dispatch();
             }
             QueueMsg::Tick => {
+                let now = state.args.clock.now();
                 if state.live_nodes() > 0 {
-                    state.nodes_seen = Some(state.args.clock.now());
+                    state.nodes_seen = Some(now);
                 }
+                state.throughput.tick(now, !state.line.is_empty());
                 state.expire();
                 state.expire_forwarded();
                 state.dispatch();
@@ -429,7 +472,7 @@ impl Actor for ModelQueueActor {
         if let Some(t) = state.ticker.take() {
             t.abort();
         }
-        for w in state.waiting.drain(..) {
+        for w in state.line.drain() {
             if let Waiter::Local(generation) = w.waiter {
                 let _ = generation.cast(GenerationMsg::QueueTimeout);
             }
@@ -521,6 +564,7 @@ impl QueueState {
                     avoid: join.avoid,
                     api: join.api,
                     route: join.route,
+                    ticket: join.ticket,
                 };
                 self.forward(request_id, asked, reply);
             }
@@ -538,27 +582,18 @@ impl QueueState {
         waiter: Waiter,
         join: Join,
     ) -> Result<(), Failure> {
-        let model = &self.args.model;
         // Already waiting: a generation re-queued after a restart may have entered the new
         // queue before it heard of the restart. One entry, one dispatch.
-        if self.waiting.iter().any(|w| w.request_id == request_id) {
+        if self.line.contains(&request_id) {
             return Ok(());
         }
         if let Some(failure) = self.unroutable(join.api) {
             return Err(failure);
         }
         // One that waited already (sent again to a new owner) was admitted to wait once and
-        // keeps its place; only a newcomer finds the line full.
-        if self.waiting.len() >= self.args.config.max_waiting
-            && !join.front
-            && join.waited.is_zero()
-        {
-            let wait = self.retry_after_secs();
-            return Err(Failure::new(
-                ErrorCode::QueueFull,
-                format!("The queue of {model} is full; retry in about {wait} s."),
-            )
-            .retry_after(wait));
+        // keeps its place; only a newcomer finds the line full, or is refused for its wait.
+        if !join.front && join.waited.is_zero() {
+            self.room_in_line(&join.ticket)?;
         }
         let now = self.args.clock.now();
         let arrived = now.checked_sub(join.waited).unwrap_or(now);
@@ -566,32 +601,80 @@ impl QueueState {
             request_id,
             waiter,
             arrived,
-            deadline: arrived + self.args.config.deadline,
+            deadline: arrived + self.budget(join.ticket.tier),
             avoid: join.avoid,
             api: join.api,
             route: join.route,
             passed: 0,
+            ticket: join.ticket,
         };
-        self.place(entry, join.front);
+        // A retry at the head, anything else behind every waiter of its lane that arrived
+        // before it — so the generations a new owner gets from every replica keep the order
+        // they came in, and none waits out its budget behind newer ones.
+        self.line.push(entry, join.front);
         Ok(())
     }
 
-    /// Puts `entry` in line: a retry at the head, anything else behind every waiter that
-    /// arrived before it — so the generations a new owner gets from every replica keep the
-    /// order they came in, and none waits out its deadline behind newer ones.
-    pub(super) fn place(&mut self, entry: Waiting, front: bool) {
-        if front {
-            self.waiting.push_front(entry);
-            return;
+    /// Whether a newcomer with `ticket` may wait: the line has room (in requests and in
+    /// tokens), and the work before it would let it start within its tier's budget.
+    fn room_in_line(&self, ticket: &Ticket) -> Result<(), Failure> {
+        let model = &self.args.model;
+        let full = self.line.len() >= self.args.config.max_waiting
+            || self.line.tokens().saturating_add(ticket.cost) > self.args.config.max_waiting_tokens;
+        if full {
+            let wait = self.retry_after_secs();
+            return Err(Failure::new(
+                ErrorCode::QueueFull,
+                format!("The queue of {model} is full; retry in about {wait} s."),
+            )
+            .retry_after(wait));
         }
-        let at = place_at(self.waiting.iter().map(|w| w.arrived), entry.arrived);
-        self.waiting.insert(at, entry);
+        let budget = self.budget(ticket.tier);
+        let Some(wait) = self.predicted_wait(ticket) else {
+            return Ok(());
+        };
+        if wait <= budget {
+            return Ok(());
+        }
+        metrics::counter!(
+            EARLY_REFUSALS_TOTAL,
+            "model" => model.clone(),
+            "tier" => ticket.tier.as_str(),
+        )
+        .increment(1);
+        let after = (wait - budget).as_secs().clamp(1, 600);
+        Err(Failure::new(
+            ErrorCode::CapacityExhausted,
+            format!(
+                "The work waiting for {model} would start this request in about {} s, past the \
+                 {} tier's queue budget of {} s; retry in about {after} s.",
+                wait.as_secs(),
+                ticket.tier,
+                budget.as_secs()
+            ),
+        )
+        .retry_after(after))
+    }
+
+    /// When a newcomer with `ticket` would start, from the work before it and the measured
+    /// service rate (`None` while there is no rate, or nothing waits).
+    fn predicted_wait(&self, ticket: &Ticket) -> Option<Duration> {
+        if self.line.is_empty() {
+            return None;
+        }
+        let rate = self.throughput.rate(self.args.clock.now())?;
+        Some(super::predict::wait_for(self.line.work_ahead(ticket), rate))
+    }
+
+    /// How long a generation of `tier` may wait for a node.
+    pub(super) fn budget(&self, tier: Tier) -> Duration {
+        self.args.config.policy.of(tier).budget
     }
 
     /// When the queue, draining at its measured rate, will have room again.
     fn retry_after_secs(&self) -> u64 {
         let rate = self.drain_rate().max(0.1);
-        let secs = (self.waiting.len() as f64 / rate).ceil();
+        let secs = (self.line.len() as f64 / rate).ceil();
         (secs as u64).clamp(1, 60)
     }
 
@@ -609,7 +692,7 @@ impl QueueState {
     /// owner holds waiting generations, so the sum over replicas counts each once).
     fn publish_depth(&self) {
         metrics::gauge!(QUEUE_DEPTH, "model" => self.args.model.clone())
-            .set(self.waiting.len() as f64);
+            .set(self.line.len() as f64);
     }
 
     /// Hands waiting generations to nodes with room, head first — while this replica may
@@ -622,107 +705,110 @@ impl QueueState {
         self.publish_depth();
     }
 
-    /// In order; a retry that may not go back to its failed node is passed over while only
-    /// that node has room, and the generations behind it may go first.
+    /// In the line's order; a waiter that may not go to the only nodes with room (a retry
+    /// avoiding its failed node, an API only some agents run) is set aside for this round, and
+    /// the generations behind it may go first.
     fn dispatch_waiting(&mut self) {
-        let mut i = 0;
-        while i < self.waiting.len() {
+        let mut aside: Vec<(Lane, Waiting)> = Vec::new();
+        while let Some(lane) = self.line.head() {
+            let Some(head) = self.line.lane(lane).next() else {
+                break;
+            };
+            let (avoid, api) = (head.avoid.clone(), head.api);
             let capacity = self.args.config.node_capacity;
-            let avoid = self.waiting[i].avoid.as_deref();
-            let api = self.waiting[i].api;
-            // The failed node is avoided only while another routable node could run it.
-            let avoid = avoid.filter(|a| {
-                self.nodes
-                    .iter()
-                    .any(|(id, n)| id.as_str() != *a && n.routable() && n.handle.speaks(api))
-            });
-            let candidates: Vec<NodeView<'_>> = self
-                .nodes
-                .iter()
-                .filter(|(id, n)| {
-                    n.routable()
-                        && n.taken(capacity) < capacity
-                        && Some(id.as_str()) != avoid
-                        && n.handle.speaks(api)
-                })
-                .map(|(id, n)| n.view(id, capacity))
-                .collect();
-            let route = self.waiting[i].route.as_deref();
-            let Some(chosen) = self.router.choose(route, &candidates) else {
+            let candidates = room_for(&self.nodes, capacity, avoid.as_deref(), api);
+            let route = head.route.clone();
+            let Some(chosen) = self.router.choose(route.as_deref(), &candidates) else {
                 // No room: room lent to followers comes back.
-                let avoid = avoid.map(str::to_owned);
                 let now = self.args.clock.now();
+                let avoid = avoided(&self.nodes, avoid.as_deref(), api).map(str::to_owned);
                 self.recall(api, avoid.as_deref(), now);
-                // Passed over while its only nodes are busy: a retry avoiding its failed node,
-                // or an API only some agents run (mid-upgrade), must not hold up the
-                // generations behind it that other nodes can take.
                 if avoid.is_some() || api != Api::Chat {
-                    i += 1;
+                    if let Some(w) = self.line.take(lane, 0, false) {
+                        aside.push((lane, w));
+                    }
                     continue;
                 }
-                return;
+                break;
             };
             let node_id = candidates[chosen].node_id.to_owned();
-            let j = i + self.better_waiter(i, &node_id);
-            if j != i {
-                self.waiting[i].passed += 1;
+            let j = self.better_waiter(lane, &node_id);
+            let Some(w) = self.line.take(lane, j, true) else {
+                break;
+            };
+            self.send_to(w, &node_id);
+            if j != 0
+                && let Some(passed) = self.line.head_mut(lane)
+            {
+                passed.passed += 1;
             }
-            let Some(w) = self.waiting.remove(j) else {
-                return;
-            };
-            self.router.placed(&node_id, w.route.as_deref());
-            let sent = match &w.waiter {
-                Waiter::Local(generation) => {
-                    let Some(entry) = self.nodes.get_mut(&node_id) else {
-                        return;
-                    };
-                    // Counted now; a dispatch that does not arrive gives its slot back.
-                    entry.take(&self.me, self.args.clock.now());
-                    let msg = GenerationMsg::Dispatch {
-                        node: entry.handle.clone(),
-                        slot: Slot::new(self.myself.clone(), &node_id),
-                    };
-                    generation.cast(msg).is_ok()
-                }
-                Waiter::Remote(replica) => {
-                    let replica = replica.clone();
-                    self.dispatch_remote(&replica, w.request_id, &node_id)
-                }
-            };
-            if sent {
-                let now = self.args.clock.now();
-                self.dispatches.push_back(now);
-                while self
-                    .dispatches
-                    .front()
-                    .is_some_and(|t| now.saturating_duration_since(*t) > RATE_WINDOW)
-                {
-                    self.dispatches.pop_front();
-                }
+        }
+        for (lane, w) in aside.into_iter().rev() {
+            self.line.put_back(lane, w);
+        }
+    }
+
+    /// Sends `w` to `node_id`, counted against the node now (a dispatch that does not arrive
+    /// gives its slot back).
+    fn send_to(&mut self, w: Waiting, node_id: &str) {
+        self.router.placed(node_id, w.route.as_deref());
+        let sent = match &w.waiter {
+            Waiter::Local(generation) => {
+                let Some(entry) = self.nodes.get_mut(node_id) else {
+                    return;
+                };
+                entry.take(&self.me, self.args.clock.now());
+                let msg = GenerationMsg::Dispatch {
+                    node: entry.handle.clone(),
+                    slot: Slot::new(self.myself.clone(), node_id),
+                };
+                generation.cast(msg).is_ok()
+            }
+            Waiter::Remote(replica) => {
+                let replica = replica.clone();
+                self.dispatch_remote(&replica, w.request_id, node_id)
+            }
+        };
+        if sent {
+            self.throughput.dispatched(w.ticket.cost);
+            metrics::counter!(
+                QUEUE_DISPATCHES_TOTAL,
+                "model" => self.args.model.clone(),
+                "tier" => w.ticket.tier.as_str(),
+                "team" => w.ticket.team.to_string(),
+            )
+            .increment(1);
+            let now = self.args.clock.now();
+            self.dispatches.push_back(now);
+            while self
+                .dispatches
+                .front()
+                .is_some_and(|t| now.saturating_duration_since(*t) > RATE_WINDOW)
+            {
+                self.dispatches.pop_front();
             }
         }
     }
 
-    /// How far behind waiter `i` is the one to send to `node_id` instead ([`Router::pick`]):
-    /// only one that may run there (its API, not its failed node) is looked at.
-    fn better_waiter(&self, i: usize, node_id: &str) -> usize {
+    /// How far behind the head of `lane` is the one to send to `node_id` instead
+    /// ([`Router::pick`]): only one of the same lane (fairness decides the lane, routing only
+    /// the order inside it) that may run there (its API, not its failed node) is looked at.
+    fn better_waiter(&self, lane: Lane, node_id: &str) -> usize {
         let Some(node) = self.nodes.get(node_id) else {
             return 0;
         };
-        let routes = self.waiting.range(i..).map(|w| {
+        let passed = self.line.lane(lane).next().map_or(0, |w| w.passed);
+        let routes = self.line.lane(lane).map(|w| {
             let fits = w.avoid.as_deref() != Some(node_id) && node.handle.speaks(w.api);
             fits.then_some(w.route.as_deref()).flatten()
         });
-        self.router.pick(node_id, self.waiting[i].passed, routes)
+        self.router.pick(node_id, passed, routes)
     }
 
     /// Generations past their deadline leave with `capacity_exhausted`.
     fn expire(&mut self) {
         let now = self.args.clock.now();
-        let (expired, kept): (Vec<Waiting>, Vec<Waiting>) =
-            self.waiting.drain(..).partition(|w| w.deadline <= now);
-        self.waiting = kept.into();
-        for w in expired {
+        for w in self.line.remove_if(|w| w.deadline <= now) {
             match w.waiter {
                 Waiter::Local(generation) => {
                     let _ = generation.cast(GenerationMsg::QueueTimeout);
@@ -739,7 +825,8 @@ impl QueueState {
 
     fn stats(&self) -> QueueStats {
         QueueStats {
-            waiting: self.waiting.len() + self.forwarded(),
+            waiting: self.line.len() + self.forwarded(),
+            waiting_by_tier: self.line.by_tier(),
             nodes: self
                 .nodes
                 .iter()
@@ -755,28 +842,5 @@ impl QueueState {
             owner: self.owner(),
             on_grant: self.cluster.as_ref().map_or(0, |m| m.grants.started()),
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use std::time::Duration;
-
-    use tokio::time::Instant;
-
-    use super::place_at;
-
-    #[test]
-    fn a_waiter_sent_again_goes_behind_those_that_came_before_it() {
-        let t0 = Instant::now();
-        let at = |ms: u64| t0 + Duration::from_millis(ms);
-        let line = [at(10), at(20), at(30)];
-        // A newcomer at the back, one that came first at the head, one between in between.
-        assert_eq!(place_at(line.into_iter(), at(40)), 3);
-        assert_eq!(place_at(line.into_iter(), at(5)), 0);
-        assert_eq!(place_at(line.into_iter(), at(25)), 2);
-        // Ties keep the order they were sent in.
-        assert_eq!(place_at(line.into_iter(), at(20)), 2);
-        assert_eq!(place_at(std::iter::empty(), at(20)), 0);
     }
 }

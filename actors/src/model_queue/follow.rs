@@ -12,6 +12,7 @@ use tokio::time::Instant;
 use super::actor::{Join, QueueState, Waiter, Waiting};
 use super::cluster::{QueueCluster, Role};
 use super::grant::Grants;
+use super::line::Ticket;
 use super::msg::{QueueMsg, Slot};
 use super::routing::RouteKey;
 use crate::cluster::to_queue;
@@ -36,6 +37,7 @@ pub(super) struct Forwarded {
     avoid: Option<String>,
     api: Api,
     route: Option<Arc<RouteKey>>,
+    ticket: Ticket,
     /// When it entered this model's queue (sent on to each new owner as how long it waited).
     since: Instant,
     deadline: Instant,
@@ -54,6 +56,7 @@ impl Forwarded {
             api: self.api,
             route: self.route.clone(),
             waited_ms: u64::try_from(waited.as_millis()).unwrap_or(u64::MAX),
+            ticket: self.ticket,
         }
     }
 }
@@ -66,6 +69,7 @@ pub(super) struct Asked {
     pub(super) avoid: Option<String>,
     pub(super) api: Api,
     pub(super) route: Option<Arc<RouteKey>>,
+    pub(super) ticket: Ticket,
 }
 
 /// Another replica, as the owner sees it.
@@ -215,9 +219,10 @@ impl QueueState {
             avoid,
             api,
             route,
+            ticket,
         } = asked;
         let now = self.args.clock.now();
-        let deadline = now + self.args.config.deadline + DEADLINE_GRACE;
+        let deadline = now + self.budget(ticket.tier) + DEADLINE_GRACE;
         let refused = self.unroutable(api);
         let Some(m) = self.cluster.as_mut() else {
             return;
@@ -238,6 +243,7 @@ impl QueueState {
             api,
             route: route.clone(),
             waited_ms: 0,
+            ticket,
         };
         m.forwarded.insert(
             request_id,
@@ -247,6 +253,7 @@ impl QueueState {
                 avoid,
                 api,
                 route,
+                ticket,
                 since: now,
                 deadline,
                 verdict: Some((reply, now)),
@@ -493,6 +500,7 @@ impl QueueState {
                         api: f.api,
                         route: f.route,
                         waited: now.saturating_duration_since(f.since),
+                        ticket: f.ticket,
                     };
                     let verdict = self.admit(request_id, waiter, join);
                     let _ = reply.send(verdict);
@@ -507,8 +515,9 @@ impl QueueState {
                         api: f.api,
                         route: f.route,
                         passed: 0,
+                        ticket: f.ticket,
                     };
-                    self.place(entry, f.front);
+                    self.line.push(entry, f.front);
                 }
             }
         }
@@ -517,7 +526,8 @@ impl QueueState {
     /// This replica lost the lease: its own waiting generations wait for the next owner;
     /// the others' are theirs to send again.
     fn step_down(&mut self) {
-        let deadline = self.args.clock.now() + self.args.config.deadline;
+        let now = self.args.clock.now();
+        let policy = self.args.config.policy.clone();
         let Some(m) = self.cluster.as_mut() else {
             return;
         };
@@ -526,7 +536,8 @@ impl QueueState {
         m.followers.clear();
         m.owner = None;
         m.to_owner = None;
-        for w in std::mem::take(&mut self.waiting) {
+        for w in self.line.drain() {
+            let deadline = now + policy.of(w.ticket.tier).budget;
             if let Waiter::Local(generation) = w.waiter {
                 m.forwarded.insert(
                     w.request_id,
@@ -537,6 +548,7 @@ impl QueueState {
                         avoid: w.avoid,
                         api: w.api,
                         route: w.route,
+                        ticket: w.ticket,
                         since: w.arrived,
                         deadline: w.deadline.min(deadline),
                         verdict: None,
@@ -770,8 +782,8 @@ impl QueueState {
             m.followers.remove(replica);
         }
         self.departed.forget(replica);
-        self.waiting
-            .retain(|w| !matches!(&w.waiter, Waiter::Remote(r) if r == replica));
+        self.line
+            .remove_if(|w| matches!(&w.waiter, Waiter::Remote(r) if r == replica));
         for n in self.nodes.values_mut() {
             n.running.remove(replica);
             n.granted.remove(replica);

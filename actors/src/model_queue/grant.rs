@@ -221,7 +221,7 @@ impl QueueState {
         // Under cache_aware the owner places every prompt itself: it alone sees where each
         // one went, and a slot lent away would make the node holding a hot prefix look full
         // at a fraction of its capacity.
-        if !self.waiting.is_empty()
+        if !self.line.is_empty()
             || !self.decides()
             || self.router.strategy() == RoutingStrategy::CacheAware
         {

@@ -10,13 +10,17 @@ pub mod cluster;
 mod departed;
 mod follow;
 mod grant;
+mod line;
 mod msg;
 mod owner;
+mod predict;
 mod routing;
 
 pub use actor::{ModelQueueActor, NODES_RETURN_WITHIN, QueueArgs, QueueConfig};
 pub use carried::Word;
 pub use cluster::{QueueCluster, Role};
+pub use line::Ticket;
+pub(crate) use msg::Ask;
 pub use msg::{ModelQueueHandle, NodeReport, QueueMsg, QueueStats, Slot};
 pub use routing::{
     MAX_BLOCKS, NodeView, PrefixIndex, RouteKey, Router, RoutingStrategy, block_hashes,

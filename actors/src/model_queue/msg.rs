@@ -8,6 +8,7 @@ use std::sync::{Arc, PoisonError, RwLock};
 use ractor::{ActorRef, RpcReplyPort};
 
 use super::cluster::Role;
+use super::line::Ticket;
 use super::routing::RouteKey;
 use crate::cluster::{FromQueue, QueueOwner, ToQueue};
 use crate::error::Failure;
@@ -58,6 +59,9 @@ impl Drop for Slot {
 pub struct QueueStats {
     /// Generations waiting for a node.
     pub waiting: usize,
+    /// Of them, by tier ([`crate::tier::Tier::ALL`] order), in this replica's line (the
+    /// owner's holds every replica's).
+    pub waiting_by_tier: [usize; 3],
     /// (node id, in flight, draining) of every node serving the model.
     pub nodes: Vec<(String, u32, bool)>,
     /// Nodes out of routing because their engine kept refusing work.
@@ -89,6 +93,8 @@ pub enum QueueMsg {
         api: Api,
         /// Its prompt, for node choice.
         route: Option<Arc<RouteKey>>,
+        /// Its tier, team and work, for its place in line.
+        ticket: Ticket,
         /// Admitted or refused.
         reply: RpcReplyPort<Result<(), Failure>>,
     },
@@ -153,6 +159,21 @@ pub struct NodeReport {
     pub suspended: bool,
 }
 
+/// What a generation asks of its queue besides who it is (see [`QueueMsg::Enqueue`]).
+#[derive(Debug, Clone)]
+pub(crate) struct Ask {
+    /// A retry goes to the front.
+    pub front: bool,
+    /// A retry avoids its failed node.
+    pub avoid: Option<String>,
+    /// The engine API it needs.
+    pub api: Api,
+    /// Its prompt, for node choice.
+    pub route: Option<Arc<RouteKey>>,
+    /// Its tier, team and work.
+    pub ticket: Ticket,
+}
+
 /// Cloneable access to a model's queue.
 #[derive(Debug, Clone)]
 pub struct ModelQueueHandle {
@@ -209,11 +230,15 @@ impl ModelQueueHandle {
         &self,
         request_id: &str,
         generation: ActorRef<GenerationMsg>,
-        front: bool,
-        avoid: Option<String>,
-        api: Api,
-        route: Option<Arc<RouteKey>>,
+        ask: Ask,
     ) -> Result<(), Failure> {
+        let Ask {
+            front,
+            avoid,
+            api,
+            route,
+            ticket,
+        } = ask;
         let unavailable = || {
             Err(Failure::new(
                 crate::error::ErrorCode::NoHealthyNode,
@@ -233,6 +258,7 @@ impl ModelQueueHandle {
                     avoid,
                     api,
                     route,
+                    ticket,
                     reply,
                 },
                 Some(std::time::Duration::from_secs(5)),

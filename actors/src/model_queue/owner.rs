@@ -65,6 +65,7 @@ impl QueueState {
                     api,
                     route,
                     waited_ms,
+                    ticket,
                 } => {
                     let waiter = Waiter::Remote(from.clone());
                     let join = Join {
@@ -73,6 +74,7 @@ impl QueueState {
                         api,
                         route,
                         waited: Duration::from_millis(waited_ms),
+                        ticket,
                     };
                     let verdict = self.admit(request_id.clone(), waiter, join);
                     self.tell_replica(
@@ -83,10 +85,12 @@ impl QueueState {
                         },
                     );
                 }
-                QueueItem::Withdraw { request_id } => self.waiting.retain(|w| {
-                    w.request_id != request_id
-                        || !matches!(&w.waiter, Waiter::Remote(r) if *r == from)
-                }),
+                QueueItem::Withdraw { request_id } => {
+                    self.line.remove_if(|w| {
+                        w.request_id == request_id
+                            && matches!(&w.waiter, Waiter::Remote(r) if *r == from)
+                    });
+                }
                 QueueItem::Released { node_id } => self.give_back(&node_id, &from),
                 QueueItem::Return { node_id, slots } => self.returned(&from, &node_id, slots),
                 QueueItem::Report {

@@ -246,6 +246,7 @@ impl Actor for NodeActor {
                     api,
                     x_request_id,
                     traceparent,
+                    tier,
                 } = work;
                 let frame = ServerFrame::Assign {
                     request_id,
@@ -256,6 +257,7 @@ impl Actor for NodeActor {
                     x_request_id,
                     traceparent,
                     lease_ms,
+                    tier: Some(tier),
                 };
                 assign(state, &myself, frame, Dest::Local(generation)).await;
             }

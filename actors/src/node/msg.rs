@@ -152,6 +152,8 @@ pub struct Work {
     pub x_request_id: Option<String>,
     /// The W3C trace context to continue.
     pub traceparent: Option<String>,
+    /// Its service tier (the engine's priority, where the agent passes it on).
+    pub tier: crate::tier::Tier,
 }
 
 impl NodeHandle {

@@ -52,6 +52,8 @@ pub struct Ready {
     /// Generations API. A record made only to meter a principal's messages is not resumable:
     /// its client leaving stops the node at once.
     pub resumable: bool,
+    /// The service tier it runs at: the one it asked for, when its principal may use it.
+    pub tier: crate::tier::Tier,
     /// Gives the principal's stream place back (and counts its tokens) when the generation
     /// ends; dropping it unrun gives the place back.
     pub on_end: Option<EndHook>,

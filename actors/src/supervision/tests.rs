@@ -84,7 +84,8 @@ async fn harness(node_capacity: u32, queue_policy: RestartPolicy) -> Harness {
             model: MODEL.into(),
             config: QueueConfig {
                 max_waiting: 8,
-                deadline: Duration::from_secs(30),
+                max_waiting_tokens: u64::MAX,
+                policy: crate::tier::Policy::fifo(Duration::from_secs(30)),
                 node_capacity,
                 routing: RoutingStrategy::LeastLoaded,
                 cache_blocks: 1024,
@@ -155,6 +156,7 @@ async fn start(h: &Harness, request_id: &str) -> Result<GenerationStream, Failur
         on_end: None,
         lifecycle: None,
         resumable: false,
+        tier: crate::tier::Tier::Default,
         attempts: None,
     };
     h.sup.generations.start_generation(args, rx).await

@@ -29,7 +29,7 @@ use crate::server::AppState;
 use switchyard_actors::generation::Launched;
 
 /// Fields `POST /v1/generations` accepts; anything else is refused.
-const FIELDS: [&str; 10] = [
+const FIELDS: [&str; 11] = [
     "model",
     "messages",
     "stream",
@@ -40,6 +40,7 @@ const FIELDS: [&str; 10] = [
     "stop",
     "tools",
     "tool_choice",
+    "service_tier",
 ];
 
 /// Fields passed to the engine as sent.
@@ -179,12 +180,15 @@ async fn prepare(
     let key = lifecycle::idempotency_key(headers)?
         .ok_or_else(|| bad("The `Idempotency-Key` header is required."))?;
     super::ssrf::guard(&body)?;
-    let Value::Object(obj) = body else {
+    let Value::Object(mut obj) = body else {
         return Err(bad("The body must be a JSON object."));
     };
     if let Some(unknown) = obj.keys().find(|k| !FIELDS.contains(&k.as_str())) {
         return Err(bad(&format!("Unknown field `{unknown}`.")));
     }
+    let tier = principal
+        .service_tiers
+        .resolve(lifecycle::requested_tier(&mut obj)?);
     let model = lifecycle::resolve_model(state, &obj)?;
     tracing::Span::current().record("model", model.name.as_str());
     let messages = obj
@@ -255,6 +259,7 @@ async fn prepare(
             max_tokens,
             idempotency: Some((key, fingerprint)),
             prompt: Prompt::Chat,
+            tier,
         },
         x_request_id: lifecycle::client_request_id(),
         traceparent: lifecycle::traceparent(headers),

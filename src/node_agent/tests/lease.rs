@@ -24,6 +24,7 @@ fn leased(request_id: &str, max_tokens: u32, lease_ms: u64) -> ServerFrame {
             x_request_id: None,
             traceparent: None,
             lease_ms: Some(lease_ms),
+            tier: None,
         },
         other => unreachable!("{other:?}"),
     }

@@ -26,8 +26,9 @@ use super::drift::{
 use super::sql::{Settled, bound_sql, clamped, ledger_columns, saturated, stored_bounds};
 use super::{
     ApiKeyRecord, DriftReport, KeyRevocation, LedgerRow, LedgerStatus, NODE_LOCATIONS, NewApiKey,
-    NodeRecord, Store, StoreError, Team, covers,
+    NodeRecord, Store, StoreError, Team, covers, tier_from_text, tiers_from_text, tiers_text,
 };
+use switchyard_actors::tier::Tier;
 
 mod generations;
 mod ledger;
@@ -58,7 +59,8 @@ const BEGIN_LEDGER: &str = "BEGIN ISOLATION LEVEL READ COMMITTED";
 macro_rules! key_columns {
     () => {
         "id, team_id, prefix, model_allowlist, rpm, tokens_per_day, max_streams, expires_at, \
-         revoked_at, message_quota, burst_capacity, burst_refill_seconds, created_at"
+         revoked_at, message_quota, burst_capacity, burst_refill_seconds, service_tiers, \
+         service_tier, created_at"
     };
 }
 
@@ -320,7 +322,7 @@ impl Store for PostgresStore {
         let row = sqlx::query(concat!(
             "INSERT INTO api_keys (team_id, hash, prefix, model_allowlist, rpm, tokens_per_day, \
              max_streams, expires_at, message_quota, burst_capacity, burst_refill_seconds, \
-             created_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12) RETURNING ",
+             service_tiers, service_tier, created_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14) RETURNING ",
             key_columns!()
         ))
         .bind(key.team_id)
@@ -334,6 +336,8 @@ impl Store for PostgresStore {
         .bind(key.message_quota.map(i64::from))
         .bind(key.burst_capacity.map(i64::from))
         .bind(key.burst_refill_seconds.map(i64::from))
+        .bind(key.service_tiers.as_deref().map(tiers_text))
+        .bind(key.service_tier.map(Tier::as_str))
         .bind(self.now())
         .fetch_one(&self.pool)
         .await

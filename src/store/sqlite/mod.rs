@@ -28,8 +28,9 @@ use super::drift::{
 use super::sql::{Settled, bound_sql, clamped, ledger_columns, saturated, stored_bounds};
 use super::{
     ApiKeyRecord, DriftReport, KeyRevocation, LedgerRow, LedgerStatus, NODE_LOCATIONS, NewApiKey,
-    NodeRecord, Store, StoreError, Team, covers,
+    NodeRecord, Store, StoreError, Team, covers, tier_from_text, tiers_from_text, tiers_text,
 };
+use switchyard_actors::tier::Tier;
 
 mod generations;
 mod ledger;
@@ -54,7 +55,8 @@ const BEGIN_WRITE: &str = "BEGIN IMMEDIATE";
 macro_rules! key_columns {
     () => {
         "id, team_id, prefix, model_allowlist, rpm, tokens_per_day, max_streams, expires_at, \
-         revoked_at, message_quota, burst_capacity, burst_refill_seconds, created_at"
+         revoked_at, message_quota, burst_capacity, burst_refill_seconds, service_tiers, \
+         service_tier, created_at"
     };
 }
 
@@ -439,7 +441,7 @@ impl Store for SqliteStore {
         let row = sqlx::query(concat!(
             "INSERT INTO api_keys (team_id, hash, prefix, model_allowlist, rpm, tokens_per_day, \
              max_streams, expires_at, message_quota, burst_capacity, burst_refill_seconds, \
-             created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) RETURNING ",
+             service_tiers, service_tier, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) RETURNING ",
             key_columns!()
         ))
         .bind(key.team_id)
@@ -453,6 +455,8 @@ impl Store for SqliteStore {
         .bind(key.message_quota.map(i64::from))
         .bind(key.burst_capacity.map(i64::from))
         .bind(key.burst_refill_seconds.map(i64::from))
+        .bind(key.service_tiers.as_deref().map(tiers_text))
+        .bind(key.service_tier.map(Tier::as_str))
         .bind(self.now_millis())
         .fetch_one(&self.pool)
         .await

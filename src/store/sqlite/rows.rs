@@ -80,6 +80,12 @@ pub(super) fn key_from_row(row: &SqliteRow) -> Result<ApiKeyRecord, StoreError> 
         message_quota: opt_int(row, "message_quota")?,
         burst_capacity: opt_int(row, "burst_capacity")?,
         burst_refill_seconds: opt_int(row, "burst_refill_seconds")?,
+        service_tiers: col::<Option<String>>(row, "service_tiers")?
+            .map(|t| tiers_from_text(&t))
+            .transpose()?,
+        service_tier: col::<Option<String>>(row, "service_tier")?
+            .map(|t| tier_from_text(&t))
+            .transpose()?,
         created_at: time(col(row, "created_at")?)?,
     })
 }

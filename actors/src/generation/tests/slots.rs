@@ -44,7 +44,17 @@ async fn a_dispatch_its_generation_never_takes_gives_the_slot_back() {
     for id in ["gone-1", "gone-2", "gone-3"] {
         let (gone, _) = Actor::spawn(None, Stopping, ()).await.unwrap();
         h.queue
-            .enqueue(id, gone, false, None, Api::Chat, None)
+            .enqueue(
+                id,
+                gone,
+                crate::model_queue::Ask {
+                    front: false,
+                    avoid: None,
+                    api: Api::Chat,
+                    route: None,
+                    ticket: Default::default(),
+                },
+            )
             .await
             .unwrap();
         settle_a_moment().await;
