@@ -9,6 +9,8 @@ mod common;
 
 #[path = "cluster/drills.rs"]
 mod drills;
+#[path = "cluster/fair.rs"]
+mod fair;
 #[path = "cluster/nodes.rs"]
 mod nodes;
 #[path = "cluster/owners.rs"]
