@@ -4,7 +4,7 @@
 pub const TTFT_SECONDS: &str = "switchyard_ttft_seconds";
 /// Histogram: output tokens per second of each stream, by `model`.
 pub const OUTPUT_TOKENS_PER_SECOND: &str = "switchyard_output_tokens_per_second";
-/// Histogram: seconds from admission to dispatch, by `model`.
+/// Histogram: seconds from admission to dispatch, by `model` and service `tier`.
 pub const QUEUE_WAIT_SECONDS: &str = "switchyard_queue_wait_seconds";
 /// Gauge: requests waiting in a model's queue (scales a model up from zero), by `model`.
 pub const QUEUE_DEPTH: &str = "switchyard_queue_depth";

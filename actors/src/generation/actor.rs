@@ -378,7 +378,9 @@ impl GenerationState {
                 metrics::counter!(STALE_FRAMES_TOTAL, "reason" => reason).increment(1)
             }
             Metric::QueueWait(secs) => {
-                metrics::histogram!(QUEUE_WAIT_SECONDS, "model" => model).record(secs)
+                let tier = self.args.tier.as_str();
+                metrics::histogram!(QUEUE_WAIT_SECONDS, "model" => model, "tier" => tier)
+                    .record(secs);
             }
             Metric::Ttft(secs) => metrics::histogram!(TTFT_SECONDS, "model" => model).record(secs),
             Metric::OutputRate(rate) => {
