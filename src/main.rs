@@ -95,8 +95,8 @@ struct NodeArgs {
     drain_timeout: Duration,
     /// The engine runs vLLM's `--scheduling-policy priority`: each request carries its
     /// service tier as vLLM's `priority` (priority 0, default 1, flex 2), so the engine runs
-    /// and preempts by tier. Leave off for an engine scheduling first come, first served,
-    /// which refuses any priority but 0.
+    /// and preempts by tier. Off, the body reaches the engine as the server sent it (vLLM
+    /// 0.32 scheduling first come, first served accepts and ignores the field).
     #[arg(long, env = switchyard::env_names::ENGINE_PRIORITY)]
     engine_priority: bool,
     /// The local engine's base URL.

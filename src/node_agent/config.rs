@@ -59,8 +59,8 @@ pub struct AgentConfig {
     /// Kubernetes' 120 s grace period).
     pub drain_timeout: Duration,
     /// The engine runs vLLM's `--scheduling-policy priority` (`--engine-priority`): every
-    /// request carries its service tier as vLLM's `priority` (an engine scheduling first come,
-    /// first served refuses any priority but 0, so it is off unless set).
+    /// request carries its service tier as vLLM's `priority`. Off unless set: the body then
+    /// reaches the engine exactly as the server sent it.
     pub engine_priority: bool,
 }
 
