@@ -429,7 +429,8 @@ impl Actor for ModelQueueActor {
                 if state.live_nodes() > 0 {
                     state.nodes_seen = Some(now);
                 }
-                state.throughput.tick(now, !state.line.is_empty());
+                let serving = state.live_nodes();
+                state.throughput.tick(now, !state.line.is_empty(), serving);
                 state.expire();
                 state.expire_forwarded();
                 state.dispatch();
@@ -662,7 +663,8 @@ impl QueueState {
         if self.line.is_empty() {
             return None;
         }
-        let rate = self.throughput.rate(self.args.clock.now())?;
+        let per_node = self.throughput.rate_per_node(self.args.clock.now())?;
+        let rate = per_node * self.live_nodes().max(1) as f64;
         Some(super::predict::wait_for(self.line.work_ahead(ticket), rate))
     }
 

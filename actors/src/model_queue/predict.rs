@@ -1,7 +1,9 @@
 //! When a newcomer would start: the work its line puts before it ([`super::line::Line::
-//! work_ahead`]) over the model's service rate, measured as the tokens of work dispatched per
-//! second while work was waiting (a rate taken while the nodes had room would say how much was
-//! asked, not how much they can do). A request predicted to start past its tier's budget is
+//! work_ahead`]) over the model's service rate, measured per node as the tokens of work
+//! dispatched per second and node while work was waiting (a rate taken while the nodes had
+//! room would say how much was asked, not how much they can do), times the nodes serving now
+//! (a rate kept for the whole model would still count the nodes a fault took away, and refuse
+//! too much once they are back). A request predicted to start past its tier's budget is
 //! refused at once, with a `Retry-After` of when it would fit.
 
 use std::collections::VecDeque;
@@ -24,6 +26,8 @@ struct Stretch {
     from: Instant,
     /// Work was waiting when it began.
     backlogged: bool,
+    /// Nodes taking work when it began.
+    nodes: usize,
     /// Tokens of work dispatched in it.
     tokens: u64,
 }
@@ -35,11 +39,12 @@ pub(super) struct Throughput {
 }
 
 impl Throughput {
-    /// A tick at `now`: a new stretch begins, backlogged or not.
-    pub(super) fn tick(&mut self, now: Instant, backlogged: bool) {
+    /// A tick at `now`: a new stretch begins, backlogged or not, with `nodes` taking work.
+    pub(super) fn tick(&mut self, now: Instant, backlogged: bool, nodes: usize) {
         self.stretches.push_back(Stretch {
             from: now,
-            backlogged,
+            backlogged: backlogged && nodes > 0,
+            nodes,
             tokens: 0,
         });
         while self
@@ -58,10 +63,11 @@ impl Throughput {
         }
     }
 
-    /// Tokens of work per second dispatched while work waited, over the window; `None`
-    /// until the window holds enough time under backlog.
-    pub(super) fn rate(&self, now: Instant) -> Option<f64> {
+    /// Tokens of work per second and node dispatched while work waited, over the window;
+    /// `None` until the window holds enough time under backlog.
+    pub(super) fn rate_per_node(&self, now: Instant) -> Option<f64> {
         let mut busy = Duration::ZERO;
+        let mut node_secs = 0.0;
         let mut tokens = 0u64;
         let ends = self
             .stretches
@@ -71,11 +77,13 @@ impl Throughput {
             .chain(std::iter::once(now));
         for (s, end) in self.stretches.iter().zip(ends) {
             if s.backlogged && now.saturating_duration_since(end) <= WINDOW {
-                busy += end.saturating_duration_since(s.from).min(LONGEST);
+                let lasted = end.saturating_duration_since(s.from).min(LONGEST);
+                busy += lasted;
+                node_secs += lasted.as_secs_f64() * s.nodes as f64;
                 tokens = tokens.saturating_add(s.tokens);
             }
         }
-        (busy >= ENOUGH && tokens > 0).then(|| tokens as f64 / busy.as_secs_f64())
+        (busy >= ENOUGH && tokens > 0).then(|| tokens as f64 / node_secs)
     }
 }
 
@@ -96,20 +104,24 @@ mod tests {
         let mut t = Throughput::default();
         // Idle for 10 s with a trickle of work: it says nothing of capacity.
         for i in 0..100 {
-            t.tick(at(i * 100), false);
+            t.tick(at(i * 100), false, 2);
             t.dispatched(10);
         }
-        assert_eq!(t.rate(at(10_000)), None);
-        // Then 4 s under backlog at 1,000 tokens a second.
+        assert_eq!(t.rate_per_node(at(10_000)), None);
+        // Then 4 s under backlog at 1,000 tokens a second on two nodes, 2 s on one at 500.
         for i in 100..140 {
-            t.tick(at(i * 100), true);
+            t.tick(at(i * 100), true, 2);
             t.dispatched(100);
         }
-        let rate = t.rate(at(14_000)).unwrap();
-        assert!((rate - 1_000.0).abs() < 1.0, "{rate}");
+        for i in 140..160 {
+            t.tick(at(i * 100), true, 1);
+            t.dispatched(50);
+        }
+        let rate = t.rate_per_node(at(16_000)).unwrap();
+        assert!((rate - 500.0).abs() < 1.0, "{rate}");
         // Long after, the window has moved past it.
-        t.tick(at(60_000), false);
-        assert_eq!(t.rate(at(60_100)), None);
+        t.tick(at(60_000), false, 2);
+        assert_eq!(t.rate_per_node(at(60_100)), None);
         assert_eq!(wait_for(2_000.0, 1_000.0), Duration::from_secs(2));
     }
 }
