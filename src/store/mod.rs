@@ -484,7 +484,7 @@ pub(crate) fn tiers_text(tiers: &[Tier]) -> String {
 }
 
 /// One stored tier name.
-pub(crate) fn tier_from_text(text: &str) -> Result<Tier, StoreError> {
+fn tier_from_text(text: &str) -> Result<Tier, StoreError> {
     Tier::parse(text)
         .ok()
         .flatten()
@@ -492,8 +492,18 @@ pub(crate) fn tier_from_text(text: &str) -> Result<Tier, StoreError> {
 }
 
 /// Stored tier names ([`tiers_text`]).
-pub(crate) fn tiers_from_text(text: &str) -> Result<Vec<Tier>, StoreError> {
+fn tiers_from_text(text: &str) -> Result<Vec<Tier>, StoreError> {
     text.split(',').map(tier_from_text).collect()
+}
+
+/// A key's tiers and its own, as its `service_tiers` and `service_tier` columns hold them.
+pub(crate) fn stored_tiers(
+    tiers: Option<String>,
+    default: Option<String>,
+) -> Result<(Option<Vec<Tier>>, Option<Tier>), StoreError> {
+    let tiers = tiers.map(|t| tiers_from_text(&t)).transpose()?;
+    let default = default.map(|t| tier_from_text(&t)).transpose()?;
+    Ok((tiers, default))
 }
 
 pub fn hash_secret(secret: &str) -> String {

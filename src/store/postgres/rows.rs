@@ -64,6 +64,8 @@ pub(super) fn team_from_row(row: &PgRow) -> Result<Team, StoreError> {
 }
 
 pub(super) fn key_from_row(row: &PgRow) -> Result<ApiKeyRecord, StoreError> {
+    let (service_tiers, service_tier) =
+        stored_tiers(col(row, "service_tiers")?, col(row, "service_tier")?)?;
     Ok(ApiKeyRecord {
         id: col(row, "id")?,
         team_id: col(row, "team_id")?,
@@ -77,12 +79,8 @@ pub(super) fn key_from_row(row: &PgRow) -> Result<ApiKeyRecord, StoreError> {
         message_quota: opt_int(row, "message_quota")?,
         burst_capacity: opt_int(row, "burst_capacity")?,
         burst_refill_seconds: opt_int(row, "burst_refill_seconds")?,
-        service_tiers: col::<Option<String>>(row, "service_tiers")?
-            .map(|t| tiers_from_text(&t))
-            .transpose()?,
-        service_tier: col::<Option<String>>(row, "service_tier")?
-            .map(|t| tier_from_text(&t))
-            .transpose()?,
+        service_tiers,
+        service_tier,
         created_at: col(row, "created_at")?,
     })
 }

@@ -28,7 +28,7 @@ use super::drift::{
 use super::sql::{Settled, bound_sql, clamped, ledger_columns, saturated, stored_bounds};
 use super::{
     ApiKeyRecord, DriftReport, KeyRevocation, LedgerRow, LedgerStatus, NODE_LOCATIONS, NewApiKey,
-    NodeRecord, Store, StoreError, Team, covers, tier_from_text, tiers_from_text, tiers_text,
+    NodeRecord, Store, StoreError, Team, covers, stored_tiers, tiers_text,
 };
 use switchyard_actors::tier::Tier;
 

@@ -65,6 +65,8 @@ pub(super) fn team_from_row(row: &SqliteRow) -> Result<Team, StoreError> {
 
 pub(super) fn key_from_row(row: &SqliteRow) -> Result<ApiKeyRecord, StoreError> {
     let allowlist: Option<String> = col(row, "model_allowlist")?;
+    let (service_tiers, service_tier) =
+        stored_tiers(col(row, "service_tiers")?, col(row, "service_tier")?)?;
     Ok(ApiKeyRecord {
         id: col(row, "id")?,
         team_id: col(row, "team_id")?,
@@ -80,12 +82,8 @@ pub(super) fn key_from_row(row: &SqliteRow) -> Result<ApiKeyRecord, StoreError> 
         message_quota: opt_int(row, "message_quota")?,
         burst_capacity: opt_int(row, "burst_capacity")?,
         burst_refill_seconds: opt_int(row, "burst_refill_seconds")?,
-        service_tiers: col::<Option<String>>(row, "service_tiers")?
-            .map(|t| tiers_from_text(&t))
-            .transpose()?,
-        service_tier: col::<Option<String>>(row, "service_tier")?
-            .map(|t| tier_from_text(&t))
-            .transpose()?,
+        service_tiers,
+        service_tier,
         created_at: time(col(row, "created_at")?)?,
     })
 }
