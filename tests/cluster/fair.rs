@@ -4,42 +4,12 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use serde_json::{Value, json};
-
 use super::{Cluster, chat, cluster};
 use crate::common::http;
 
 /// A key of a new team `name`.
 async fn team_key(c: &Cluster, name: &str) -> String {
-    let admin = |path: &str, body: Value| {
-        http()
-            .post(c.url(0, path))
-            .bearer_auth(&c.fleet.admin_token)
-            .json(&body)
-            .send()
-    };
-    assert_eq!(
-        admin("/admin/teams", json!({"name": name}))
-            .await
-            .unwrap()
-            .status(),
-        201
-    );
-    let credits = json!({"team": name, "amount": 1_000_000_000_000_i64});
-    assert!(
-        admin("/admin/credits", credits)
-            .await
-            .unwrap()
-            .status()
-            .is_success()
-    );
-    let key: Value = admin("/admin/keys", json!({"team": name}))
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
-    key["key"].as_str().unwrap().to_owned()
+    crate::common::new_team_key(&c.url(0, ""), &c.fleet.admin_token, name).await
 }
 
 /// `clients` closed-loop clients of `key`, spread over `replicas`, until `end`: the requests

@@ -58,6 +58,37 @@ pub async fn tiny_sim(time_scale: f64) -> SimServer {
     .unwrap()
 }
 
+/// A new team `name` with ample credits and a key of its own, made through the admin API of
+/// the server at `base`; the key.
+pub async fn new_team_key(base: &str, admin_token: &str, name: &str) -> String {
+    let admin = |path: &str, body: serde_json::Value| {
+        http()
+            .post(format!("{base}{path}"))
+            .bearer_auth(admin_token)
+            .json(&body)
+            .send()
+    };
+    let made = admin("/admin/teams", serde_json::json!({"name": name}))
+        .await
+        .unwrap();
+    assert_eq!(made.status(), 201, "team {name}");
+    let credits = serde_json::json!({"team": name, "amount": 1_000_000_000_000_i64});
+    assert!(
+        admin("/admin/credits", credits)
+            .await
+            .unwrap()
+            .status()
+            .is_success()
+    );
+    let key: serde_json::Value = admin("/admin/keys", serde_json::json!({"team": name}))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    key["key"].as_str().unwrap().to_owned()
+}
+
 pub fn http() -> reqwest::Client {
     // One client, cloned: building one loads the platform's root certificates (tens of
     // milliseconds of CPU), which hundreds of concurrent requests must not each pay. No

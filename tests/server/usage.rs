@@ -9,27 +9,7 @@ use crate::common::{fleet, http};
 
 async fn new_team_key(fleet: &switchyard::demo::Fleet, name: &str) -> String {
     let base = fleet.server.base_url();
-    let admin = |path: &str, body: Value| {
-        http()
-            .post(format!("{base}{path}"))
-            .bearer_auth(&fleet.admin_token)
-            .json(&body)
-            .send()
-    };
-    admin("/admin/teams", json!({"name": name})).await.unwrap();
-    admin(
-        "/admin/credits",
-        json!({"team": name, "amount": 1_000_000_000}),
-    )
-    .await
-    .unwrap();
-    let key: Value = admin("/admin/keys", json!({"team": name}))
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
-    key["key"].as_str().unwrap().to_owned()
+    crate::common::new_team_key(&base, &fleet.admin_token, name).await
 }
 
 async fn chat(fleet: &switchyard::demo::Fleet, key: &str, model: &str, max_tokens: u32) -> u16 {
