@@ -368,34 +368,8 @@ impl Actor for ModelQueueActor {
                 state.replace_node(id, entry);
                 state.dispatch();
             }
-            QueueMsg::NodeRejoin(NodeReport {
-                node,
-                load,
-                in_flight,
-                draining,
-                suspended,
-            }) => {
-                let id = node.node_id().to_owned();
-                let mut entry = NodeEntry::new(node, load);
-                entry.running.insert(state.me.clone(), in_flight);
-                entry.draining = draining;
-                entry.suspended = suspended;
-                state.replace_node(id, entry);
-                state.dispatch();
-            }
-            QueueMsg::NodeDown(node) => {
-                if state
-                    .nodes
-                    .get(node.node_id())
-                    .is_some_and(|n| n.handle.same_actor(&node))
-                {
-                    if let Some(old) = state.nodes.remove(node.node_id()) {
-                        state.departed.keep(node.node_id(), &old);
-                    }
-                    state.router.forget(node.node_id());
-                    state.node_left(node.node_id());
-                }
-            }
+            QueueMsg::NodeRejoin(report) => state.node_rejoined(report),
+            QueueMsg::NodeDown(node) => state.node_down(&node),
             QueueMsg::NodeLoad(id, load) => {
                 if let Some(n) = state.nodes.get_mut(&id) {
                     n.load = load;
@@ -424,17 +398,7 @@ impl Actor for ModelQueueActor {
                 }
                 state.dispatch();
             }
-            QueueMsg::Tick => {
-                let now = state.args.clock.now();
-                if state.live_nodes() > 0 {
-                    state.nodes_seen = Some(now);
-                }
-                let serving = state.live_nodes();
-                state.throughput.tick(now, !state.line.is_empty(), serving);
-                state.expire();
-                state.expire_forwarded();
-                state.dispatch();
-            }
+            QueueMsg::Tick => state.tick(),
             QueueMsg::Role(role) => {
                 state.role(role);
                 state.dispatch();
@@ -484,6 +448,55 @@ impl Actor for ModelQueueActor {
 }
 
 impl QueueState {
+    /// A live node announces itself again to a restarted queue, with the work it carries.
+    fn node_rejoined(&mut self, report: NodeReport) {
+        let NodeReport {
+            node,
+            load,
+            in_flight,
+            draining,
+            suspended,
+        } = report;
+        let id = node.node_id().to_owned();
+        let mut entry = NodeEntry::new(node, load);
+        entry.running.insert(self.me.clone(), in_flight);
+        entry.draining = draining;
+        entry.suspended = suspended;
+        self.replace_node(id, entry);
+        self.dispatch();
+    }
+
+    /// A node's connection ended: its entry goes (only this connection's: a node that already
+    /// reconnected keeps its new one), its work still counted until it ends.
+    fn node_down(&mut self, node: &NodeHandle) {
+        let id = node.node_id();
+        if !self
+            .nodes
+            .get(id)
+            .is_some_and(|n| n.handle.same_actor(node))
+        {
+            return;
+        }
+        if let Some(old) = self.nodes.remove(id) {
+            self.departed.keep(id, &old);
+        }
+        self.router.forget(id);
+        self.node_left(id);
+    }
+
+    /// Every 100 ms: note the nodes seen and the service rate, expire deadlines, dispatch.
+    fn tick(&mut self) {
+        let now = self.args.clock.now();
+        let serving = self.live_nodes();
+        if serving > 0 {
+            self.nodes_seen = Some(now);
+        }
+        self.throughput.tick(now, !self.line.is_empty(), serving);
+        self.expire();
+        self.expire_forwarded();
+        self.dispatch();
+    }
+
     /// A node (re)joins: a new actor for a node already here keeps the slots lent of it
     /// (the followers still hold them), and whatever still runs there from before, here or
     /// away, stays counted until it ends.
